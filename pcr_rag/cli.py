@@ -1,0 +1,53 @@
+"""`pcr-rag` command line: a thin dispatcher; each subcommand lives in its own module.
+
+Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``; modules are imported lazily so
+`pcr-rag --help` stays fast and a subcommand's heavy dependencies load only when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("pcr_rag.demo", "run the embedded RAG demo (LlamaIndex + Chroma + PCRLLM), cache on vs off"),
+    "generate": ("pcr_rag.generate_cli", "answer one question over documents with the PCR engine"),
+    "bench": ("pcr_rag.bench.cli", "RAG serving benchmark: baselines, ablations, percentiles, plots"),
+    "simulate": ("pcr_rag.sim.cli", "trace-driven simulation of the GPU regime on the real cache engine"),
+    "profile": ("pcr_rag.sim.profile", "measure a cost-model profile on this machine"),
+    "cache-bench": ("pcr_rag.bench.cache_bench", "micro-benchmarks of the cache engine (match, SSD store)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pcr-rag", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    head, rest = parser.parse_known_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if head.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if head.command is None:
+        parser.print_help()
+        return 2
+    module_name, help_text = SUBCOMMANDS[head.command]
+    module = importlib.import_module(module_name)
+    sub_parser = argparse.ArgumentParser(prog=f"pcr-rag {head.command}", description=help_text)
+    module.add_arguments(sub_parser)
+    args = sub_parser.parse_args(rest)
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
