@@ -1,0 +1,188 @@
+"""The limit ratio: how close a fully cached request gets to the ideal of "the prefix KV is already resident".
+
+    limit ratio = TTFT of a request whose whole document prefix is cached
+                  / a raw transformers forward of the same suffix over an already-resident DynamicCache
+
+measured A/B interleaved in one run (timings on a shared machine are noisy; ratios within one run hold). The
+numerator includes everything a user waits for (queue, match, load, suffix prefill, first token); the
+denominator only the suffix forward plus the argmax. Variants: prefix in DRAM, prefix only on SSD (page cache
+dropped before each try), each with layer-wise overlap on and off.
+
+Run: ``python -m pcr_rag.bench.limit`` (default model) or call `measure_limit_ratio`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LimitRatioResult:
+    """Medians in seconds; ratios are medians of per-try ratios (A/B interleaved)."""
+
+    prefix_tokens: int
+    suffix_tokens: int
+    raw_forward_s: float
+    ttft_dram_s: float
+    ttft_ssd_s: float
+    ttft_dram_no_overlap_s: float
+    ttft_ssd_no_overlap_s: float
+    ratio_dram: float
+    ratio_ssd: float
+    ratio_dram_no_overlap: float
+    ratio_ssd_no_overlap: float
+    reps: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        return (f"limit ratio (prefix {self.prefix_tokens} tok, suffix {self.suffix_tokens} tok, "
+                f"raw forward {self.raw_forward_s * 1000:.1f} ms): DRAM {self.ratio_dram:.2f} "
+                f"(target <= 1.10; no overlap {self.ratio_dram_no_overlap:.2f}), SSD {self.ratio_ssd:.2f} "
+                f"(target <= 1.25; no overlap {self.ratio_ssd_no_overlap:.2f})")
+
+
+def drop_page_cache(directory: Path) -> None:
+    """posix_fadvise(DONTNEED) on every file below ``directory`` so the next reads hit the disk."""
+    for root, _dirs, files in os.walk(directory):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+
+def _raw_suffix_forward(model, prefix_ids: list[int], suffix_ids: list[int], device) -> float:
+    """Seconds for one forward of the suffix over a resident DynamicCache of the prefix, plus argmax."""
+    from transformers import DynamicCache
+
+    with torch.inference_mode():
+        cache = DynamicCache()
+        model(input_ids=torch.tensor([prefix_ids], device=device), cache=cache, use_cache=True, logits_to_keep=1)
+        n = len(prefix_ids)
+        t0 = time.perf_counter()
+        out = model(input_ids=torch.tensor([suffix_ids], device=device),
+                    position_ids=torch.arange(n, n + len(suffix_ids), device=device).unsqueeze(0),
+                    cache=cache, use_cache=True, logits_to_keep=1)
+        int(torch.argmax(out.logits[0, -1]).item())
+        return time.perf_counter() - t0
+
+
+def measure_limit_ratio(model=None, tokenizer=None, *, documents: Sequence[str], query: str = "Summarize.",
+                        reps: int = 5, chunk_size: int = 256, workdir: str | Path | None = None,
+                        dtype="auto") -> LimitRatioResult:
+    """Measure the limit ratios with ``documents`` as the cached prefix (see the module docstring)."""
+    from pcr_rag import EngineConfig, PCREngine
+    from pcr_rag.runtime.model import load_model
+
+    loaded = load_model(model, tokenizer, dtype=dtype, device="cpu")
+    work = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="pcr-limit-"))
+    queries = [f"{query} (variant {i})" for i in range(reps + 1)]
+
+    def engine(path: Path, *, layerwise: bool, dram: int | str) -> PCREngine:
+        cfg = EngineConfig(cache_dir=path, chunk_size=chunk_size, dram_capacity=dram, ssd_capacity="8GiB",
+                           layerwise=layerwise, prefetch=False, max_new_tokens=1, device="cpu")
+        return PCREngine(model=loaded.model, tokenizer=loaded.tokenizer, config=cfg)
+
+    # Warm both caches: one with the prefix in DRAM (kept open), one SSD-only (reopened per try).
+    dram_dirs = {lw: work / f"dram-{lw}" for lw in (True, False)}
+    ssd_dir = work / "ssd"
+    dram_engines = {lw: engine(dram_dirs[lw], layerwise=lw, dram="4GiB") for lw in (True, False)}
+    try:
+        first = None
+        for eng in dram_engines.values():
+            first = eng.generate(queries[0], documents)
+        with engine(ssd_dir, layerwise=True, dram=0) as warm:
+            warm.generate(queries[0], documents)
+            warm.flush()
+        prompt = first.prompt_token_ids
+        doc_end = 0
+        raw, t_dram, t_dram_no, t_ssd, t_ssd_no = [], [], [], [], []
+        for i in range(reps):
+            q = queries[i + 1]
+            r_lw = dram_engines[True].generate(q, documents)
+            r_no = dram_engines[False].generate(q, documents)
+            ids = r_lw.prompt_token_ids
+            doc_end = r_lw.metrics.reused_tokens  # the raw baseline splits the prompt exactly where reuse did
+            raw.append(_raw_suffix_forward(loaded.model, ids[:doc_end], ids[doc_end:], loaded.device))
+            t_dram.append(r_lw.metrics.ttft_s)
+            t_dram_no.append(r_no.metrics.ttft_s)
+            for lw, bucket in ((True, t_ssd), (False, t_ssd_no)):
+                drop_page_cache(ssd_dir)
+                with engine(ssd_dir, layerwise=lw, dram=0) as eng:
+                    r = eng.generate(q, documents)
+                if r.metrics.reused_by_tier["ssd"] == 0:
+                    log.warning("SSD try did not hit the SSD tier: %s", r.metrics.reused_by_tier)
+                bucket.append(r.metrics.ttft_s)
+    finally:
+        for eng in dram_engines.values():
+            eng.close()
+
+    def ratio(xs: list[float]) -> float:
+        return statistics.median(x / y for x, y in zip(xs, raw))
+
+    return LimitRatioResult(
+        prefix_tokens=doc_end, suffix_tokens=len(prompt) - doc_end,
+        raw_forward_s=statistics.median(raw), ttft_dram_s=statistics.median(t_dram),
+        ttft_ssd_s=statistics.median(t_ssd), ttft_dram_no_overlap_s=statistics.median(t_dram_no),
+        ttft_ssd_no_overlap_s=statistics.median(t_ssd_no), ratio_dram=ratio(t_dram), ratio_ssd=ratio(t_ssd),
+        ratio_dram_no_overlap=ratio(t_dram_no), ratio_ssd_no_overlap=ratio(t_ssd_no), reps=reps,
+    )
+
+
+def default_documents(target_tokens: int = 1536, tokenizer=None) -> list[str]:
+    """Passages of the offline corpus adding up to about ``target_tokens`` tokens (whitespace estimate)."""
+    from pcr_rag.corpus import load_corpus, split_passages
+
+    passages = split_passages(load_corpus(max_docs=40), tokens_per_passage=300)
+    docs, total = [], 0
+    for p in passages:
+        n = len(tokenizer(p.text, add_special_tokens=False)["input_ids"]) if tokenizer else len(p.text.split())
+        docs.append(p.text)
+        total += n
+        if total >= target_tokens:
+            break
+    return docs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--tokens", type=int, default=1536, help="document prefix size (tokens)")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--dtype", default="auto")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    from pcr_rag.runtime.model import load_model
+
+    loaded = load_model(args.model, dtype=args.dtype)
+    docs = default_documents(args.tokens, loaded.tokenizer)
+    res = measure_limit_ratio(loaded.model, loaded.tokenizer, documents=docs, reps=args.reps, dtype=args.dtype)
+    print(res.summary())
+    for k, v in res.as_dict().items():
+        print(f"  {k}: {v:.4f}" if isinstance(v, float) else f"  {k}: {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,117 @@
+"""`EngineConfig`: every knob of a `PCREngine`, validated up front. Capacities are bytes (ints or "2GiB" strings)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from pcr_rag.errors import ConfigError
+from pcr_rag.units import parse_bytes
+
+EvictionPolicyName = Literal["lookahead-lru", "lru"]
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def default_cache_dir() -> Path:
+    """`$PCR_RAG_CACHE_DIR`, else `~/.cache/pcr-rag/kv`."""
+    env = os.environ.get("PCR_RAG_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "pcr-rag" / "kv"
+
+
+@dataclass
+class EngineConfig:
+    """Configuration of a `PCREngine`.
+
+    Attributes:
+        cache_dir: directory of the SSD tier (one engine per directory; a lock file enforces it).
+        chunk_size: tokens per cached chunk; every document is cut into chunks of this size on its own.
+        dram_capacity / ssd_capacity / device_capacity: tier budgets in bytes (or "2GiB"-style strings).
+            ssd_capacity=0 disables the SSD tier; device_capacity is used only on CUDA.
+        device: "auto" (CUDA if available), "cpu", "cuda", "cuda:N".
+        dtype: "auto" (float32 on CPU, bfloat16 on CUDA), a string or a torch dtype. Also the KV dtype.
+        prefetch_window: number of waiting requests the prefetcher looks ahead at.
+        layerwise: overlap loads/offloads with compute layer by layer (False: load all, compute, offload all).
+        prefetch: start SSD -> DRAM loads for requests in the look-ahead window.
+        eviction: "lookahead-lru" (protect what the window needs) or "lru".
+        enable_cache: False runs the same chunk-aligned prefill without any reuse (the no-reuse baseline).
+        namespace: tenant salt; caches of different namespaces never share chunks.
+        max_new_tokens: default generation length (tokens).
+        announce_ttl_s: an announced request that nobody claims expires after this many seconds.
+        max_queue: waiting requests admitted at most; beyond it `generate` raises `QueueFullError`.
+        io_workers: threads for SSD reads (prefetch and on-demand loads).
+        model_cache_dir: where converted models are kept (None: the model loader's default).
+    """
+
+    cache_dir: str | Path | None = None
+    chunk_size: int = 256
+    dram_capacity: int | str = "2GiB"
+    ssd_capacity: int | str = "16GiB"
+    device_capacity: int | str = 0
+    device: str = "auto"
+    dtype: Any = "auto"
+    prefetch_window: int = 6
+    layerwise: bool = True
+    prefetch: bool = True
+    eviction: EvictionPolicyName = "lookahead-lru"
+    enable_cache: bool = True
+    namespace: str = ""
+    max_new_tokens: int = 128
+    announce_ttl_s: float = 120.0
+    max_queue: int = 4096
+    io_workers: int = 2
+    model_cache_dir: str | Path | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+            raise ConfigError(f"chunk_size must be a positive int (tokens), got {self.chunk_size!r}")
+        for name in ("dram_capacity", "ssd_capacity", "device_capacity"):
+            try:
+                value = parse_bytes(getattr(self, name))
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"{name}: {exc}; use bytes as an int or a string like '2GiB'") from exc
+            if value < 0:
+                raise ConfigError(f"{name} must be >= 0 bytes, got {value}")
+            setattr(self, name, value)
+        if not isinstance(self.prefetch_window, int) or self.prefetch_window < 0:
+            raise ConfigError(f"prefetch_window must be an int >= 0, got {self.prefetch_window!r}")
+        if self.eviction not in ("lookahead-lru", "lru"):
+            raise ConfigError(f"eviction must be 'lookahead-lru' or 'lru', got {self.eviction!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
+        if self.announce_ttl_s <= 0:
+            raise ConfigError(f"announce_ttl_s must be > 0 seconds, got {self.announce_ttl_s!r}")
+        if self.max_queue < 1 or self.io_workers < 1:
+            raise ConfigError("max_queue and io_workers must be >= 1")
+        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"device={self.device!r} but CUDA is not available; use device='cpu' or 'auto'")
+        _ = self.torch_dtype  # validates
+        self.cache_dir = Path(self.cache_dir).expanduser() if self.cache_dir is not None else default_cache_dir()
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        try:
+            return _DTYPES[str(self.dtype).lower()]
+        except KeyError:
+            raise ConfigError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}") from None
+
+    def with_overrides(self, **changes: Any) -> EngineConfig:
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)

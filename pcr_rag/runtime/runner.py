@@ -1,0 +1,234 @@
+"""One request's prefill with prefix reuse, then decode.
+
+Prefill advances one forward step per chunk of the plan (`plan_chunks`), whether or not the chunk is cached. A
+hit skips exactly the step it would have run, and the next step sees bit-identical KV, so a cached run produces
+bit for bit the tokens of an uncached run in any dtype (the fidelity invariant). The last chunk is always
+computed, since its last position yields the first token's logits.
+
+Reuse: the matched prefix (leased, i.e. pinned, from the cache engine) is loaded into the request's `PCRKVCache`
+by the copy engine, layer by layer, while the first computed step runs; each computed step's new KV is offloaded
+layer by layer and inserted into the cache engine (DRAM, then asynchronous SSD write-back). A chunk that fails
+verification is dropped by the cache engine and the request restarts its prefill with the prefix before it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pcr_rag.cache import CacheEngine, ChunkSpec
+from pcr_rag.errors import PrefixLoadError, RequestCancelledError
+from pcr_rag.metrics import TIERS, RequestMetrics
+from pcr_rag.runtime.kv_cache import PCRKVCache
+from pcr_rag.runtime.model import LoadedModel
+from pcr_rag.runtime.transfer import CopyEngine, LoadSource, StepHooks
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding settings. temperature 0 = greedy. stop: strings that end generation (not included in text)."""
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class PrefillOutcome:
+    kv: PCRKVCache
+    last_logits: torch.Tensor
+    computed_tokens: int
+    reused_by_tier: dict[str, int]
+    load_wait_s: float
+    retries: int
+
+
+class Runner:
+    """Runs prefill-with-reuse and decode for one request at a time on the engine's executor thread."""
+
+    def __init__(self, loaded: LoadedModel, cache: CacheEngine | None, copy_engine: CopyEngine,
+                 *, layerwise: bool, store: bool = True) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = loaded.device
+        self.cache = cache
+        self.copy = copy_engine
+        self.layerwise = layerwise
+        self.store = store and cache is not None
+        self._eos = set(loaded.eos_token_ids)
+
+    # ------------------------------------------------------------------------------------------------ prefill
+    @torch.inference_mode()
+    def prefill(self, token_ids: Sequence[int], plan: Sequence[ChunkSpec], capacity: int,
+                cancelled: threading.Event | None = None) -> PrefillOutcome:
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        kv = PCRKVCache(self.loaded.kv, capacity, self.device)
+        max_chunks = len(plan) - 1  # the last chunk is always computed: it yields the first token's logits
+        retries = 0
+        while True:
+            lease = self.cache.acquire(plan, max_chunks=max_chunks) if self.cache is not None else None
+            try:
+                return self._prefill_once(ids, plan, kv, lease, cancelled, retries)
+            except PrefixLoadError as exc:
+                retries += 1
+                log.warning("recomputing from chunk %d: %s", exc.chunk_index, exc)
+                max_chunks = min(max_chunks, exc.chunk_index)
+                kv.set_length(0)
+            finally:
+                if lease is not None:
+                    lease.release()
+
+    def _prefill_once(self, ids: torch.Tensor, plan: Sequence[ChunkSpec], kv: PCRKVCache, lease,
+                      cancelled: threading.Event | None, retries: int) -> PrefillOutcome:
+        m = lease.num_chunks if lease is not None else 0
+        reused = dict.fromkeys(TIERS, 0)
+        sources: list[LoadSource] = []
+        for i in range(m):
+            spec, tier = plan[i], _tier_name(lease.tiers[i])
+            reused[tier] += spec.num_tokens
+            payload = self.cache.get_payload(spec.key) if tier != "ssd" else None
+            sources.append(LoadSource(i, spec.key, spec.start, spec.end, payload))
+        matched_tokens = plan[m - 1].end if m else 0
+        kv.set_length(matched_tokens)
+        load = None
+        if sources:
+            load = self.copy.start_load(kv, sources, self.cache.read_layer, layerwise=self.layerwise)
+        waits_before = sum(self.copy.waits.seconds)
+        logits = None
+        try:
+            for idx in range(m, len(plan)):
+                if cancelled is not None and cancelled.is_set():
+                    raise RequestCancelledError("request cancelled during prefill")
+                spec = plan[idx]
+                offload = self.copy.offload(kv, spec.start, spec.end, layerwise=self.layerwise) \
+                    if self.store else None
+                kv.hooks = StepHooks(load if idx == m else None, offload)
+                try:
+                    out = self.model(
+                        input_ids=ids[spec.start: spec.end].unsqueeze(0),
+                        position_ids=torch.arange(spec.start, spec.end, device=self.device).unsqueeze(0),
+                        cache=kv,
+                        use_cache=True,
+                        logits_to_keep=1,
+                    )
+                finally:
+                    kv.hooks = None
+                logits = out.logits[0, -1]
+                if offload is not None:
+                    self._insert(spec, offload.finish(), ids)
+        except BaseException:
+            if load is not None:
+                load.cancel()
+            raise
+        if load is not None:
+            load.wait_all()  # all layers were waited for by the first step; this only surfaces late errors
+            self._promote_ssd_chunks(plan, sources, kv)
+        computed = plan[-1].end - matched_tokens
+        wait_s = sum(self.copy.waits.seconds) - waits_before
+        return PrefillOutcome(kv, logits, computed, reused, wait_s, retries)
+
+    def _insert(self, spec: ChunkSpec, payload: torch.Tensor, ids: torch.Tensor | None = None) -> None:
+        tokens = ids[spec.start: spec.end].tolist() if ids is not None and spec.partial else None
+        try:
+            self.cache.insert(spec, payload, tokens=tokens)
+        except Exception as exc:  # noqa: BLE001 - caching is best effort; the answer is already right
+            log.warning("could not cache chunk %s: %s", spec.key.hex()[:12], exc)
+
+    def _promote_ssd_chunks(self, plan: Sequence[ChunkSpec], sources: Sequence[LoadSource],
+                            kv: PCRKVCache) -> None:
+        """Chunks read from SSD on demand are now in the request's buffers: keep a DRAM copy too."""
+        if not self.store:
+            return
+        for src in sources:
+            if src.payload is None:
+                self._insert(plan[src.index], kv.chunk_payload(src.start, src.end))
+
+    # ------------------------------------------------------------------------------------------------- decode
+    @torch.inference_mode()
+    def decode(self, kv: PCRKVCache, first_logits: torch.Tensor, position: int, params: SamplingParams,
+               tokenizer, on_token: Callable[[int, str], None], cancelled: threading.Event | None,
+               metrics: RequestMetrics) -> tuple[list[int], str, str]:
+        """Generate up to ``params.max_new_tokens`` tokens; returns (token ids, text, finish reason)."""
+        gen = None
+        if params.temperature > 0:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(params.seed if params.seed is not None else int(time.time_ns() % (2**31)))
+        tokens: list[int] = []
+        text = ""
+        logits = first_logits
+        finish = "length"
+        last_t = None
+        for step in range(params.max_new_tokens):
+            if cancelled is not None and cancelled.is_set():
+                raise RequestCancelledError("request cancelled during decode")
+            tok = _select(logits, params, gen)
+            now = time.perf_counter()
+            if last_t is not None:
+                metrics.itl_s.append(now - last_t)
+            last_t = now
+            if tok in self._eos:
+                finish = "stop"
+                break
+            tokens.append(tok)
+            new_text = tokenizer.decode(tokens, skip_special_tokens=True)
+            stop_at = _find_stop(new_text, params.stop, len(text))
+            if stop_at is not None:
+                delta = new_text[len(text): stop_at]
+                if delta:
+                    on_token(tok, delta)
+                text = new_text[:stop_at]
+                finish = "stop"
+                break
+            delta = new_text[len(text):]
+            text = new_text
+            on_token(tok, delta)
+            if step == params.max_new_tokens - 1:
+                break
+            out = self.model(
+                input_ids=torch.tensor([[tok]], device=self.device),
+                position_ids=torch.tensor([[position + step]], device=self.device),
+                cache=kv,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            logits = out.logits[0, -1]
+        return tokens, text, finish
+
+
+def _tier_name(tier) -> str:
+    return getattr(tier, "value", str(tier))
+
+
+def _select(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+    scores = logits.float()
+    if params.temperature <= 0:
+        return int(torch.argmax(scores).item())
+    probs = torch.softmax(scores / params.temperature, dim=-1).cpu()
+    if params.top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, 0) - sorted_p < params.top_p
+        sorted_p = sorted_p * keep
+        choice = torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=gen)
+        return int(idx[choice].item())
+    return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def _find_stop(text: str, stops: Sequence[str], searched_upto: int) -> int | None:
+    """Index where the earliest stop string starts in ``text`` (searching only what could be new), else None."""
+    best = None
+    for s in stops:
+        if not s:
+            continue
+        pos = text.find(s, max(0, searched_upto - len(s) + 1))
+        if pos >= 0 and (best is None or pos < best):
+            best = pos
+    return best

@@ -1,0 +1,107 @@
+"""Fidelity: reuse never changes the answer. Cached runs equal uncached runs bit for bit, in fp32 and bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pcr_rag import EngineConfig, PCREngine
+from pcr_rag.testing import tiny_model
+
+DOCS = {
+    "d1": "The Rhine flows from the Swiss Alps to the North Sea through Germany and the Netherlands. " * 4,
+    "d2": "Photosynthesis converts light energy into chemical energy stored in glucose molecules. " * 5,
+    "d3": "A binary search halves the candidate interval at every step until the key is found. " * 3,
+}
+REQUESTS = [  # the issue's orders and overlaps
+    (("d1", "d2"), "Where does the Rhine end?"),
+    (("d1", "d3"), "How does binary search work?"),
+    (("d2", "d3"), "What does photosynthesis store?"),
+    (("d1", "d2"), "Which countries does the river cross?"),
+]
+
+
+def _engine(model, tok, tmp_path, name, **kw) -> PCREngine:
+    cfg = dict(cache_dir=tmp_path / name, chunk_size=16, dram_capacity="64MiB", ssd_capacity="256MiB",
+               max_new_tokens=8, device="cpu")
+    cfg.update(kw)
+    return PCREngine(model=model, tokenizer=tok, config=EngineConfig(**cfg))
+
+
+def _run_all(engine: PCREngine, requests=REQUESTS):
+    out = []
+    for docs, q in requests:
+        r = engine.generate(q, [DOCS[d] for d in docs])
+        out.append(r)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cached_equals_uncached_bitwise(arch, dtype, tmp_path):
+    model, tok = tiny_model(arch, dtype=dtype)
+    with _engine(model, tok, tmp_path, "off", enable_cache=False, dtype=dtype) as off:
+        ref = _run_all(off)
+    with _engine(model, tok, tmp_path, "on", dtype=dtype) as on:
+        got = _run_all(on)
+        again = _run_all(on)  # everything cached now
+    for a, b, c in zip(ref, got, again):
+        assert a.prompt_token_ids == b.prompt_token_ids == c.prompt_token_ids
+        assert a.token_ids == b.token_ids == c.token_ids
+        assert torch.equal(a.first_token_logits, b.first_token_logits)
+        assert torch.equal(a.first_token_logits, c.first_token_logits)
+    assert got[3].metrics.reused_tokens > 0, "[d1,d2,q4] must reuse [d1,d2] from [d1,d2,q1]"
+    assert all(r.metrics.reused_tokens > 0 for r in again)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_fp32_matches_transformers_generate(arch, tmp_path):
+    model, tok = tiny_model(arch, dtype=torch.float32)
+    with _engine(model, tok, tmp_path, "on") as eng:
+        _run_all(eng)
+        results = _run_all(eng)
+    for r in results:
+        ids = torch.tensor([r.prompt_token_ids])
+        with torch.inference_mode():
+            logits = model(input_ids=ids).logits[0, -1]
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(r.token_ids) or 1,
+                                 do_sample=False, pad_token_id=tok.pad_token_id)
+        assert torch.allclose(logits, r.first_token_logits, atol=1e-4, rtol=0)
+        expected = gen[0, ids.shape[1]:].tolist()
+        assert r.token_ids == expected[: len(r.token_ids)]
+
+
+def test_chunk_size_256_and_partial_chunks(tmp_path):
+    model, tok = tiny_model("llama", dtype=torch.float32)
+    long_doc = DOCS["d1"] * 8  # several full 256-token chunks plus a partial tail
+    reqs = [((long_doc, DOCS["d2"]), "q one"), ((long_doc, DOCS["d3"]), "q two")]
+    outs = {}
+    for enable in (False, True):
+        with _engine(model, tok, tmp_path, f"c{enable}", chunk_size=256, enable_cache=enable) as eng:
+            outs[enable] = [eng.generate(q, list(d)) for d, q in reqs] + [eng.generate(q, list(d)) for d, q in reqs]
+    for a, b in zip(outs[False], outs[True]):
+        assert a.token_ids == b.token_ids
+        assert torch.equal(a.first_token_logits, b.first_token_logits)
+    assert outs[True][1].metrics.reused_tokens >= 256
+    assert outs[True][2].metrics.reused_tokens > outs[True][1].metrics.reused_tokens
+
+
+def test_dram_ssd_dram_round_trip_and_restart(tmp_path):
+    """Chunks demoted to SSD (tiny DRAM), read back, and reused after an engine restart: still exact."""
+    model, tok = tiny_model("llama", dtype=torch.float32)
+    with _engine(model, tok, tmp_path, "ref", enable_cache=False) as off:
+        ref = _run_all(off)
+    kw = dict(dram_capacity=64 * 1024)  # a few chunks: most go DRAM -> SSD
+    with _engine(model, tok, tmp_path, "rt", **kw) as eng:
+        first = _run_all(eng)
+        eng.flush()
+        second = _run_all(eng)
+        stats = eng.stats().as_dict()
+    assert stats["requests"]["reused_by_tier"]["ssd"] > 0, "expected SSD hits with a 64 KiB DRAM tier"
+    with _engine(model, tok, tmp_path, "rt", **kw) as eng2:  # restart on the same cache_dir
+        third = _run_all(eng2)
+    assert third[0].metrics.reused_tokens > 0, "a restarted engine reuses yesterday's cache"
+    for a, b, c, d in zip(ref, first, second, third):
+        assert a.token_ids == b.token_ids == c.token_ids == d.token_ids
+        assert torch.equal(a.first_token_logits, d.first_token_logits)
+        assert torch.equal(a.first_token_logits, c.first_token_logits)
