@@ -72,7 +72,11 @@ class CopyEngine:
         """Begin loading ``sources`` into ``kv``; with ``layerwise=False`` the load completes before returning."""
         load = PrefixLoad(self, kv, list(sources), read_layer)
         self.last_load = load
-        if layerwise:
+        if layerwise and not self.is_cuda and all(s.payload is not None for s in sources):
+            # CPU, everything in memory: layer i's copy is a memcpy best done by the compute thread right before
+            # layer i runs (no hand-off to a worker, data hot in cache); see PrefixLoad.inline.
+            load.inline = True
+        elif layerwise:
             load.future = self._loader.submit(load.run)
         else:
             load.run()
@@ -107,6 +111,7 @@ class PrefixLoad:
         self.started_at = time.perf_counter()
         self.ready_at: list[float] = [0.0] * n  # perf_counter() when each layer was fully issued
         self.first_wait_done_at: float | None = None  # when the compute thread got layer 0 (prefill started)
+        self.inline = False  # copy layer i on the compute thread inside wait_layer(i) (CPU, memory sources)
 
     def run(self) -> None:
         stream_ctx = torch.cuda.stream(self.engine.load_stream) if self.engine.is_cuda else nullcontext()
@@ -158,6 +163,14 @@ class PrefixLoad:
     def wait_layer(self, layer: int) -> float:
         """Block until layer ``layer`` is loaded; returns seconds waited. Raises `PrefixLoadError` on failure."""
         t0 = time.perf_counter()
+        if self.inline and not self._ready[layer].is_set():
+            try:
+                for src in self.sources:
+                    self._copy_layer(src, layer)
+            except PrefixLoadError as exc:
+                self._fail(exc)
+            self.ready_at[layer] = time.perf_counter()
+            self._ready[layer].set()
         self._ready[layer].wait()
         self.raise_if_failed()
         ev = self._cuda_events[layer]
