@@ -1,0 +1,207 @@
+"""`pcr-rag simulate`: the GPU regime (or any profile) simulated on the real cache engine.
+
+Runs every system at every rate on one trace, the prefetch-window sweep, the hit-ratio study (LRU vs look-ahead
+LRU vs Belady), and optionally a speed check; writes the bench's report (JSON with the same keys as
+``pcr-rag bench --json``, Markdown, PNG plots). ``--validate BENCH_JSON`` instead re-simulates a real bench run
+with a measured profile and prints simulated vs measured mean TTFT side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+from typing import Any
+
+from pcr_rag.bench.report import RatioTarget, build_report, markdown_report, write_report
+from pcr_rag.sim.experiment import (
+    SimSettings,
+    SimWorkload,
+    build_scenario,
+    hit_ratio_study,
+    no_reuse_capacity_rps,
+    speed_check,
+    sweep,
+)
+from pcr_rag.sim.profiles import ProfileError, get_profile, shipped_profile_names
+from pcr_rag.sim.systems import DEFAULT_SYSTEMS, UnknownSystemError, get_system, parse_systems
+
+log = logging.getLogger(__name__)
+
+#: The paper's claims (PCR, Llama2-7B, mid rate) as report targets: stat(pcr) / stat(baseline) <= max_ratio.
+PAPER_TARGETS = (
+    RatioTarget("pcr vs ssd-on-demand: >= 36% lower mean TTFT (paper: 36.4%)", "pcr", "ssd-on-demand",
+                max_ratio=0.64),
+    RatioTarget("pcr vs no-reuse: >= 2.13x faster mean TTFT (paper)", "pcr", "no-reuse", max_ratio=1 / 2.13),
+)
+
+
+def _floats(text: str) -> list[float]:
+    return [math.inf if x.strip() in ("inf", "all") else float(x) for x in text.split(",") if x.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("set-up")
+    g.add_argument("--profile", default="rtx4090-llama2-7b",
+                   help=f"shipped profile ({', '.join(shipped_profile_names())}) or a JSON file from "
+                        "`pcr-rag profile`")
+    g.add_argument("--systems", default=None, help=f"comma-separated systems (default: {','.join(DEFAULT_SYSTEMS)})")
+    g.add_argument("--windows", default="2,4,8,10", help="prefetch windows to sweep besides pcr's ('' = none)")
+    g.add_argument("--sweep-rates", default="mid", choices=("mid", "all"), help="rates of the window sweep")
+    g.add_argument("--rates", default=None, help="request rates in req/s, comma-separated")
+    g.add_argument("--loads", default="0.3,0.5,0.7,0.9,1.1",
+                   help="rates as multiples of the no-reuse system's capacity on the same traces (unless --rates)")
+    g.add_argument("--max-batch", type=int, default=None,
+                   help="1 = the runtime's serial executor; >1 = vLLM-like batched decode (default: 1 for a "
+                        "CPU profile, 256 otherwise)")
+    g.add_argument("--prefill-steps", choices=("single", "per_chunk"), default=None,
+                   help="one forward per prefill, or one per chunk like the runtime (default: the profile's)")
+    w = parser.add_argument_group("workload (the bench's generator and defaults)")
+    w.add_argument("--requests", type=int, default=1000, help="measured requests per system and rate")
+    w.add_argument("--warmup", type=int, default=16, help="warm-up requests per system (all at once)")
+    w.add_argument("--passages", type=int, default=256, help="passage pool size")
+    w.add_argument("--passage-tokens", type=int, default=300, help="mean passage length, tokens")
+    w.add_argument("--top-k", type=int, default=3)
+    w.add_argument("--topics", type=int, default=64, help="distinct retrieval lists (0 = per-request draws)")
+    w.add_argument("--zipf", type=float, default=1.0)
+    w.add_argument("--system-tokens", type=int, default=40)
+    w.add_argument("--question-tokens", type=int, default=30)
+    w.add_argument("--max-new-tokens", type=int, default=32)
+    w.add_argument("--burstiness", type=float, default=1.0)
+    w.add_argument("--chunk-size", type=int, default=256)
+    w.add_argument("--dram-fraction", type=float, default=0.25, help="DRAM tier / working set")
+    w.add_argument("--ssd-fraction", type=float, default=1.0, help="SSD tier / working set")
+    w.add_argument("--seed", type=int, default=0)
+    o = parser.add_argument_group("output")
+    o.add_argument("--json", default=None, help="write the JSON report here")
+    o.add_argument("--markdown", default=None, help="write the Markdown report here")
+    o.add_argument("--plots", default=None, help="write PNG plots into this directory")
+    o.add_argument("--no-belady", action="store_true", help="skip the hit-ratio study")
+    o.add_argument("--speed", type=int, default=0, help="also time a pcr simulation of this many requests")
+    o.add_argument("--quiet", action="store_true")
+    v = parser.add_argument_group("validation against a real bench run")
+    v.add_argument("--validate", default=None, metavar="BENCH_JSON",
+                   help="re-simulate the runs of this `pcr-rag bench --json` report with a measured --profile and "
+                        "print both side by side; 'run' = measure a profile and run `bench --quick` first, back to "
+                        "back (same machine load), then compare")
+
+
+def workload_from_args(args: argparse.Namespace) -> SimWorkload:
+    return SimWorkload(
+        num_requests=args.requests, warmup_requests=args.warmup, num_passages=args.passages,
+        passage_tokens=args.passage_tokens, top_k=args.top_k, num_topics=args.topics or None, zipf=args.zipf,
+        system_tokens=args.system_tokens, question_tokens=args.question_tokens, output_tokens=args.max_new_tokens,
+        burstiness=args.burstiness, seed=args.seed, chunk_size=args.chunk_size, dram_fraction=args.dram_fraction,
+        ssd_fraction=args.ssd_fraction,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    say = (lambda _m: None) if args.quiet else (lambda m: print(m, flush=True))
+    try:
+        profile = get_profile(args.profile)
+        systems = parse_systems(args.systems)
+        windows = _ints(args.windows) if args.windows else []
+    except (ProfileError, UnknownSystemError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.validate:
+        from pcr_rag.sim.validate import run_validation
+
+        return run_validation(args, profile, say)
+    max_batch = args.max_batch if args.max_batch is not None else (1 if profile.device_is_host else 256)
+    settings = SimSettings(max_batch=max_batch, prefill_steps=args.prefill_steps)
+    if profile.device_is_host and args.systems is None:
+        systems = [s for s in systems if not s.device_cache]  # a CPU has no device KV pool to cache in
+    wl = workload_from_args(args)
+    t0 = time.perf_counter()
+    slots = _floats(args.rates) if args.rates else _floats(args.loads)
+    scenario = build_scenario(wl, profile, len(slots))
+    capacity = no_reuse_capacity_rps(profile, scenario, settings, wl.chunk_size)
+    if args.rates:
+        rates = slots
+        loads = [r / capacity for r in rates]
+    else:
+        loads = slots
+        rates = [lf * capacity for lf in loads]
+    load_of = dict(zip(rates, loads, strict=True))
+    say(f"profile {profile.name}: {profile.description}")
+    say(f"scenario: {len(scenario.warmup)} warm-up + {len(slots)} x {wl.num_requests} requests, working set "
+        f"{scenario.working_set_bytes / 1e9:.2f} GB, DRAM {scenario.dram_bytes / 1e9:.2f} GB, SSD "
+        f"{scenario.ssd_bytes / 1e9:.2f} GB, reuse upper bound {scenario.reuse_upper_bound:.1%}; no-reuse capacity "
+        f"{capacity:.3g} req/s -> rates {', '.join(f'{r:.3g}' for r in rates)} req/s "
+        f"({time.perf_counter() - t0:.1f} s)")
+
+    def extra(rate: float) -> dict[str, Any]:
+        return {"load": load_of.get(rate)}
+
+    runs = sweep(profile, scenario, systems, rates, settings, chunk_size=wl.chunk_size, extra=extra, progress=say)
+    finite = [i for i, r in enumerate(rates) if not math.isinf(r)]
+    mid = finite[(len(finite) - 1) // 2] if finite else None
+    pcr_window = get_system("pcr").window
+    sweep_windows = [w for w in windows if w != pcr_window]
+    if sweep_windows and mid is not None:
+        at = [mid] if args.sweep_rates == "mid" else finite
+        runs += sweep(profile, scenario, parse_systems([], sweep_windows), rates, settings, slots=at,
+                      chunk_size=wl.chunk_size, extra=extra, progress=say)
+    notes = [
+        f"simulated: profile {profile.name} ({profile.source}); compute and transfer times from the cost model, "
+        "cache decisions from the real CacheEngine and the runtime's plan_prefetch",
+        f"max_batch={max_batch} ("
+        + ("serial executor, like the runtime" if max_batch == 1 else "vLLM-like batched decode, prefill-first")
+        + f"), prefill steps {args.prefill_steps or profile.prefill_steps}",
+        f"no-reuse capacity {capacity:.4g} req/s on these traces; loads {[round(x, 3) for x in loads]}",
+    ]
+    report = build_report(
+        runs, kind="simulate", targets=PAPER_TARGETS,
+        target_rate=rates[mid] if mid is not None else None,
+        config={"profile": profile.name, "profile_source": profile.source, "systems": [s.name for s in systems],
+                "rates": rates, "loads": loads, "windows": windows, "sweep_rates": args.sweep_rates,
+                "max_batch": max_batch, "prefill_steps": args.prefill_steps or profile.prefill_steps,
+                "workload": wl.describe(), "working_set_bytes": scenario.working_set_bytes,
+                "dram_capacity": scenario.dram_bytes, "ssd_capacity": scenario.ssd_bytes,
+                "reuse_upper_bound": scenario.reuse_upper_bound, "capacity_rps": capacity},
+        notes=notes,
+    )
+    report["rate_loads"] = {str(r): lf for r, lf in load_of.items()}
+    report["profile"] = json.loads(profile.to_json())
+    if not args.no_belady and mid is not None:
+        say("hit-ratio study (one DRAM tier): LRU vs look-ahead LRU vs Belady ...")
+        study = hit_ratio_study(profile, scenario, mid, rates[mid], settings, window=pcr_window,
+                                chunk_size=wl.chunk_size)
+        report["hit_ratio_study"] = study.as_dict()
+        for r in study.results:
+            say(f"  {r.policy:>14s}: token hit ratio {r.token_hit_ratio:.2%} (chunks {r.chunk_hit_ratio:.2%})")
+    if args.speed:
+        say(f"speed check: {args.speed} requests of pcr ...")
+        sp = speed_check(profile, wl, settings, args.speed)
+        report["speed"] = sp
+        say(f"  {sp['num_requests']} requests: build {sp['build_s']:.1f} s, no-reuse capacity "
+            f"{sp['no_reuse_capacity_s']:.1f} s, pcr {sp['simulate_s']:.1f} s")
+    report["wall_s"] = time.perf_counter() - t0
+    write_report(report, json_path=args.json, markdown_path=args.markdown, plot_dir=args.plots,
+                 title=f"pcr-rag simulate ({profile.name})")
+    if not args.quiet:
+        print()
+        print(markdown_report(report, title=f"pcr-rag simulate ({profile.name})"))
+        if "hit_ratio_study" in report:
+            print(json.dumps(report["hit_ratio_study"], indent=2))
+    return 0
+
+
+def _main(argv: list[str] | None = None) -> Any:  # `python -m pcr_rag.sim.cli`
+    p = argparse.ArgumentParser(prog="pcr-rag simulate", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    sys.exit(_main())

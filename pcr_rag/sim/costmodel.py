@@ -1,0 +1,247 @@
+"""Cost model: compute and transfer times of one request's prefill and decode, per layer.
+
+The layer-wise pipeline is modelled layer by layer, not as a discount. With three streams (load, compute,
+offload) and per-layer times ``l[i]``, ``c[i]``, ``o[i]``::
+
+    load_end[i]  = load_start + l[0] + ... + l[i]                 (loads issued back to back)
+    comp_end[i]  = max(comp_end[i-1], load_end[i]) + c[i] + sync  (layer i waits for its KV)
+    off_end[i]   = max(off_end[i-1], comp_end[i]) + o[i]          (offload runs alongside compute)
+
+A forward step is done at ``max(comp_end[-1] + post, off_end[-1])``: the runtime (and the paper's pipeline, whose
+overhead is "about one layer's transfer") waits for the last layer's offload before it moves on. Without overlap
+the phases run back to back: ``load_start + sum(l) + sum(c) + post + sum(o)``. All times are seconds, sizes bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pcr_rag.sim.profiles import Profile
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    """Times relative to the start of the forward step (seconds)."""
+
+    done_s: float  # the step is over: last layer computed (+ post) and its KV offloaded
+    compute_end_s: float  # the last layer's compute ends
+    offload_end_s: float  # the last layer's new KV is off the device
+    stall_s: float  # compute time lost waiting for loads (overlap) or for transfers (no overlap)
+
+
+def pipeline(
+    load: Sequence[float],
+    compute: Sequence[float],
+    offload: Sequence[float],
+    *,
+    overlap: bool,
+    sync_s: float = 0.0,
+    load_start: float = 0.0,
+    post_s: float = 0.0,
+) -> PipelineResult:
+    """Schedule one forward step of ``len(compute)`` layers, layer by layer.
+
+    ``load_start`` delays the first load (e.g. a busy SSD); ``post_s`` is compute after the last layer (LM head);
+    ``sync_s`` the per-layer cost of the event handshakes the overlapped pipeline needs. Invariant: with
+    ``sync_s == 0`` the overlapped step is never slower than the serial one for the same inputs.
+    """
+    n = len(compute)
+    if len(load) != n or len(offload) != n:
+        raise ValueError(f"load/compute/offload need one entry per layer, got {len(load)}/{n}/{len(offload)}")
+    if not overlap:
+        total_l, total_c, total_o = sum(load), sum(compute), sum(offload)
+        start = load_start + total_l if total_l > 0 else 0.0
+        comp_end = start + total_c + post_s
+        done = comp_end + total_o
+        return PipelineResult(done, comp_end, done, start + total_o)
+    load_end = load_start
+    comp_end = 0.0
+    off_end = 0.0
+    stall = 0.0
+    any_load = False
+    for i in range(n):
+        if load[i] > 0:
+            any_load = True
+        load_end += load[i]
+        start = comp_end
+        if any_load and load_end > start:
+            stall += load_end - start
+            start = load_end
+        comp_end = start + compute[i] + sync_s
+        off_end = max(off_end, comp_end) + offload[i]
+    return PipelineResult(max(comp_end + post_s, off_end), comp_end, off_end, stall)
+
+
+def pipeline_uniform(
+    n: int, load: float, compute: float, offload: float, *, overlap: bool, sync_s: float = 0.0,
+    load_start: float = 0.0, post_s: float = 0.0,
+) -> PipelineResult:
+    """:func:`pipeline` for ``n`` identical layers in closed form (O(1); equal to the loop, see the tests).
+
+    The maxima of the recurrences are reached at the ends of the pipeline: with ``c' = c + sync`` and
+    ``L0 = load_start``, ``comp_end = L0 + max(l + n c', n l + c')`` and
+    ``off_end = L0 + max(l + c' + n o, l + n c' + o, n l + c' + o)`` (``L0`` and ``l`` vanish without loads).
+    """
+    if n <= 0:
+        return PipelineResult(post_s, 0.0, 0.0, 0.0)
+    if not overlap:
+        start = load_start + n * load if load > 0 else 0.0
+        comp_end = start + n * compute + post_s
+        done = comp_end + n * offload
+        return PipelineResult(done, comp_end, done, start + n * offload)
+    c = compute + sync_s
+    if load > 0:
+        l0, ll = load_start, load
+    else:
+        l0, ll = 0.0, 0.0
+    comp_end = l0 + max(ll + n * c, n * ll + c)
+    off_end = l0 + max(ll + c + n * offload, ll + n * c + offload, n * ll + c + offload)
+    return PipelineResult(max(comp_end + post_s, off_end), comp_end, off_end, comp_end - n * c)
+
+
+@dataclass(frozen=True)
+class PrefillWork:
+    """What one prefill has to do (tokens).
+
+    ``cached_tokens`` is the matched prefix (reused, not computed); ``compute_steps`` the token counts of the forward
+    steps that compute the rest, in prompt order. The cached prefix splits by where it is read from:
+    ``device_tokens`` (already on the device: free), ``dram_tokens`` (host -> device copy) and ``ssd_tokens``
+    (read from SSD on demand, one read per chunk per layer, then host -> device), ``ssd_chunks`` of them.
+    ``ssd_wait_s`` delays the SSD reads (the SSD is busy with earlier reads). ``promote_tokens`` are copied back
+    device -> host after the prefill (the runtime keeps a DRAM copy of chunks it read from SSD). ``offload``: the
+    new KV is copied device -> host layer by layer (False when nothing is cached, e.g. no-reuse).
+    """
+
+    cached_tokens: int
+    compute_steps: tuple[int, ...]
+    device_tokens: int = 0
+    dram_tokens: int = 0
+    ssd_tokens: int = 0
+    ssd_chunks: int = 0
+    ssd_wait_s: float = 0.0
+    promote_tokens: int = 0
+    offload: bool = True
+
+    @property
+    def computed_tokens(self) -> int:
+        return sum(self.compute_steps)
+
+
+@dataclass(frozen=True)
+class PrefillCost:
+    """Seconds from the start of the prefill; the parts are stream busy times (they overlap when pipelined)."""
+
+    total_s: float  # prefill start -> first token
+    compute_s: float
+    h2d_s: float
+    ssd_read_s: float
+    d2h_s: float
+    stall_s: float  # critical-path time not spent computing
+
+
+class CostModel:
+    """Times of the pieces of a request under one :class:`Profile`."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self._layer_bytes = profile.kv_bytes_per_token_layer
+
+    # --- compute -----------------------------------------------------------------------------------------------
+    def layer_compute_s(self, new_tokens: int, context_tokens: int) -> float:
+        """One layer of one forward step computing ``new_tokens`` after ``context_tokens`` (causal attention)."""
+        if new_tokens <= 0:
+            return 0.0
+        p = self.profile
+        pairs = new_tokens * context_tokens + new_tokens * (new_tokens + 1) / 2.0
+        return p.layer_s_fixed + p.layer_s_per_token * new_tokens + p.layer_s_per_token_ctx * pairs
+
+    def compute_only_s(self, steps: Sequence[int], cached_tokens: int = 0) -> float:
+        """Forward steps with no transfers at all (the no-reuse baseline when ``cached_tokens == 0``)."""
+        p = self.profile
+        total = p.request_overhead_s
+        ctx = cached_tokens
+        for c in steps:
+            if c > 0:
+                total += p.num_layers * self.layer_compute_s(c, ctx) + p.step_s_fixed
+                ctx += c
+        return total
+
+    def decode_s(self, context_tokens: int, new_tokens: int) -> float:
+        """``new_tokens`` decode steps starting at context ``context_tokens`` (sum of an arithmetic series)."""
+        if new_tokens <= 0:
+            return 0.0
+        p = self.profile
+        mean_ctx = context_tokens + (new_tokens - 1) / 2.0
+        return new_tokens * (p.decode_s_per_token + p.decode_s_per_token_ctx * mean_ctx)
+
+    def decode_step_s(self, context_tokens: int) -> float:
+        p = self.profile
+        return p.decode_s_per_token + p.decode_s_per_token_ctx * context_tokens
+
+    # --- transfers ---------------------------------------------------------------------------------------------
+    def h2d_s(self, tokens: int) -> float:
+        return tokens * self.profile.kv_bytes_per_token / self.profile.h2d_bytes_per_s
+
+    def d2h_s(self, tokens: int) -> float:
+        return tokens * self.profile.kv_bytes_per_token / self.profile.d2h_bytes_per_s
+
+    def ssd_read_s(self, nbytes: float, ops: int = 1) -> float:
+        p = self.profile
+        return ops * p.ssd_read_latency_s + nbytes / p.ssd_read_bytes_per_s
+
+    def ssd_write_s(self, nbytes: float, ops: int = 1) -> float:
+        p = self.profile
+        return ops * p.ssd_write_latency_s + nbytes / p.ssd_write_bytes_per_s
+
+    # --- one prefill -------------------------------------------------------------------------------------------
+    def prefill(self, work: PrefillWork, *, overlap: bool) -> PrefillCost:
+        """Time of one prefill with reuse: forward steps in order, the first one gated layer by layer by the
+        loads of the cached prefix (with ``overlap``; all loads first without it); each step's new KV offloaded
+        layer by layer; then the SSD-read chunks copied back to the host."""
+        p = self.profile
+        n = p.num_layers
+        lb = self._layer_bytes
+        h2d_layer = (work.dram_tokens + work.ssd_tokens) * lb / p.h2d_bytes_per_s
+        ssd_layer = (
+            work.ssd_chunks * p.ssd_read_latency_s + work.ssd_tokens * lb / p.ssd_read_bytes_per_s
+            if work.ssd_tokens
+            else 0.0
+        )
+        load_layer = h2d_layer + ssd_layer
+        sync = p.layer_sync_s if (load_layer > 0 or work.offload) else 0.0
+        total = compute = d2h = stall = 0.0
+        ctx = work.cached_tokens
+        first = True
+        for step in work.compute_steps:
+            if step <= 0:
+                continue
+            c = self.layer_compute_s(step, ctx)
+            o = step * lb / p.d2h_bytes_per_s if work.offload else 0.0
+            res = pipeline_uniform(
+                n,
+                load_layer if first else 0.0,
+                c,
+                o,
+                overlap=overlap,
+                sync_s=sync,
+                load_start=work.ssd_wait_s if first and ssd_layer > 0 else 0.0,
+                post_s=p.step_s_fixed,
+            )
+            total += res.done_s
+            stall += res.done_s - n * c - p.step_s_fixed
+            compute += n * c + p.step_s_fixed
+            d2h += n * o
+            ctx += step
+            first = False
+        promote = self.d2h_s(work.promote_tokens)
+        total += promote + p.request_overhead_s
+        stall += promote
+        return PrefillCost(
+            total_s=total,
+            compute_s=compute,
+            h2d_s=n * h2d_layer,
+            ssd_read_s=n * ssd_layer,
+            d2h_s=d2h + promote,
+            stall_s=max(0.0, stall),
+        )

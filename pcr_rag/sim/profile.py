@@ -1,0 +1,358 @@
+"""`pcr-rag profile`: measure a cost-model profile on this machine with a model, for `pcr-rag simulate`.
+
+What is measured (medians of repeated timings, seconds and bytes/s):
+
+- prefill: forward steps of ``c`` new tokens after ``p`` cached ones through the runtime's own KV cache
+  (`PCRKVCache`, one step per chunk like the runner), timed per layer with the cache's layer hooks; a least-squares
+  fit gives ``layer_s_fixed + layer_s_per_token * c + layer_s_per_token_ctx * (c p + c (c+1) / 2)`` per layer
+  and ``step_s_fixed`` for what runs outside the layers (embeddings, norm, LM head);
+- decode: one-token steps at several context lengths (forward + argmax + detokenisation, as the runner does);
+- host copies: a chunk's KV copied into a request's cache and out again (``h2d``/``d2h``: on a CPU "device"
+  both are memory copies);
+- disk: sequential write with fdatasync and reads with the page cache dropped (``posix_fadvise(DONTNEED)``), like
+  the SSD store, plus the latency of small reads;
+- request overhead: a few real `PCREngine` requests without cache; their TTFT minus the fitted prefill is the
+  per-request cost outside the model (tokenisation, scheduling, hand-offs).
+
+On a CPU the model's "device" is host memory: the profile says ``device_is_host`` and ``prefill_steps="per_chunk"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pcr_rag.sim.profiles import Profile
+
+log = logging.getLogger(__name__)
+
+
+class ProfilingError(RuntimeError):
+    """A measurement could not be taken (the message says which and why)."""
+
+
+def _median_time(fn: Callable[[], Any], reps: int) -> float:
+    times = []
+    for _ in range(max(1, reps)):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@dataclass(frozen=True)
+class StepSample:
+    new_tokens: int
+    context_tokens: int
+    total_s: float
+    layers_s: float  # first layer hook -> last layer hook, i.e. (L - 1) layers
+
+
+class _LayerClock:
+    """`LayerHooks` that stamp the time at each layer's cache update."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def before_layer(self, layer_idx: int) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def after_layer(self, layer_idx: int, start: int, end: int) -> None:
+        return None
+
+
+def measure_prefill(loaded: Any, *, new_tokens: Sequence[int] = (64, 128, 256),
+                    contexts: Sequence[int] = (0, 256, 768), reps: int = 3, seed: int = 0) -> list[StepSample]:
+    """Time forward steps of ``c`` tokens after ``p`` cached tokens through a `PCRKVCache` (per-layer stamps)."""
+    import torch
+
+    from pcr_rag.runtime.kv_cache import PCRKVCache
+
+    model, dev = loaded.model, loaded.device
+    vocab = int(getattr(model.config, "vocab_size", 1000))
+    gen = torch.Generator().manual_seed(seed)
+    max_ctx = max(contexts) + max(new_tokens)
+    ids = torch.randint(0, vocab, (1, max_ctx), generator=gen).to(dev)
+    samples: list[StepSample] = []
+    with torch.inference_mode():
+        for p in contexts:
+            for c in new_tokens:
+                totals, layers = [], []
+                for _ in range(max(1, reps)):
+                    kv = PCRKVCache(loaded.kv, p + c, dev)
+                    if p:
+                        model(input_ids=ids[:, :p], position_ids=torch.arange(p, device=dev).unsqueeze(0), cache=kv,
+                              use_cache=True, logits_to_keep=1)
+                    clock = _LayerClock()
+                    kv.hooks = clock
+                    t0 = time.perf_counter()
+                    out = model(input_ids=ids[:, p:p + c], position_ids=torch.arange(p, p + c, device=dev).unsqueeze(0),
+                                cache=kv, use_cache=True, logits_to_keep=1)
+                    int(torch.argmax(out.logits[0, -1]).item())
+                    totals.append(time.perf_counter() - t0)
+                    layers.append(clock.stamps[-1] - clock.stamps[0] if len(clock.stamps) > 1 else 0.0)
+                samples.append(StepSample(c, p, statistics.median(totals), statistics.median(layers)))
+    return samples
+
+
+def fit_prefill(samples: Sequence[StepSample], num_layers: int) -> dict[str, float]:
+    """Least squares per layer: ``layer = fixed + a c + b (c p + c (c+1)/2)`` (coefficients clipped at 0), and
+    ``step_s_fixed`` = mean of what the layers do not explain."""
+    if num_layers < 2:
+        raise ProfilingError("per-layer timing needs a model with at least 2 layers")
+    x = np.array([[1.0, s.new_tokens, s.new_tokens * s.context_tokens + s.new_tokens * (s.new_tokens + 1) / 2]
+                  for s in samples])
+    y = np.array([s.layers_s / (num_layers - 1) for s in samples])
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    coef = np.maximum(coef, 0.0)
+    per_layer = x @ coef
+    rest = [s.total_s - num_layers * pl for s, pl in zip(samples, per_layer, strict=True)]
+    return {"layer_s_fixed": float(coef[0]), "layer_s_per_token": float(coef[1]),
+            "layer_s_per_token_ctx": float(coef[2]), "step_s_fixed": max(0.0, float(statistics.fmean(rest)))}
+
+
+def measure_decode(loaded: Any, *, contexts: Sequence[int] = (128, 512, 1024), steps: int = 8,
+                   seed: int = 0) -> dict[str, float]:
+    """Decode steps as the runner runs them (forward of one token, argmax, detokenise); fit base + per context."""
+    import torch
+
+    from pcr_rag.runtime.kv_cache import PCRKVCache
+
+    model, dev, tok = loaded.model, loaded.device, loaded.tokenizer
+    vocab = int(getattr(model.config, "vocab_size", 1000))
+    gen = torch.Generator().manual_seed(seed)
+    pts: list[tuple[int, float]] = []
+    with torch.inference_mode():
+        for ctx in contexts:
+            ids = torch.randint(0, vocab, (1, ctx), generator=gen).to(dev)
+            kv = PCRKVCache(loaded.kv, ctx + steps + 1, dev)
+            out = model(input_ids=ids, position_ids=torch.arange(ctx, device=dev).unsqueeze(0), cache=kv,
+                        use_cache=True, logits_to_keep=1)
+            tokens: list[int] = []
+            times = []
+            for i in range(steps):
+                t0 = time.perf_counter()
+                t = int(torch.argmax(out.logits[0, -1]).item())
+                tokens.append(t)
+                if tok is not None:
+                    tok.decode(tokens, skip_special_tokens=True)
+                out = model(input_ids=torch.tensor([[t]], device=dev),
+                            position_ids=torch.tensor([[ctx + i]], device=dev), cache=kv, use_cache=True,
+                            logits_to_keep=1)
+                times.append(time.perf_counter() - t0)
+            pts.append((ctx, statistics.median(times)))
+    x = np.array([[1.0, c] for c, _ in pts])
+    y = np.array([t for _, t in pts])
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    base, per_ctx = float(max(coef[0], 0.0)), float(max(coef[1], 0.0))
+    if base == 0.0:
+        base = float(min(y))
+    return {"decode_s_per_token": base, "decode_s_per_token_ctx": per_ctx}
+
+
+def measure_copies(loaded: Any, *, tokens: int = 256, reps: int = 5) -> dict[str, float]:
+    """Bytes/s of moving one chunk's KV into a request's cache (load) and out into a payload (offload), with the
+    runtime's own tensors and copy ops."""
+    import torch
+
+    from pcr_rag.runtime.kv_cache import PCRKVCache
+
+    g = loaded.kv
+    kv = PCRKVCache(g, 2 * tokens, loaded.device)
+    payload = torch.randn(g.payload_shape(tokens)).to(g.dtype)
+    nbytes = g.payload_bytes(tokens)
+
+    def load() -> None:
+        for i in range(g.num_layers):
+            k, v = kv.layer(i).slot(0, tokens)
+            k.copy_(payload[i, 0].transpose(0, 1))
+            v.copy_(payload[i, 1].transpose(0, 1))
+
+    load()
+    h2d = nbytes / _median_time(load, reps)
+    kv.set_length(tokens)
+    d2h = nbytes / _median_time(lambda: kv.chunk_payload(0, tokens), reps)
+    return {"h2d_bytes_per_s": h2d, "d2h_bytes_per_s": d2h}
+
+
+def _drop_cache(fd: int) -> None:
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except (AttributeError, OSError):
+        pass
+
+
+def measure_disk(directory: str | Path, *, nbytes: int = 256 << 20, block: int = 8 << 20, small_reads: int = 64,
+                 seed: int = 0) -> dict[str, float]:
+    """Sequential write (fdatasync) and read (page cache dropped) bandwidth, and small-read latency, in
+    ``directory``; the test file is removed."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    if shutil.disk_usage(d).free < 2 * nbytes:
+        raise ProfilingError(f"not enough free space in {d} for a {nbytes >> 20} MiB disk test; use --dir")
+    rng = np.random.default_rng(seed)
+    buf = rng.integers(0, 256, size=block, dtype=np.uint8).tobytes()
+    fd, name = tempfile.mkstemp(prefix="pcr-profile-", dir=d)
+    try:
+        t0 = time.perf_counter()
+        written = 0
+        while written < nbytes:
+            written += os.write(fd, buf)
+        os.fdatasync(fd)
+        write_bw = written / (time.perf_counter() - t0)
+        _drop_cache(fd)
+        t0 = time.perf_counter()
+        got = 0
+        while got < written:
+            chunk = os.pread(fd, block, got)
+            if not chunk:
+                break
+            got += len(chunk)
+        read_bw = got / (time.perf_counter() - t0)
+        _drop_cache(fd)
+        lat = []
+        for off in rng.integers(0, max(1, written - 65536), size=small_reads):
+            aligned = int(off) & ~4095
+            t0 = time.perf_counter()
+            os.pread(fd, 4096, aligned)
+            lat.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        os.write(fd, buf[:4096])
+        os.fdatasync(fd)
+        write_lat = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        os.unlink(name)
+    return {"ssd_write_bytes_per_s": write_bw, "ssd_read_bytes_per_s": read_bw,
+            "ssd_read_latency_s": statistics.median(lat), "ssd_write_latency_s": write_lat}
+
+
+def measure_request_overhead(loaded: Any, *, chunk_size: int = 256, reps: int = 3,
+                             documents: Sequence[str] | None = None) -> float:
+    """Per-request seconds outside the model: TTFT of a real no-cache `PCREngine` request minus the time of the
+    same chunk-aligned forward steps run directly on the model right after it (so a busy machine slows both);
+    median over ``reps``, floored at 0."""
+    import torch
+
+    from pcr_rag.config import EngineConfig
+    from pcr_rag.engine import PCREngine
+    from pcr_rag.runtime.kv_cache import PCRKVCache
+
+    cfg = EngineConfig(enable_cache=False, chunk_size=chunk_size, device="cpu", max_new_tokens=1,
+                       dtype=loaded.dtype, cache_dir=tempfile.mkdtemp(prefix="pcr-profile-engine-"))
+    # default: three ~300-token passages, the bench's default prompt size
+    docs = list(documents) if documents is not None else [
+        " ".join(f"{w}{i}" for i in range(100)) for w in ("alpha", "beta", "gamma")]
+    model, dev = loaded.model, loaded.device
+    gaps = []
+    try:
+        with PCREngine(model=loaded.model, tokenizer=loaded.tokenizer, config=cfg) as eng:
+            for i in range(reps + 1):
+                res = eng.generate(f"question {i}?", documents=docs, max_new_tokens=1)
+                ids = torch.tensor(res.prompt_token_ids, device=dev)
+                plan = eng.plan_for(f"question {i}?", documents=docs)
+                kv = PCRKVCache(loaded.kv, len(ids) + 1, dev)
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    for c in plan:
+                        out = model(input_ids=ids[c.start:c.end].unsqueeze(0),
+                                    position_ids=torch.arange(c.start, c.end, device=dev).unsqueeze(0), cache=kv,
+                                    use_cache=True, logits_to_keep=1)
+                    int(torch.argmax(out.logits[0, -1]).item())
+                direct = time.perf_counter() - t0
+                if i > 0:  # the first request warms up
+                    gaps.append(res.metrics.ttft_s - res.metrics.queue_s - direct)
+    finally:
+        shutil.rmtree(cfg.cache_dir, ignore_errors=True)
+    return max(0.0, statistics.median(gaps))
+
+
+def build_profile(loaded: Any, *, name: str, disk_dir: str | Path, quick: bool = False,
+                  with_engine: bool = True, say: Callable[[str], None] = lambda _m: None) -> Profile:
+    """Measure everything and assemble a `Profile` (see the module docstring)."""
+    reps = 2 if quick else 3
+    say("prefill steps ...")
+    samples = measure_prefill(loaded, new_tokens=(32, 128, 256) if quick else (32, 128, 256),
+                              contexts=(0, 512) if quick else (0, 256, 512, 1024), reps=reps)
+    fit = fit_prefill(samples, loaded.kv.num_layers)
+    say("decode steps ...")
+    dec = measure_decode(loaded, contexts=(64, 256) if quick else (128, 512, 1024), steps=4 if quick else 8)
+    say("host copies ...")
+    cp = measure_copies(loaded, reps=reps)
+    say(f"disk in {disk_dir} ...")
+    disk = measure_disk(disk_dir, nbytes=(32 << 20) if quick else (256 << 20))
+    overhead = 0.0
+    if with_engine:
+        say("request overhead (real PCREngine, no cache) ...")
+        overhead = measure_request_overhead(loaded, reps=2 if quick else 3)
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    return Profile(
+        name=name,
+        description=f"{loaded.name} ({str(loaded.dtype).replace('torch.', '')}) measured on {loaded.device} of "
+                    f"this machine",
+        model=str(loaded.name),
+        num_layers=loaded.kv.num_layers,
+        kv_bytes_per_token=loaded.kv.bytes_per_token,
+        **fit,
+        **dec,
+        **cp,
+        **disk,
+        device_kv_bytes=0.0,
+        dram_bytes=float(mem),
+        ssd_bytes=float(shutil.disk_usage(disk_dir).free),
+        layer_sync_s=0.0,
+        request_overhead_s=overhead,
+        device_is_host=loaded.device.type == "cpu",
+        prefill_steps="per_chunk",
+        source="measured",
+        derivation={"prefill_samples": [s.__dict__ for s in samples], "torch_threads": _threads(),
+                    "cpus": os.cpu_count(), "fingerprint": getattr(loaded, "fingerprint", "")},
+    )
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model alias or local HF directory (default: the default model)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: CPUs - 1, like bench)")
+    parser.add_argument("--out", default="results/profile-local.json", help="where to write the profile JSON")
+    parser.add_argument("--name", default="local", help="profile name")
+    parser.add_argument("--dir", default=None, help="directory for the disk test (default: the temp directory)")
+    parser.add_argument("--quick", action="store_true", help="fewer, smaller measurements")
+    parser.add_argument("--no-engine", action="store_true", help="skip the real-engine request-overhead test")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from pcr_rag.runtime.model import load_model
+
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
+    try:
+        loaded = load_model(args.model, dtype=args.dtype, device="cpu")
+        prof = build_profile(loaded, name=args.name, disk_dir=args.dir or tempfile.gettempdir(), quick=args.quick,
+                             with_engine=not args.no_engine, say=lambda m: print(m, flush=True))
+    except (ProfilingError, OSError) as exc:
+        print(f"pcr-rag profile: {exc}", file=sys.stderr)
+        return 1
+    path = prof.save(args.out)
+    print(prof.to_json())
+    print(f"profile written to {path}; use it with `pcr-rag simulate --profile {path}`")
+    return 0

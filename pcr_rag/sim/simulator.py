@@ -1,0 +1,496 @@
+"""Discrete-event simulation of serving a request trace, with the real cache engine and prefetch decisions.
+
+What is real: the :class:`~pcr_rag.cache.CacheEngine` (prefix tree, tiers, eviction policies, look-ahead
+protection, write-back) running on a virtual clock with metadata-only payloads and synchronous I/O, and the
+runtime's :func:`~pcr_rag.runtime.prefetcher.plan_prefetch`. What is modelled: the time of compute and transfers
+(:mod:`pcr_rag.sim.costmodel`) and the order of events. The simulator mirrors the runtime's request path
+(``pcr_rag/runtime/runner.py``): ``acquire(keys, max_chunks=len(plan) - 1)`` (the last chunk is always computed),
+chunks on SSD are read on demand layer by layer and copied back to DRAM afterwards, every computed chunk is inserted,
+the lease is released when the prefill ends.
+
+Scheduling: FCFS. ``max_batch=1`` is the runtime's executor (one request at a time, prefill then decode);
+``max_batch>1`` models a vLLM-like engine: prefill-first, running requests decode together one token per step,
+admission bounded by the device KV pool (tokens).
+
+Resources: one compute stream; the SSD as one FIFO read channel shared by prefetches and on-demand reads; DRAM ->
+SSD write-back on a separate write channel (background; it never delays a read, its busy time is reported).
+Times are seconds of virtual time, sizes bytes / tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pcr_rag.cache.clock import ManualClock
+from pcr_rag.cache.config import CacheConfig
+from pcr_rag.cache.payload import VirtualPayload
+from pcr_rag.sim.costmodel import CostModel, PrefillWork
+from pcr_rag.sim.profiles import Profile
+from pcr_rag.sim.systems import SimSystem
+from pcr_rag.sim.trace import SimRequest
+
+log = logging.getLogger(__name__)
+
+_PREFILL_DONE, _EXEC_READY, _PREFETCH_DONE = range(3)  # event kinds
+
+
+class SimulationError(RuntimeError):
+    """The simulation cannot proceed (e.g. an engine call failed); the message names the request and time."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated serving set-up.
+
+    Capacities in bytes: ``dram_bytes``/``ssd_bytes`` for the host cache tiers, ``device_cache_bytes`` for a
+    ``device_cache`` system's prefix cache: like vLLM's, it holds whatever part of the device KV pool the running
+    requests do not use (it is trimmed, LRU first, whenever they need more). ``max_batch`` 1 = the runtime's
+    serial executor.
+    ``kv_pool_tokens`` bounds the tokens of running requests when batching (None: unbounded).
+    ``prefill_steps``: "single" (one forward over the new tokens) or "per_chunk" (one per chunk, the runtime's
+    fidelity mode). ``record_trace`` keeps the executed chunk trace (for Belady).
+    """
+
+    profile: Profile
+    system: SimSystem
+    chunk_size: int = 256
+    dram_bytes: int = 0
+    ssd_bytes: int = 0
+    device_cache_bytes: int = 0
+    max_batch: int = 1
+    kv_pool_tokens: int | None = None
+    prefill_steps: str | None = None
+    record_trace: bool = False
+
+    @property
+    def steps_mode(self) -> str:
+        return self.prefill_steps or self.profile.prefill_steps
+
+
+@dataclass
+class RequestOutcome:
+    """What one simulated request cost (seconds of virtual time; tokens)."""
+
+    rid: int
+    arrival_s: float
+    start_s: float = math.nan
+    first_token_s: float = math.nan
+    done_s: float = math.nan
+    prompt_tokens: int = 0
+    computed_tokens: int = 0
+    reused: dict[str, int] = field(default_factory=lambda: {"device": 0, "dram": 0, "ssd": 0})
+    output_tokens: int = 0
+    itl_s: list[float] = field(default_factory=list)
+    prefetch_hit_chunks: int = 0
+    prefill_s: float = 0.0
+    stall_s: float = 0.0
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def e2e_s(self) -> float:
+        return self.done_s - self.arrival_s
+
+    @property
+    def queue_s(self) -> float:
+        return self.start_s - self.arrival_s
+
+
+@dataclass
+class SimResult:
+    system: str
+    outcomes: list[RequestOutcome]
+    duration_s: float
+    wall_s: float
+    engine_stats: dict[str, Any]
+    counters: dict[str, float]
+    trace: list[list[tuple[bytes, int, int]]] | None = None
+
+
+@dataclass
+class _Running:
+    out: RequestOutcome
+    remaining: int  # decode steps left
+    context: int  # tokens in its KV now
+    last_token_s: float
+    reserved: int  # tokens reserved in the KV pool
+
+
+class Simulator:
+    """Runs one system over one or more traces (:meth:`run`), then :meth:`close`."""
+
+    def __init__(self, config: SimConfig) -> None:
+        self.cfg = config
+        self.sys = config.system
+        self.cm = CostModel(config.profile)
+        self.clock = ManualClock(0.0)
+        self.kv_bytes_per_token = config.profile.kv_bytes_per_token
+        self.num_layers = config.profile.num_layers
+        self.engine = self._make_engine() if self.sys.reuse else None
+        self._plan_prefetch = None
+        if self.engine is not None and self.sys.uses_window:
+            from pcr_rag.runtime.prefetcher import plan_prefetch
+
+            self._plan_prefetch = plan_prefetch
+        self._events: list[tuple[float, int, int, Any]] = []
+        self._seq = itertools.count()
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[_Running] = []
+        self.exec_busy = False
+        self.ssd_demand_free = 0.0  # on-demand SSD reads (priority) keep the device busy until then
+        self.pf_queue: deque[bytes] = deque()  # prefetch reads waiting for the device, in issue order
+        self.pf_current: tuple[bytes, float] | None = None  # the prefetch read on the device and its end
+        self.ssd_write_free = 0.0
+        self.inflight: set[bytes] = set()  # queued or on the device
+        self.key_bytes: dict[bytes, int] = {}
+        self.outcomes: dict[int, RequestOutcome] = {}
+        self.ssd_at_entry: dict[int, frozenset[bytes]] = {}
+        self.pool_used = 0
+        self.counters: dict[str, float] = dict.fromkeys(
+            (
+                "prefetch_issued", "prefetch_loaded", "prefetch_wasted", "ssd_read_bytes", "ssd_read_busy_s",
+                "ssd_write_bytes", "ssd_write_busy_s", "h2d_bytes", "d2h_bytes", "compute_busy_s", "decode_steps",
+                "inserts_rejected", "max_queue", "prefetch_skipped",
+            ),
+            0,
+        )
+        self.trace: list[list[tuple[bytes, int, int]]] | None = [] if config.record_trace else None
+        self._next_arrival = math.inf
+        self._t_end = 0.0
+
+    # ---------------------------------------------------------------------------------------------- set-up
+    def _make_engine(self):
+        from pcr_rag.cache import CacheEngine
+
+        cfg, sysm = self.cfg, self.sys
+        if sysm.device_cache:
+            dram, ssd = int(cfg.device_cache_bytes), 0
+        else:
+            dram, ssd = int(cfg.dram_bytes), int(cfg.ssd_bytes) if sysm.ssd else 0
+        cache_cfg = CacheConfig(
+            chunk_size=cfg.chunk_size, dram_bytes=dram, ssd_bytes=ssd, policy=sysm.policy, sync_io=True,
+            pin_memory=False, fsync=False, drop_page_cache=False,
+        )
+        storage = None
+        if ssd > 0:
+            from pcr_rag.cache.storage import MemoryBackend
+
+            storage = MemoryBackend()
+        return CacheEngine(cache_cfg, clock=self.clock, storage=storage)
+
+    def _push(self, t: float, kind: int, data: Any) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), kind, data))
+
+    # ------------------------------------------------------------------------------------------------- run
+    def run(self, requests: Sequence[SimRequest]) -> SimResult:
+        """Serve ``requests`` (arrival times relative to this trace's start) to completion and return what each
+        cost. May be called again with another trace: the cache keeps its state (like a bench engine that serves
+        warm-up and then every rate), and the new trace starts when the previous one has finished."""
+        wall0 = time.perf_counter()
+        offset = self._t_end
+        for k in self.counters:
+            self.counters[k] = 0
+        if self.trace is not None:
+            self.trace = []
+        reqs = sorted(requests, key=lambda r: (r.arrival_s, r.rid))
+        self.outcomes = {}
+        i = 0
+        n = len(reqs)
+        while True:
+            t_arr = offset + reqs[i].arrival_s if i < n else math.inf
+            self._next_arrival = t_arr
+            t_ev = self._events[0][0] if self._events else math.inf
+            if t_arr == math.inf and t_ev == math.inf:
+                break
+            if t_arr <= t_ev:
+                self.clock.set(t_arr)
+                i += 1
+                self._next_arrival = offset + reqs[i].arrival_s if i < n else math.inf
+                self._on_arrival(reqs[i - 1], t_arr)
+                continue
+            t, _, kind, data = heapq.heappop(self._events)
+            self.clock.set(t)
+            if kind == _PREFILL_DONE:
+                self._on_prefill_done(data, t)
+            elif kind == _EXEC_READY:
+                self.exec_busy = False
+                self._exec_ready(t, self._next_arrival)
+            elif kind == _PREFETCH_DONE:
+                self._on_prefetch_done(data, t)
+        stats = self.engine.stats().as_dict() if self.engine is not None else {}
+        outs = [self.outcomes[r.rid] for r in reqs]
+        end = max((o.done_s for o in outs), default=offset)
+        self._t_end = max(end, self.clock.now())
+        return SimResult(self.sys.name, outs, end - offset, time.perf_counter() - wall0, stats, dict(self.counters),
+                         self.trace)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+    # -------------------------------------------------------------------------------------------- handlers
+    def _on_arrival(self, req: SimRequest, now: float) -> None:
+        self.outcomes[req.rid] = RequestOutcome(req.rid, now, prompt_tokens=req.prompt_tokens,
+                                                output_tokens=req.output_tokens)
+        self.waiting.append(req)
+        if len(self.waiting) > self.counters["max_queue"]:
+            self.counters["max_queue"] = len(self.waiting)
+        if self.engine is not None and self.sys.ssd and self.sys.prefetch:
+            m = self.engine.match(req.keys)
+            ssd = frozenset(k for k, t in zip(m.keys, m.tiers, strict=False) if _tier(t) == "ssd")
+            if ssd:
+                self.ssd_at_entry[req.rid] = ssd
+        if not self.exec_busy:
+            self._exec_ready(now, self._next_arrival)
+        elif len(self.waiting) <= self.sys.window:
+            self._refresh_prefetch(now)
+
+    def _exec_ready(self, now: float, next_arrival: float) -> None:
+        if self.exec_busy:
+            return
+        if self.waiting and self._can_admit(self.waiting[0]):
+            self._start_prefill(self.waiting.popleft(), now)
+            return
+        if self.running:
+            self._decode(now, next_arrival)
+
+    def _can_admit(self, req: SimRequest) -> bool:
+        if len(self.running) >= self.cfg.max_batch:
+            return False
+        pool = self.cfg.kv_pool_tokens
+        if pool is None or not self.running:
+            return True
+        return self.pool_used + req.prompt_tokens + req.output_tokens <= pool
+
+    # -------------------------------------------------------------------------------------------- prefill
+    def _start_prefill(self, req: SimRequest, now: float) -> None:
+        out = self.outcomes[req.rid]
+        out.start_s = now
+        self.pool_used += req.prompt_tokens + req.output_tokens  # its KV slots, until it finishes
+        plan = req.plan
+        kb = self.kv_bytes_per_token
+        lease = None
+        matched = 0
+        tiers: list[str] = []
+        if self.engine is not None:
+            for c in plan:
+                if c.key not in self.key_bytes:
+                    self.key_bytes[c.key] = c.num_tokens * kb
+            lease = self.engine.acquire(req.keys, max_chunks=len(plan) - 1)
+            matched = lease.num_chunks
+            tiers = [_tier(t) for t in lease.tiers[:matched]]
+        if self.trace is not None:
+            self.trace.append([(c.key, c.num_tokens * kb, c.num_tokens) for c in plan])
+        self._refresh_prefetch(now)  # the window slid past this request
+        reused = out.reused
+        ssd_tokens = ssd_chunks = 0
+        ssd_keys = self.ssd_at_entry.pop(req.rid, frozenset())
+        ssd_read: list[int] = []
+        for idx, (c, tier) in enumerate(zip(plan, tiers, strict=False)):
+            if self.sys.device_cache:
+                tier = "device"
+            reused[tier] += c.num_tokens
+            if tier == "ssd":
+                ssd_tokens += c.num_tokens
+                ssd_chunks += 1
+                ssd_read.append(idx)
+            elif c.key in ssd_keys:
+                out.prefetch_hit_chunks += 1
+        cached = plan[matched - 1].end if matched else 0
+        out.computed_tokens = req.prompt_tokens - cached
+        if self.cfg.steps_mode == "per_chunk":
+            steps = tuple(c.num_tokens for c in plan[matched:])
+        else:
+            steps = (req.prompt_tokens - cached,)
+        if self.engine is None:
+            prefill_s = self.cm.compute_only_s(steps)
+            stall = 0.0
+            self.counters["compute_busy_s"] += prefill_s
+        else:
+            ssd_wait = 0.0
+            if ssd_tokens:
+                # on-demand reads go before queued prefetches, after the read on the device now
+                busy_until = max(self.ssd_demand_free, self.pf_current[1] if self.pf_current else 0.0)
+                ssd_wait = max(0.0, busy_until - now)
+            work = PrefillWork(
+                cached_tokens=cached,
+                compute_steps=steps,
+                device_tokens=reused["device"],
+                dram_tokens=reused["dram"],
+                ssd_tokens=ssd_tokens,
+                ssd_chunks=ssd_chunks,
+                ssd_wait_s=ssd_wait,
+                promote_tokens=ssd_tokens,
+                offload=not self.sys.device_cache,
+            )
+            cost = self.cm.prefill(work, overlap=self.sys.overlap)
+            prefill_s, stall = cost.total_s, cost.stall_s
+            if ssd_tokens:
+                busy = cost.ssd_read_s
+                self.ssd_demand_free = now + ssd_wait + busy
+                self.counters["ssd_read_bytes"] += ssd_tokens * kb
+                self.counters["ssd_read_busy_s"] += busy
+            self.counters["compute_busy_s"] += cost.compute_s
+            self.counters["h2d_bytes"] += (reused["dram"] + ssd_tokens) * kb
+            if work.offload:
+                self.counters["d2h_bytes"] += (out.computed_tokens + ssd_tokens) * kb
+        out.prefill_s = prefill_s
+        out.stall_s = stall
+        self.exec_busy = True
+        if self.sys.device_cache:
+            self._trim_device_cache()
+        self._push(now + prefill_s, _PREFILL_DONE, (req, lease, matched, ssd_read))
+
+    def _on_prefill_done(self, data: tuple[SimRequest, Any, int, list[int]], now: float) -> None:
+        req, lease, matched, ssd_read = data
+        out = self.outcomes[req.rid]
+        out.first_token_s = now
+        if self.engine is not None:
+            self._store(req, matched, ssd_read, now)
+            lease.release()
+        self._refresh_prefetch(now)
+        steps = req.output_tokens - 1
+        reserve = req.prompt_tokens + req.output_tokens
+        if steps <= 0:
+            out.done_s = now
+            self.pool_used -= reserve
+        else:
+            self.running.append(_Running(out, steps, req.prompt_tokens + 1, now, reserve))
+        if self.sys.device_cache:
+            self._trim_device_cache()
+        self.exec_busy = False
+        self._exec_ready(now, self._next_arrival)
+
+    def _store(self, req: SimRequest, matched: int, ssd_read: Sequence[int], now: float) -> None:
+        """Insert what the prefill produced, like the runtime: every computed chunk, in order, then a DRAM copy
+        of the chunks that were read from SSD on demand."""
+        engine = self.engine
+        kb = self.kv_bytes_per_token
+        layers = self.num_layers
+        written = 0
+        plan = req.plan
+        for c in plan[matched:]:
+            if engine.insert(c, VirtualPayload(c.num_tokens * kb, layers)):
+                written += c.num_tokens * kb
+            else:
+                self.counters["inserts_rejected"] += 1
+        for i in ssd_read:
+            c = plan[i]
+            engine.insert(c, VirtualPayload(c.num_tokens * kb, layers))
+        if self.sys.ssd and written:
+            start = max(now, self.ssd_write_free)
+            busy = self.cm.ssd_write_s(written, ops=len(plan) - matched)
+            self.ssd_write_free = start + busy
+            self.counters["ssd_write_bytes"] += written
+            self.counters["ssd_write_busy_s"] += busy
+
+    def _trim_device_cache(self) -> None:
+        """Keep cached prefixes + running requests' KV within the device pool (the cache gives way)."""
+        from pcr_rag.cache import Tier
+
+        used = self.engine.stats().bytes_used["dram"]
+        over = used + self.pool_used * self.kv_bytes_per_token - self.cfg.device_cache_bytes
+        if over > 0:
+            self.engine.evict(Tier.DRAM, over)
+
+    # -------------------------------------------------------------------------------------------- decode
+    def _decode(self, now: float, next_arrival: float) -> None:
+        """Decode steps for all running requests until one finishes or (when a new request could be admitted)
+        the next arrival; then hand the executor back."""
+        cm = self.cm
+        run = self.running
+        t = now
+        admit_possible = len(run) < self.cfg.max_batch
+        finished = False
+        steps = 0
+        while not finished:
+            ctx = sum(r.context for r in run)
+            dt = cm.decode_step_s(ctx)  # weights read once per step; every sequence's KV read
+            t += dt
+            steps += 1
+            for r in run:
+                r.out.itl_s.append(t - r.last_token_s)
+                r.last_token_s = t
+                r.remaining -= 1
+                r.context += 1
+                if r.remaining == 0:
+                    finished = True
+            if admit_possible and t >= next_arrival:
+                break
+        self.counters["decode_steps"] += steps
+        self.counters["compute_busy_s"] += t - now
+        still: list[_Running] = []
+        for r in run:
+            if r.remaining == 0:
+                r.out.done_s = t
+                self.pool_used -= r.reserved
+            else:
+                still.append(r)
+        self.running = still
+        self.exec_busy = True
+        self._push(t, _EXEC_READY, None)
+
+    # -------------------------------------------------------------------------------------------- prefetch
+    def _refresh_prefetch(self, now: float) -> None:
+        if self._plan_prefetch is None:
+            return
+        window = [r.keys for r in itertools.islice(self.waiting, self.sys.window)]
+        plan = self._plan_prefetch(window, self.engine)
+        if self.sys.lookahead:
+            self.engine.set_lookahead(plan.protect)
+        if not self.sys.prefetch:
+            return
+        for key in plan.load:
+            if key not in self.inflight:
+                self.inflight.add(key)
+                self.pf_queue.append(key)
+        if self.pf_current is None:
+            self._next_prefetch(now)
+
+    def _next_prefetch(self, now: float) -> None:
+        """Put the next queued prefetch read on the SSD (after any on-demand read). A chunk that reached memory
+        meanwhile (e.g. its request read it on demand) or left the cache is skipped at no cost, as the engine's
+        loader skips it."""
+        from pcr_rag.cache import Tier
+
+        while self.pf_queue:
+            key = self.pf_queue.popleft()
+            tiers = self.engine.tiers_of(key)
+            if Tier.SSD not in tiers or Tier.DRAM in tiers or Tier.DEVICE in tiers:
+                self.inflight.discard(key)
+                self.counters["prefetch_skipped"] += 1
+                continue
+            nbytes = self.key_bytes.get(key, 0)
+            start = max(now, self.ssd_demand_free)
+            busy = self.cm.ssd_read_s(nbytes)
+            self.pf_current = (key, start + busy)
+            self.counters["prefetch_issued"] += 1
+            self.counters["ssd_read_bytes"] += nbytes
+            self.counters["ssd_read_busy_s"] += busy
+            self._push(start + busy, _PREFETCH_DONE, key)
+            return
+        self.pf_current = None
+
+    def _on_prefetch_done(self, key: bytes, now: float) -> None:
+        self.inflight.discard(key)
+        loaded = self.engine.load_async([key]).result()
+        if loaded:
+            self.counters["prefetch_loaded"] += loaded
+        else:
+            self.counters["prefetch_wasted"] += 1
+        self.pf_current = None
+        self._next_prefetch(now)
+
+
+def _tier(t: Any) -> str:
+    return getattr(t, "value", str(t))

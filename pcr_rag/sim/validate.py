@@ -1,0 +1,216 @@
+"""``pcr-rag simulate --validate BENCH_JSON --profile MEASURED.json``: re-simulate a real bench run, side by side.
+
+The bench's own trace preparation (`pcr_rag.bench.runner.BenchRunner._prepare`) rebuilds the exact requests of
+that run from its config (same corpus, passages, seeds, topics); every request is then laid out with the runtime's
+`PromptBuilder` and cut with `plan_chunks`, so the simulated chunk plans are the real ones. Each system is
+simulated the way the bench ran it: one engine, the warm-up trace at once, then the rate slots in order (window
+variants: warm-up and their sweep slots only), with the bench's capacities and absolute rates, the serial executor
+and per-chunk prefill steps. Output tokens per request are the run's measured mean (the answers are the same for
+every system). Prints simulated vs measured mean TTFT for every run and judges the issue's validation target:
+within 15% for no-reuse, dram-only and pcr at two rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pcr_rag.bench.report import load_report, write_json
+from pcr_rag.cache.keys import namespace_key, plan_chunks
+from pcr_rag.sim.experiment import Scenario, SimSettings, run_system
+from pcr_rag.sim.profiles import Profile
+from pcr_rag.sim.systems import get_system
+from pcr_rag.sim.trace import SimRequest
+
+VALIDATION_SYSTEMS = ("no-reuse", "dram-only", "pcr")
+TOLERANCE = 0.15
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """One (system, rate) run, measured vs simulated: mean TTFT (seconds) and reused share of prompt tokens."""
+
+    system: str
+    rate: float
+    measured_ttft_s: float
+    simulated_ttft_s: float
+    measured_reuse: float | None = None
+    simulated_reuse: float | None = None
+
+    @property
+    def error(self) -> float:
+        return (self.simulated_ttft_s - self.measured_ttft_s) / self.measured_ttft_s
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "error": self.error}
+
+
+def _rate(x: Any) -> float:
+    return math.inf if x in ("inf", None) else float(x)
+
+
+def bench_scenario(report: Mapping[str, Any], *, model: Any = None, tokenizer: Any = None
+                   ) -> tuple[Scenario, list[float], int]:
+    """The scenario of a bench report: its warm-up and measured traces as chunk plans, its capacities, its rates
+    (req/s), and its chunk size."""
+    from pcr_rag.bench.runner import SYSTEM_PROMPT, BenchConfig, BenchRunner
+    from pcr_rag.prompt import PromptBuilder
+    from pcr_rag.runtime.model import load_model
+
+    cfg_in = dict(report["config"])
+    fields = {f.name for f in dataclasses.fields(BenchConfig)}
+    kwargs = {k: v for k, v in cfg_in.items() if k in fields}
+    for k in ("loads", "windows", "systems"):
+        if isinstance(kwargs.get(k), list):
+            kwargs[k] = tuple(kwargs[k])
+    if kwargs.get("rates") is not None:
+        kwargs["rates"] = tuple(_rate(r) for r in kwargs["rates"])
+    bcfg = BenchConfig(**kwargs)
+    runner = BenchRunner(bcfg, model=model, tokenizer=tokenizer, progress=False)
+    runner.loaded = load_model(model if model is not None else bcfg.model, tokenizer, dtype=bcfg.dtype,
+                               device="cpu")
+    prep = runner._prepare()
+    builder = PromptBuilder(runner.loaded.tokenizer)
+    root = namespace_key("validation", "float32", bcfg.chunk_size)
+
+    def sim(reqs: Sequence[Any], output_tokens: int) -> list[SimRequest]:
+        out = []
+        for r in reqs:
+            seg = builder.build_rag(r.question, [prep.passages[d].text for d in r.doc_ids], SYSTEM_PROMPT)
+            plan = plan_chunks(root, seg.segments, bcfg.chunk_size)
+            out.append(SimRequest(r.request_id, r.arrival_s, tuple(plan), output_tokens, tuple(r.doc_ids)))
+        return out
+
+    rates = [_rate(r) for r in cfg_in["rates"]]
+    outputs = _mean_outputs(report, rates, default=bcfg.max_new_tokens)
+    warm = sim(prep.warmup, bcfg.max_new_tokens)
+    traces = [sim(prep.unit_traces[(0, i)], outputs[i]) for i in range(len(rates))]
+    scenario = Scenario(warm, traces, int(cfg_in["dram_capacity"]), int(cfg_in["ssd_capacity"]), prep.ws_bytes,
+                        float(prep.ws_info.get("reuse_upper_bound", 0.0)), {"bench_config": cfg_in})
+    return scenario, rates, bcfg.chunk_size
+
+
+def _mean_outputs(report: Mapping[str, Any], rates: Sequence[float], default: int) -> list[int]:
+    out = []
+    for rate in rates:
+        vals = [r["tokens"]["output"] / r["num_requests"] for r in report["runs"]
+                if r.get("num_requests") and math.isclose(_rate(r["rate"]), rate, rel_tol=1e-9)]
+        out.append(max(1, round(statistics.fmean(vals))) if vals else default)
+    return out
+
+
+def simulate_bench(report: Mapping[str, Any], profile: Profile, scenario: Scenario, rates: Sequence[float],
+                   chunk_size: int, say: Callable[[str], None] = lambda _m: None
+                   ) -> dict[tuple[str, float], dict[str, Any]]:
+    """The simulated run (the bench's run dict layout) per (system, rate) for every run of the report."""
+    settings = SimSettings(max_batch=1, prefill_steps="per_chunk")
+    by_system: dict[str, list[int]] = {}
+    for run in report["runs"]:
+        rate = _rate(run["rate"])
+        idx = next((i for i, r in enumerate(rates) if math.isclose(r, rate, rel_tol=1e-9)), None)
+        if idx is not None:
+            by_system.setdefault(run["system"], []).append(idx)
+    out: dict[tuple[str, float], dict[str, Any]] = {}
+    main = set(report["config"].get("systems") or ())
+    for name, slots in by_system.items():
+        system = get_system(name)
+        recs = run_system(profile, system, scenario, rates, settings, slots=sorted(set(slots)),
+                          chunk_size=chunk_size, history=name in main)
+        for rec in recs:
+            out[(name, rec.rate)] = rec.to_dict()
+        say(f"simulated {name}")
+    return out
+
+
+def compare(report: Mapping[str, Any], simulated: Mapping[tuple[str, float], Mapping[str, Any]]
+            ) -> list[Comparison]:
+    """Pair every measured run with its simulated twin (run dicts with ``ttft.mean`` and ``reuse_ratio``)."""
+    rows = []
+    for run in report["runs"]:
+        key = (run["system"], _rate(run["rate"]))
+        m = (run.get("ttft") or {}).get("mean")
+        sim = simulated.get(key)
+        if sim is not None and m:
+            rows.append(Comparison(key[0], key[1], float(m), float(sim["ttft"]["mean"]), run.get("reuse_ratio"),
+                                   sim.get("reuse_ratio")))
+    return rows
+
+
+def verdict(rows: Sequence[Comparison]) -> tuple[bool, str]:
+    """Within 15% for no-reuse, dram-only and pcr at (at least) two rates."""
+    rates = sorted({r.rate for r in rows})
+    good_rates = [rate for rate in rates
+                  if all(any(r.system == s and r.rate == rate and abs(r.error) <= TOLERANCE for r in rows)
+                         for s in VALIDATION_SYSTEMS)]
+    ok = len(good_rates) >= 2
+    return ok, (f"{'PASS' if ok else 'MISS'}: simulated mean TTFT within {TOLERANCE:.0%} of measured for "
+                f"{', '.join(VALIDATION_SYSTEMS)} at {len(good_rates)} of {len(rates)} rates "
+                f"(need 2): {[round(r, 4) for r in good_rates]}")
+
+
+def format_table(rows: Sequence[Comparison]) -> str:
+    lines = ["| system | rate (req/s) | measured TTFT | simulated TTFT | error | reuse measured | reuse simulated |",
+             "|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda x: (x.rate, x.system)):
+        mr = "n/a" if r.measured_reuse is None else f"{r.measured_reuse:.1%}"
+        sr = "n/a" if r.simulated_reuse is None else f"{r.simulated_reuse:.1%}"
+        lines.append(f"| {r.system} | {r.rate:.4g} | {r.measured_ttft_s * 1e3:.1f} ms | "
+                     f"{r.simulated_ttft_s * 1e3:.1f} ms | {r.error:+.1%} | {mr} | {sr} |")
+    return "\n".join(lines)
+
+
+def measure_then_bench(out_dir: str | Path, say: Callable[[str], None]) -> tuple[Profile, Path]:
+    """Measure a profile and run ``pcr-rag bench --quick`` right after it, in one process with one loaded model,
+    so both see the same machine load (on a shared machine a profile taken at another time can be several times
+    off). Returns the profile and the bench report's path."""
+    import os
+    import tempfile
+
+    import torch
+
+    from pcr_rag.bench.report import write_report
+    from pcr_rag.bench.runner import quick_config, run_bench
+    from pcr_rag.runtime.model import load_model
+    from pcr_rag.sim.profile import build_profile
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    loaded = load_model(None, device="cpu")
+    say("measuring the profile ...")
+    profile = build_profile(loaded, name="validation", disk_dir=tempfile.gettempdir(), quick=True, say=say)
+    profile.save(out / "profile.json")
+    say("running pcr-rag bench --quick ...")
+    report = run_bench(quick_config(), model=loaded.model, tokenizer=loaded.tokenizer, progress=False)
+    bench_path = out / "bench-quick.json"
+    write_report(report, json_path=bench_path)
+    return profile, bench_path
+
+
+def run_validation(args: argparse.Namespace, profile: Profile, say: Callable[[str], None]) -> int:
+    if args.validate == "run":
+        out_dir = Path(args.json).with_suffix("") if args.json else Path("results") / "validation"
+        profile, bench_path = measure_then_bench(out_dir, say)
+        args.validate = str(bench_path)
+    report = load_report(args.validate)
+    if profile.source != "measured":
+        say(f"warning: profile {profile.name} is {profile.source}, not measured on this machine "
+            "(run `pcr-rag profile` first)")
+    say(f"rebuilding the traces of {args.validate} ...")
+    scenario, rates, chunk_size = bench_scenario(report)
+    simulated = simulate_bench(report, profile, scenario, rates, chunk_size, say)
+    rows = compare(report, simulated)
+    ok, line = verdict(rows)
+    print(format_table(rows))
+    print(line)
+    if args.json:
+        write_json({"schema": "pcr-rag-validation/1", "bench_report": str(Path(args.validate)),
+                    "profile": json.loads(profile.to_json()), "rows": [r.as_dict() for r in rows],
+                    "passed": ok, "verdict": line}, args.json)
+    return 0

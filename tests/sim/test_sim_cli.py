@@ -1,0 +1,67 @@
+"""`pcr-rag simulate` end to end: the bench's JSON keys, determinism, and the validation helpers."""
+
+from __future__ import annotations
+
+import json
+
+from pcr_rag.bench.report import RequestSample, RunRecord
+from pcr_rag.cli import main
+from pcr_rag.sim.validate import Comparison, compare, verdict
+
+ARGS = ["simulate", "--profile", "rtx4090-llama2-7b", "--requests", "40", "--warmup", "4", "--passages", "32",
+        "--topics", "8", "--loads", "0.5,0.9", "--windows", "2", "--quiet"]
+
+
+def _strip_wall(report: dict) -> dict:
+    report = json.loads(json.dumps(report))
+    for k in ("created_utc", "wall_s", "environment"):
+        report.pop(k, None)
+    for run in report["runs"]:
+        run["extra"].pop("sim_wall_s", None)
+    return report
+
+
+def test_simulate_cli_writes_bench_keys_and_is_deterministic(tmp_path):
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for p in paths:
+        assert main([*ARGS, "--json", str(p), "--markdown", str(p.with_suffix(".md"))]) == 0
+    a, b = (json.loads(p.read_text()) for p in paths)
+    assert _strip_wall(a) == _strip_wall(b)  # same seed -> same report
+    assert a["kind"] == "simulate" and a["schema"] == "pcr-rag-report/1"
+    bench_keys = set(RunRecord("x", 1.0, [RequestSample(1, 2, 0, (0.1,), 10, 5, {"dram": 5}, 2)], 3.0).to_dict())
+    systems = {r["system"] for r in a["runs"]}
+    assert {"no-reuse", "device-only", "dram-only", "ssd-on-demand", "pcr", "pcr-no-overlap", "pcr-no-prefetch",
+            "pcr-lru", "pcr-window-2"} <= systems
+    for run in a["runs"]:
+        assert set(run) == bench_keys
+        assert run["num_requests"] == 40
+        assert run["ttft"]["mean"] > 0 and run["ttft"]["p99"] >= run["ttft"]["p50"]
+        assert abs(run["reuse_ratio"] - sum(run["hit_ratio"].values())) < 1e-9
+    assert len({r["rate"] for r in a["runs"]}) == 2
+    assert {t["system"] for t in a["targets"]} == {"pcr"}
+    assert a["breakdown"] and a["hit_ratio_study"]["policies"][-1]["policy"] == "belady"
+    assert (tmp_path / "a.md").read_text().startswith("# pcr-rag simulate")
+    # a different seed gives a different trace
+    assert main([*ARGS, "--seed", "1", "--json", str(tmp_path / "c.json")]) == 0
+    c = json.loads((tmp_path / "c.json").read_text())
+    assert _strip_wall(c)["runs"] != _strip_wall(a)["runs"]
+
+
+def test_simulate_cli_rejects_unknown_names(capsys):
+    assert main(["simulate", "--profile", "no-such-gpu", "--quiet"]) == 2
+    assert "rtx4090-llama2-7b" in capsys.readouterr().err
+    assert main(["simulate", "--systems", "pcr,warp-drive", "--quiet"]) == 2
+
+
+def test_validation_verdict_needs_three_systems_at_two_rates():
+    report = {"runs": [{"system": s, "rate": r, "ttft": {"mean": 1.0}} for s in ("no-reuse", "dram-only", "pcr")
+                       for r in (0.5, 1.0)]}
+    near = {(s, r): {"ttft": {"mean": 1.1}} for s in ("no-reuse", "dram-only", "pcr") for r in (0.5, 1.0)}
+    rows = compare(report, near)
+    assert len(rows) == 6 and all(abs(r.error - 0.1) < 1e-9 for r in rows)
+    assert verdict(rows)[0]
+    far = dict(near)
+    far[("pcr", 1.0)] = {"ttft": {"mean": 1.3}}
+    ok, line = verdict(compare(report, far))
+    assert not ok and "1 of 2" in line
+    assert Comparison("pcr", 1.0, 2.0, 1.0).error == -0.5
