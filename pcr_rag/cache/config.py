@@ -1,0 +1,73 @@
+"""CacheConfig: tier capacities (bytes), SSD directory, eviction policy and I/O mode of a CacheEngine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pcr_rag.units import parse_bytes
+
+__all__ = ["CacheConfig", "POLICIES"]
+
+POLICIES = ("lookahead-lru", "lru")
+
+
+@dataclass
+class CacheConfig:
+    """Configuration of a :class:`~pcr_rag.cache.engine.CacheEngine`.
+
+    Capacities accept ints (bytes) or strings such as ``"2GiB"``; they are normalised to ints of bytes.
+
+    - ``dram_bytes``: host DRAM tier budget (never exceeded).
+    - ``ssd_bytes`` / ``cache_dir``: SSD tier budget and directory; the SSD tier exists when ``ssd_bytes > 0`` and
+      either ``cache_dir`` is set or a storage backend is passed to the engine.
+    - ``device`` / ``device_bytes``: an optional device tier (only when ``device`` is not ``"cpu"`` and
+      ``device_bytes > 0``), e.g. ``"cuda:0"``; DRAM payloads are then pinned when ``pin_memory``.
+    - ``policy``: ``"lookahead-lru"`` (the paper's default: protected chunks are evicted last) or ``"lru"``.
+    - ``sync_io``: write-back and loads run inline in the calling thread (deterministic; the simulator's mode);
+      otherwise one background writer thread and ``io_workers`` loader threads.
+    - ``fsync``: fdatasync each chunk file before it becomes visible. Off by default: every read is verified
+      (header and per-layer checksums), so a file torn by a crash is dropped as corrupt, never served; turn it on
+      to keep more of the cache across power loss at the cost of write throughput. ``drop_page_cache``: without
+      O_DIRECT, posix_fadvise DONTNEED after reads and writes so the DRAM budget is honest and reads measure the
+      disk (O_DIRECT is used where the filesystem supports it).
+    - ``writeback_wait_s``: how long an insert may wait for pending write-backs to finish when the only DRAM
+      eviction candidates are chunks not yet on SSD (backpressure instead of losing data).
+    """
+
+    chunk_size: int = 256
+    dram_bytes: int | str = "2GiB"
+    ssd_bytes: int | str = 0
+    cache_dir: str | Path | None = None
+    device: str = "cpu"
+    device_bytes: int | str = 0
+    policy: str = "lookahead-lru"
+    pin_memory: bool = True
+    sync_io: bool = False
+    io_workers: int = 2
+    fsync: bool = False
+    drop_page_cache: bool = True
+    writeback_wait_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        self.dram_bytes = parse_bytes(self.dram_bytes)
+        self.ssd_bytes = parse_bytes(self.ssd_bytes)
+        self.device_bytes = parse_bytes(self.device_bytes)
+        if self.chunk_size <= 0:
+            raise ValueError(f"chunk_size must be > 0 tokens, got {self.chunk_size}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown eviction policy {self.policy!r}; choose one of {POLICIES}")
+        if self.io_workers < 1:
+            raise ValueError(f"io_workers must be >= 1, got {self.io_workers}")
+        if self.writeback_wait_s < 0:
+            raise ValueError(f"writeback_wait_s must be >= 0 s, got {self.writeback_wait_s}")
+        if self.cache_dir is not None:
+            self.cache_dir = Path(self.cache_dir).expanduser()
+
+    @property
+    def has_device_tier(self) -> bool:
+        return self.device != "cpu" and int(self.device_bytes) > 0
+
+    @property
+    def pin_dram(self) -> bool:
+        return self.pin_memory and self.device.startswith("cuda")

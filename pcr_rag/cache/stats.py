@@ -1,0 +1,66 @@
+"""CacheStats: a snapshot of the engine's counters (chunks, tokens, bytes) taken under the engine lock."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+__all__ = ["CacheStats"]
+
+
+def _tiers() -> dict[str, int]:
+    return {"device": 0, "dram": 0, "ssd": 0}
+
+
+@dataclass
+class CacheStats:
+    """Counters since the engine started. Per-tier dicts are keyed ``"device"``, ``"dram"``, ``"ssd"``.
+
+    - ``hit_chunks`` / ``hit_tokens``: chunks/tokens matched by ``acquire``, by the fastest tier holding them.
+    - ``miss_chunks`` / ``miss_tokens``: requested but not matched (tokens known when the caller passed
+      ``ChunkSpec``s or ``total_tokens``).
+    - ``evictions[t]``: chunks removed from tier t by the policy; ``demotions[t]`` is the part of those that
+      still had a copy in a slower tier (e.g. DRAM -> SSD), the rest were dropped from the cache.
+    - ``loads``: SSD -> DRAM chunk loads; ``prefetch_loads``: those issued through ``load_async``.
+    - ``writes_done`` / ``writes_failed`` / ``writes_skipped``: DRAM -> SSD write-backs (failed = I/O error such
+      as ENOSPC; skipped = no SSD room could be made); ``writeback_queue_depth``: queued + in flight now.
+    - ``pinned_chunks``: chunks pinned now (held by leases, loads in flight or SSD layer reads); 0 when idle.
+    - ``corrupt_chunks_dropped``: SSD chunks that failed verification (at read or at start-up) and were deleted;
+      ``orphans_dropped``: chunks dropped at start-up because their parent was missing.
+    - ``bytes_used`` / ``bytes_high_water`` / ``capacity_bytes`` / ``chunks``: per tier, now.
+    """
+
+    hit_chunks: dict[str, int] = field(default_factory=_tiers)
+    hit_tokens: dict[str, int] = field(default_factory=_tiers)
+    miss_chunks: int = 0
+    miss_tokens: int = 0
+    lookups: int = 0
+    inserts: int = 0
+    inserts_rejected: int = 0
+    superseded: int = 0
+    evictions: dict[str, int] = field(default_factory=_tiers)
+    demotions: dict[str, int] = field(default_factory=_tiers)
+    loads: int = 0
+    prefetch_loads: int = 0
+    load_failures: int = 0
+    writes_done: int = 0
+    writes_failed: int = 0
+    writes_skipped: int = 0
+    writeback_queue_depth: int = 0
+    pinned_chunks: int = 0
+    corrupt_chunks_dropped: int = 0
+    orphans_dropped: int = 0
+    recovered_chunks: int = 0
+    nodes: int = 0
+    bytes_used: dict[str, int] = field(default_factory=_tiers)
+    bytes_high_water: dict[str, int] = field(default_factory=_tiers)
+    capacity_bytes: dict[str, int] = field(default_factory=_tiers)
+    chunks: dict[str, int] = field(default_factory=_tiers)
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    @property
+    def hit_ratio_tokens(self) -> float:
+        hits = sum(self.hit_tokens.values())
+        total = hits + self.miss_tokens
+        return hits / total if total else 0.0

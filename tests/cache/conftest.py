@@ -1,0 +1,50 @@
+"""Fixtures of the cache-engine tests: chunk builders and payload factories (tiny tensors, milliseconds)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from pcr_rag.cache import ChunkSpec, chunk_key, namespace_key
+
+ROOT = namespace_key("test-model", "float32", 4)
+
+
+class Chunks:
+    """Builds ChunkSpecs by hand: ``child(parent, tokens)`` chains a chunk under ``parent`` (None = the root)."""
+
+    def __init__(self, root: bytes = ROOT, chunk_size: int = 4) -> None:
+        self.root = root
+        self.chunk_size = chunk_size
+        self.tokens: dict[bytes, tuple[int, ...]] = {}
+
+    def child(self, parent: ChunkSpec | None, tokens: Sequence[int]) -> ChunkSpec:
+        parent_key = self.root if parent is None else parent.key
+        start = 0 if parent is None else parent.end
+        key = chunk_key(parent_key, tokens)
+        self.tokens[key] = tuple(tokens)
+        return ChunkSpec(key, parent_key, start, start + len(tokens), 0, len(tokens) < self.chunk_size)
+
+    def path(self, token_runs: Sequence[Sequence[int]]) -> list[ChunkSpec]:
+        out: list[ChunkSpec] = []
+        for run in token_runs:
+            out.append(self.child(out[-1] if out else None, run))
+        return out
+
+
+def payload_for(spec: ChunkSpec, layers: int = 2, heads: int = 1, head_dim: int = 4, dtype=torch.float32):
+    """A deterministic payload derived from the key, so any reader can check it byte for byte."""
+    gen = torch.Generator().manual_seed(int.from_bytes(spec.key[:8], "little") & 0x7FFFFFFF)
+    return torch.randn(layers, 2, heads, spec.num_tokens, head_dim, generator=gen).to(dtype)
+
+
+@pytest.fixture
+def chunks() -> Chunks:
+    return Chunks()
+
+
+@pytest.fixture
+def make_payload():
+    return payload_for
