@@ -168,6 +168,49 @@ class Lease:
         return f"<Lease {self.num_chunks} chunks {self.num_tokens} tokens {state}>"
 
 
+class ChunkLayerReader:
+    """Reads one chunk's layers (see `CacheEngine.open_layer_reader`). ``from_ssd`` tells where they come from."""
+
+    def __init__(self, engine: CacheEngine, node: CacheNode, mem: Payload | None, ssd_reader) -> None:
+        self._engine = engine
+        self._node: CacheNode | None = node
+        self._mem = mem
+        self._ssd = ssd_reader
+
+    @property
+    def from_ssd(self) -> bool:
+        return self._ssd is not None
+
+    def read_layer(self, layer: int, out: torch.Tensor | None = None) -> torch.Tensor | VirtualPayload:
+        if self._mem is not None:
+            return self._mem[layer]
+        if self._ssd is None:
+            node = self._node
+            return VirtualPayload(node.nbytes, node.num_layers)[layer]
+        try:
+            return self._ssd.read_layer(layer, out)
+        except (CorruptChunkError, OSError) as exc:
+            node = self._node
+            with self._engine._lock:
+                self._engine._drop_bad_ssd_copy(node, exc)
+            raise CorruptChunkError(f"chunk {node.key.hex()} layer {layer} failed to read from SSD ({exc}); "
+                                    f"dropped: recompute it") from exc
+
+    def close(self) -> None:
+        if self._ssd is not None:
+            self._ssd.close()
+            self._ssd = None
+        node, self._node = self._node, None
+        if node is not None:
+            self._engine._unpin([node])
+
+    def __enter__(self) -> ChunkLayerReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def _completed(value: int) -> Future[int]:
     fut: Future[int] = Future()
     fut.set_result(value)
@@ -469,6 +512,40 @@ class CacheEngine:
             raise CorruptChunkError(f"chunk {key.hex()} failed to read from SSD ({exc}); dropped: recompute it") from exc
         finally:
             self._unpin([node])
+
+    def pending_loads(self, keys: Iterable[bytes]) -> list[Future[None]]:
+        """Futures of SSD -> DRAM loads in flight for any of ``keys`` (e.g. a prefetch a request can wait for
+        instead of reading the same chunk from SSD a second time)."""
+        with self._lock:
+            out = []
+            for key in keys:
+                node = self._tree.get(key)
+                fut = self._loading.get(node) if node is not None else None
+                if fut is not None:
+                    out.append(fut)
+            return out
+
+    def open_layer_reader(self, key: bytes) -> ChunkLayerReader:
+        """A reader of one chunk's layers for a layer-wise load: from memory when resident (views, no copy),
+        else from SSD with the file opened and its header verified once. The chunk stays pinned until the reader
+        is closed. A layer that fails verification raises CorruptChunkError and the SSD copy is dropped."""
+        with self._lock:
+            node = self._tree.get(key)
+            if node is None:
+                raise ChunkNotFoundError(f"chunk {key.hex()} is not cached; recompute it")
+            self._pin(node)
+            mem = node.dev if node.dev is not None else node.dram
+        if mem is not None or node.virtual:
+            return ChunkLayerReader(self, node, mem, None)
+        assert self._ssd is not None
+        try:
+            ssd_reader = self._ssd.open_layers(key)
+        except (CorruptChunkError, OSError) as exc:
+            with self._lock:
+                self._drop_bad_ssd_copy(node, exc)
+            self._unpin([node])
+            raise CorruptChunkError(f"chunk {key.hex()} failed to open on SSD ({exc}); dropped: recompute it") from exc
+        return ChunkLayerReader(self, node, None, ssd_reader)
 
     # ================================================================== insert
     def insert(self, spec: ChunkSpec, payload: Payload, *, tokens: Sequence[int] | None = None) -> bool:

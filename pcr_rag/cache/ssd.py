@@ -364,6 +364,11 @@ class SSDStore:
         out = body[:nbytes].view(dtype).view(shape)
         return out, memoryview(body.numpy())
 
+    def open_layers(self, key: bytes) -> SSDLayerReader:
+        """Open a chunk once (header read and verified once) to read its layers one by one (layer-wise loads)."""
+        reader, header = self._open_verified(key)
+        return SSDLayerReader(key, reader, header, self.pin_memory)
+
     def read_layer(self, key: bytes, layer: int) -> torch.Tensor:
         """One layer ``[2, kv_heads, tokens, head_dim]``, verified; reads only that layer's bytes."""
         reader, header = self._open_verified(key)
@@ -416,3 +421,44 @@ class SSDStore:
     def iter_keys(self) -> Iterator[bytes]:
         with self._mutex:
             return iter(list(self.index))
+
+
+class SSDLayerReader:
+    """An open chunk file whose header was verified once; `read_layer` reads and verifies one layer's bytes.
+
+    ``out`` (a contiguous tensor of the layer's shape and dtype, e.g. a reused staging buffer) avoids a fresh
+    allocation per layer. Not thread-safe; close it (or use it as a context manager) when done."""
+
+    def __init__(self, key: bytes, reader: BlobReader, header: ChunkHeader, pin_memory: bool) -> None:
+        self.key = key
+        self._reader = reader
+        self.header = header
+        self._pin = pin_memory
+
+    @property
+    def layer_shape(self) -> tuple[int, ...]:
+        return tuple(self.header.shape[1:])
+
+    def read_layer(self, layer: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.header
+        if not 0 <= layer < h.shape[0]:
+            raise IndexError(f"layer {layer} out of range for a chunk of {h.shape[0]} layers")
+        if out is None:
+            out = torch.empty(h.shape[1:], dtype=h.dtype, pin_memory=self._pin)
+        elif tuple(out.shape) != tuple(h.shape[1:]) or out.dtype != h.dtype or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {h.dtype} tensor of shape {tuple(h.shape[1:])}")
+        view = _byte_view(out)
+        lb = h.layer_nbytes
+        got = self._reader.readinto_at(h.data_offset + layer * lb, view)
+        if got != lb or xxhash.xxh3_64_intdigest(view) != h.checksums[layer]:
+            raise CorruptChunkError(f"chunk {self.key.hex()} layer {layer} failed verification")
+        return out
+
+    def close(self) -> None:
+        self._reader.close()
+
+    def __enter__(self) -> SSDLayerReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

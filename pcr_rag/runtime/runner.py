@@ -64,6 +64,7 @@ class Runner:
         self.copy = copy_engine
         self.layerwise = layerwise
         self.store = store and cache is not None
+        self.prefetch_wait_s = 30.0  # longest wait for an in-flight prefetch of a chunk this request needs
         self._eos = set(loaded.eos_token_ids)
 
     # ------------------------------------------------------------------------------------------------ prefill
@@ -92,16 +93,25 @@ class Runner:
         m = lease.num_chunks if lease is not None else 0
         reused = dict.fromkeys(TIERS, 0)
         sources: list[LoadSource] = []
+        tiers = [_tier_name(t) for t in lease.tiers] if lease is not None else []
+        on_ssd = [plan[i].key for i in range(m) if tiers[i] == "ssd"]
+        if on_ssd:  # a prefetch of these may be finishing: wait for it rather than read the chunk twice
+            for fut in self.cache.pending_loads(on_ssd):
+                try:
+                    fut.result(timeout=self.prefetch_wait_s)
+                except Exception:  # noqa: BLE001 - timed out or failed: read from SSD below
+                    pass
         for i in range(m):
-            spec, tier = plan[i], _tier_name(lease.tiers[i])
+            spec = plan[i]
+            payload = self.cache.get_payload(spec.key)
+            tier = tiers[i] if payload is None or tiers[i] != "ssd" else "dram"
             reused[tier] += spec.num_tokens
-            payload = self.cache.get_payload(spec.key) if tier != "ssd" else None
             sources.append(LoadSource(i, spec.key, spec.start, spec.end, payload))
         matched_tokens = plan[m - 1].end if m else 0
         kv.set_length(matched_tokens)
         load = None
         if sources:
-            load = self.copy.start_load(kv, sources, self.cache.read_layer, layerwise=self.layerwise)
+            load = self.copy.start_load(kv, sources, self.cache.open_layer_reader, layerwise=self.layerwise)
         waits_before = sum(self.copy.waits.seconds)
         logits = None
         try:

@@ -20,13 +20,22 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from pcr_rag.errors import PrefixLoadError
 from pcr_rag.runtime.kv_cache import PCRKVCache
 
-ReadLayer = Callable[[bytes, int], torch.Tensor]
+OpenReader = Callable[[bytes], "LayerReader"]
+
+
+class LayerReader(Protocol):
+    """What `CacheEngine.open_layer_reader` returns: verified per-layer reads of one chunk, then close()."""
+
+    def read_layer(self, layer: int, out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -67,10 +76,10 @@ class CopyEngine:
         self.last_load: PrefixLoad | None = None
         self._closed = False
 
-    def start_load(self, kv: PCRKVCache, sources: Sequence[LoadSource], read_layer: ReadLayer,
+    def start_load(self, kv: PCRKVCache, sources: Sequence[LoadSource], open_reader: OpenReader,
                    *, layerwise: bool) -> PrefixLoad:
         """Begin loading ``sources`` into ``kv``; with ``layerwise=False`` the load completes before returning."""
-        load = PrefixLoad(self, kv, list(sources), read_layer)
+        load = PrefixLoad(self, kv, list(sources), open_reader)
         self.last_load = load
         if layerwise and not self.is_cuda and all(s.payload is not None for s in sources):
             # CPU, everything in memory: layer i's copy is a memcpy best done by the compute thread right before
@@ -96,11 +105,13 @@ class CopyEngine:
 class PrefixLoad:
     """Layer-wise load of a request's matched prefix. `wait_layer(i)` blocks until layer i is in the buffers."""
 
-    def __init__(self, engine: CopyEngine, kv: PCRKVCache, sources: list[LoadSource], read_layer: ReadLayer):
+    def __init__(self, engine: CopyEngine, kv: PCRKVCache, sources: list[LoadSource], open_reader: OpenReader):
         self.engine = engine
         self.kv = kv
         self.sources = sources
-        self.read_layer = read_layer
+        self.open_reader = open_reader
+        self._readers: dict[int, LayerReader] = {}  # plan index -> open SSD reader (file + verified header)
+        self._staging: dict[tuple[int, ...], torch.Tensor] = {}  # reused per layer shape: no fresh page faults
         n = kv.geometry.num_layers
         self._ready = [threading.Event() for _ in range(n)]
         self._cuda_events: list[torch.cuda.Event | None] = [None] * n
@@ -133,6 +144,16 @@ class PrefixLoad:
         except Exception as exc:  # noqa: BLE001 - any failure becomes a recompute, never a wrong answer
             index = self._current_index if hasattr(self, "_current_index") else 0
             self._fail(PrefixLoadError(index, exc))
+        finally:
+            self._close_readers()
+
+    def _close_readers(self) -> None:
+        readers, self._readers = self._readers, {}
+        for r in readers.values():
+            try:
+                r.close()
+            except Exception:  # noqa: BLE001
+                pass
 
     def _copy_layer(self, src: LoadSource, layer: int) -> None:
         self._current_index = src.index
@@ -140,11 +161,19 @@ class PrefixLoad:
             data = src.payload[layer]
         else:
             try:
-                data = self.read_layer(src.key, layer)
+                reader = self._readers.get(src.index)
+                if reader is None:
+                    reader = self._readers[src.index] = self.open_reader(src.key)
+                shape = self.kv.geometry.payload_shape(src.end - src.start)[1:]
+                staging = self._staging.get(shape)
+                if staging is None:
+                    staging = self._staging[shape] = torch.empty(shape, dtype=self.kv.geometry.dtype,
+                                                                 pin_memory=self.engine.is_cuda)
+                elif self.engine.is_cuda:
+                    torch.cuda.current_stream(self.engine.device).synchronize()  # previous H2D copy done
+                data = reader.read_layer(layer, out=staging)
             except Exception as exc:  # noqa: BLE001
                 raise PrefixLoadError(src.index, exc) from exc
-            if self.engine.is_cuda and not data.is_pinned():
-                data = data.pin_memory()
         k_dst, v_dst = self.kv.layer(layer).slot(src.start, src.end)
         non_blocking = self.engine.is_cuda
         k_dst.copy_(data[0].transpose(0, 1), non_blocking=non_blocking)
