@@ -33,7 +33,8 @@ class EngineConfig:
         dram_capacity / ssd_capacity / device_capacity: tier budgets in bytes (or "2GiB"-style strings).
             ssd_capacity=0 disables the SSD tier; device_capacity is used only on CUDA.
         device: "auto" (CUDA if available), "cpu", "cuda", "cuda:N".
-        dtype: "auto" (float32 on CPU, bfloat16 on CUDA), a string or a torch dtype. Also the KV dtype.
+        dtype: "auto" (bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16/AMX), else float32), a string
+            or a torch dtype. Also the KV dtype.
         prefetch_window: number of waiting requests the prefetcher looks ahead at.
         layerwise: overlap loads/offloads with compute layer by layer (False: load all, compute, offload all).
         prefetch: start SSD -> DRAM loads for requests in the look-ahead window.
@@ -106,7 +107,9 @@ class EngineConfig:
         if isinstance(self.dtype, torch.dtype):
             return self.dtype
         if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+            from pcr_rag.runtime.model import resolve_dtype
+
+            return resolve_dtype("auto", self.torch_device)
         try:
             return _DTYPES[str(self.dtype).lower()]
         except KeyError:

@@ -183,7 +183,9 @@ def test_bad_arguments_raise_specific_errors(tmp_path: Path) -> None:
 
 def test_resolve_dtype_and_device() -> None:
     cpu = torch.device("cpu")
-    assert resolve_dtype("auto", cpu) == torch.float32
+    from pcr_rag.runtime.model import cpu_has_fast_bf16
+
+    assert resolve_dtype("auto", cpu) == (torch.bfloat16 if cpu_has_fast_bf16() else torch.float32)
     assert resolve_dtype("bf16", cpu) == torch.bfloat16
     assert resolve_dtype("torch.float16", cpu) == torch.float16
     assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
