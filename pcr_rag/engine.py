@@ -187,6 +187,11 @@ class PCREngine:
         return self.loaded.tokenizer
 
     @property
+    def closed(self) -> bool:
+        """True once `close()` was called."""
+        return self._closed
+
+    @property
     def context_window(self) -> int:
         return self.loaded.context_window
 
@@ -293,6 +298,14 @@ class PCREngine:
         ticket = self.board.add(docs, keys, self._ssd_keys(keys))
         self._queue_changed()
         return ticket
+
+    def cancel_announcement(self, ticket: Ticket) -> bool:
+        """Withdraw an announcement nobody will claim (e.g. the framework dropped the retrieval); True if it was
+        still pending. Its chunks leave the prefetch window at the next cycle."""
+        withdrawn = self.board.cancel(ticket)
+        if withdrawn:
+            self._queue_changed()
+        return withdrawn
 
     def stats(self) -> EngineStats:
         cache = self.cache.stats().as_dict() if self.cache is not None else {}

@@ -1,0 +1,29 @@
+"""LangChain integration of pcr-rag: `ChatPCR`, `PCRLLM` and the retrieval hook `PCRRetrievalCallback`.
+
+    from langchain_pcr import ChatPCR, PCRRetrievalCallback
+    llm = ChatPCR(max_tokens=64)
+    hook = PCRRetrievalCallback(llm)
+    chain.invoke(question, config={"callbacks": [hook]})
+"""
+
+from langchain_pcr.callbacks import (
+    PCRRetrievalCallback,
+    get_global_retrieval_hook,
+    install_global_retrieval_hook,
+    uninstall_global_retrieval_hook,
+)
+from langchain_pcr.chat_models import ChatPCR
+from langchain_pcr.embeddings import MiniLMEmbeddings
+from langchain_pcr.llms import PCRLLM
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PCRLLM",
+    "ChatPCR",
+    "MiniLMEmbeddings",
+    "PCRRetrievalCallback",
+    "get_global_retrieval_hook",
+    "install_global_retrieval_hook",
+    "uninstall_global_retrieval_hook",
+]

@@ -1,0 +1,283 @@
+"""The retrieval hook: a callback handler that announces retrieved documents to the PCR engine.
+
+When a retriever run ends, `PCRRetrievalCallback.on_retriever_end` calls `engine.announce(texts, query)`: the
+request enters the engine's waiting queue and SSD -> DRAM prefetch of those documents' KV starts while the chain
+is still formatting the prompt. When a `ChatPCR` / `PCRLLM` run later starts in the same run tree, the model finds
+the handler among its run manager's handlers and asks it for the announcement that belongs to its run, found by
+walking parent run ids (`run_id -> parent_run_id`) from the model up to the nearest ancestor that also contains
+the retriever. This works across LCEL parallel branches, threads and asyncio tasks, where a contextvar set in the
+retriever branch would not be visible to the model.
+
+Memory: only open runs are tracked (a run is dropped when it ends or errors), announcements are dropped when their
+root run ends, and both maps are bounded (oldest dropped first), so nothing accumulates across runs even when
+end events never come (an abandoned stream).
+
+Attach it per call (``config={"callbacks": [handler]}``) or globally (`install_global_retrieval_hook`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from uuid import UUID
+
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.documents import Document
+from langchain_core.tracers.context import register_configure_hook
+
+from langchain_pcr._common import announce_targets, release_ticket
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Announcement",
+    "PCRRetrievalCallback",
+    "get_global_retrieval_hook",
+    "install_global_retrieval_hook",
+    "uninstall_global_retrieval_hook",
+]
+
+
+@dataclass
+class Announcement:
+    """What one retriever run returned, and the engine tickets it produced.
+
+    Attributes:
+        documents: the retrieved texts (``Document.page_content``), in retriever order.
+        query: the retriever's query string.
+        retriever_run_id: the retriever run.
+        ancestors: every run above the retriever (nearest first); used to match a model run to it.
+        tickets: engine -> ticket returned by ``engine.announce`` (a ticket is claimed by the first model call).
+        created_s: ``time.monotonic()`` when announced.
+    """
+
+    documents: tuple[str, ...]
+    query: str | None
+    retriever_run_id: UUID
+    ancestors: tuple[UUID, ...]
+    tickets: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # id(engine) -> (engine, ticket)
+    created_s: float = field(default_factory=time.monotonic)
+    claimed: set[int] = field(default_factory=set)
+
+    def take_ticket(self, engine: Any) -> Any:
+        """The ticket for ``engine``, the first time it is asked for (later model calls get None)."""
+        key = id(engine)
+        entry = self.tickets.get(key)
+        if entry is None or key in self.claimed:
+            return None
+        self.claimed.add(key)
+        return entry[1]
+
+
+class PCRRetrievalCallback(BaseCallbackHandler):
+    """Announces retrieved documents to the PCR engine the moment a retriever finishes.
+
+    Args:
+        target: where to announce: a `ChatPCR` / `PCRLLM` (its engine), a `PCREngine`, or None for the engines
+            of every `ChatPCR` / `PCRLLM` of this process whose engine is already loaded.
+        max_open_runs: bound on tracked open runs (oldest dropped first).
+        max_trees: bound on run trees holding announcements (oldest dropped first).
+    """
+
+    raise_error: bool = False
+
+    def __init__(self, target: Any = None, *, max_open_runs: int = 10_000, max_trees: int = 1_024) -> None:
+        super().__init__()
+        if max_open_runs < 1 or max_trees < 1:
+            raise ValueError("max_open_runs and max_trees must be >= 1")
+        self.target = target
+        self.max_open_runs = max_open_runs
+        self.max_trees = max_trees
+        self._lock = threading.Lock()
+        self._parents: OrderedDict[UUID, UUID | None] = OrderedDict()
+        self._queries: dict[UUID, str] = {}
+        self._trees: OrderedDict[UUID, list[Announcement]] = OrderedDict()
+        self.announced = 0  # announcements made (documents non-empty)
+
+    # ------------------------------------------------------------------------------------------ run tracking
+    def _track(self, run_id: UUID, parent_run_id: UUID | None) -> None:
+        with self._lock:
+            self._parents[run_id] = parent_run_id
+            self._parents.move_to_end(run_id)
+            while len(self._parents) > self.max_open_runs:
+                old, _ = self._parents.popitem(last=False)
+                self._queries.pop(old, None)
+
+    def _ancestors(self, run_id: UUID | None) -> list[UUID]:
+        """``run_id`` and the runs above it, nearest first (caller holds the lock)."""
+        chain: list[UUID] = []
+        seen: set[UUID] = set()
+        while run_id is not None and run_id not in seen:
+            chain.append(run_id)
+            seen.add(run_id)
+            run_id = self._parents.get(run_id)
+        return chain
+
+    def _finish(self, run_id: UUID, parent_run_id: UUID | None) -> None:
+        dropped: list[Announcement] = []
+        with self._lock:
+            self._parents.pop(run_id, None)
+            self._queries.pop(run_id, None)
+            if parent_run_id is None:
+                dropped = self._trees.pop(run_id, [])
+        for ann in dropped:
+            self._release_unclaimed(ann)
+
+    @staticmethod
+    def _release_unclaimed(ann: Announcement) -> None:
+        for key, (engine, ticket) in ann.tickets.items():
+            if key not in ann.claimed:
+                release_ticket(engine, ticket)
+
+    # ---------------------------------------------------------------------------------------------- events
+    def on_chain_start(self, serialized: Any, inputs: Any, *, run_id: UUID, parent_run_id: UUID | None = None,
+                       **kwargs: Any) -> None:
+        self._track(run_id, parent_run_id)
+
+    def on_chain_end(self, outputs: Any, *, run_id: UUID, parent_run_id: UUID | None = None, **kwargs: Any) -> None:
+        self._finish(run_id, parent_run_id)
+
+    def on_chain_error(self, error: BaseException, *, run_id: UUID, parent_run_id: UUID | None = None,
+                       **kwargs: Any) -> None:
+        self._finish(run_id, parent_run_id)
+
+    def on_tool_start(self, serialized: Any, input_str: str, *, run_id: UUID, parent_run_id: UUID | None = None,
+                      **kwargs: Any) -> None:
+        self._track(run_id, parent_run_id)
+
+    def on_tool_end(self, output: Any, *, run_id: UUID, parent_run_id: UUID | None = None, **kwargs: Any) -> None:
+        self._finish(run_id, parent_run_id)
+
+    def on_tool_error(self, error: BaseException, *, run_id: UUID, parent_run_id: UUID | None = None,
+                      **kwargs: Any) -> None:
+        self._finish(run_id, parent_run_id)
+
+    def on_llm_start(self, serialized: Any, prompts: list[str], *, run_id: UUID, parent_run_id: UUID | None = None,
+                     **kwargs: Any) -> None:
+        self._track(run_id, parent_run_id)
+
+    def on_chat_model_start(self, serialized: Any, messages: Any, *, run_id: UUID,
+                            parent_run_id: UUID | None = None, **kwargs: Any) -> None:
+        self._track(run_id, parent_run_id)
+
+    def on_llm_end(self, response: Any, *, run_id: UUID, parent_run_id: UUID | None = None, **kwargs: Any) -> None:
+        self._finish(run_id, parent_run_id)
+
+    def on_llm_error(self, error: BaseException, *, run_id: UUID, parent_run_id: UUID | None = None,
+                     **kwargs: Any) -> None:
+        self._finish(run_id, parent_run_id)
+
+    def on_retriever_start(self, serialized: Any, query: str, *, run_id: UUID, parent_run_id: UUID | None = None,
+                           **kwargs: Any) -> None:
+        self._track(run_id, parent_run_id)
+        with self._lock:
+            self._queries[run_id] = query
+
+    def on_retriever_error(self, error: BaseException, *, run_id: UUID, parent_run_id: UUID | None = None,
+                           **kwargs: Any) -> None:
+        self._finish(run_id, parent_run_id)
+
+    def on_retriever_end(self, documents: Sequence[Document], *, run_id: UUID, parent_run_id: UUID | None = None,
+                         **kwargs: Any) -> None:
+        texts = tuple(d.page_content for d in documents if isinstance(d, Document) and d.page_content)
+        with self._lock:
+            query = self._queries.get(run_id)
+            ancestors = tuple(self._ancestors(parent_run_id))
+        try:
+            if texts:
+                self._announce(texts, query, run_id, ancestors)
+        except Exception:  # a failed announce only costs the prefetch, never the chain
+            logger.exception("announcing retrieved documents to the PCR engine failed")
+        finally:
+            self._finish(run_id, parent_run_id)
+
+    def _announce(self, texts: tuple[str, ...], query: str | None, run_id: UUID, ancestors: tuple[UUID, ...]) -> None:
+        ann = Announcement(documents=texts, query=query, retriever_run_id=run_id, ancestors=ancestors)
+        for engine in announce_targets(self.target):
+            ann.tickets[id(engine)] = (engine, engine.announce(list(texts), query=query or None))
+        root = ancestors[-1] if ancestors else run_id
+        evicted: list[Announcement] = []
+        with self._lock:
+            self.announced += 1
+            if ancestors:  # a retriever run on its own has nobody to hand the documents to
+                self._trees.setdefault(root, []).append(ann)
+                self._trees.move_to_end(root)
+                while len(self._trees) > self.max_trees:
+                    _, old = self._trees.popitem(last=False)
+                    evicted.extend(old)
+            else:
+                evicted.append(ann)
+        for old in evicted:
+            self._release_unclaimed(old)
+        logger.debug("announced %d documents (retriever run %s)", len(texts), run_id)
+
+    # ------------------------------------------------------------------------------------------ model side
+    def lookup(self, run_id: UUID, parent_run_id: UUID | None) -> Announcement | None:
+        """The announcement for a model run: the latest one under the model's nearest ancestor that has one."""
+        with self._lock:
+            chain = self._ancestors(parent_run_id)
+            if not chain:
+                return None
+            anns = self._trees.get(chain[-1])
+            if not anns:
+                return None
+            for ancestor in chain:
+                for ann in reversed(anns):
+                    if ancestor in ann.ancestors:
+                        return ann
+        return None
+
+    def tracked_sizes(self) -> dict[str, int]:
+        """How much state the handler holds (open runs, trees, announcements): for leak checks."""
+        with self._lock:
+            return {
+                "open_runs": len(self._parents),
+                "trees": len(self._trees),
+                "announcements": sum(len(v) for v in self._trees.values()),
+            }
+
+
+# ------------------------------------------------------------------------------------------------ global hook
+class _GlobalSlot:
+    """Quacks like the ContextVar that `register_configure_hook` expects, but is process-wide (all threads)."""
+
+    def __init__(self) -> None:
+        self.handler: PCRRetrievalCallback | None = None
+
+    def get(self) -> PCRRetrievalCallback | None:
+        return self.handler
+
+
+_GLOBAL_SLOT = _GlobalSlot()
+_GLOBAL_LOCK = threading.Lock()
+_REGISTERED = False
+
+
+def install_global_retrieval_hook(target: Any = None) -> PCRRetrievalCallback:
+    """Attach a `PCRRetrievalCallback` to every LangChain run in this process (all threads), and return it.
+
+    Replaces a previously installed global hook. ``target`` is as for `PCRRetrievalCallback`.
+    """
+    global _REGISTERED
+    handler = PCRRetrievalCallback(target)
+    with _GLOBAL_LOCK:
+        if not _REGISTERED:
+            register_configure_hook(_GLOBAL_SLOT, inheritable=True)  # type: ignore[arg-type]
+            _REGISTERED = True
+        _GLOBAL_SLOT.handler = handler
+    return handler
+
+
+def uninstall_global_retrieval_hook() -> None:
+    """Stop attaching the global hook to new runs."""
+    with _GLOBAL_LOCK:
+        _GLOBAL_SLOT.handler = None
+
+
+def get_global_retrieval_hook() -> PCRRetrievalCallback | None:
+    return _GLOBAL_SLOT.handler

