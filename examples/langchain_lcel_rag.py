@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 
-import chromadb
 from langchain_chroma import Chroma
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
@@ -19,6 +18,7 @@ from langchain_pcr import ChatPCR, MiniLMEmbeddings, PCRRetrievalCallback
 
 from pcr_rag import EngineConfig, PCREngine
 from pcr_rag.corpus import split_passages, stdlib_corpus
+from pcr_rag.embeddings import chroma_client
 
 QUESTIONS = ["How does heapq.heappop work?", "What does heapq.heappush do?"]
 PROMPT = ChatPromptTemplate.from_messages([
@@ -33,7 +33,7 @@ def main(model: str | None = None, cache_dir: str | None = None) -> list[dict]:
         passages = split_passages(stdlib_corpus(["heapq", "bisect", "json", "textwrap"]), tokens_per_passage=200,
                                   tokenizer=engine.tokenizer)
         store = Chroma(collection_name="pcr-example-langchain", embedding_function=MiniLMEmbeddings(),
-                       client=chromadb.EphemeralClient())
+                       client=chroma_client())
         store.add_texts([p.text for p in passages], ids=[p.doc_id for p in passages])
         retriever = store.as_retriever(search_kwargs={"k": 2})
 

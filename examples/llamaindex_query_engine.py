@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 
-import chromadb
 from llama_index.core import StorageContext, VectorStoreIndex
 from llama_index.core.schema import TextNode
 from llama_index.llms.pcr import PCRLLM, MiniLMEmbedding
@@ -18,7 +17,7 @@ from llama_index.vector_stores.chroma import ChromaVectorStore
 
 from pcr_rag import EngineConfig, PCREngine
 from pcr_rag.corpus import split_passages, stdlib_corpus
-from pcr_rag.embeddings import chroma_embedding_function
+from pcr_rag.embeddings import chroma_client, chroma_embedding_function
 
 QUESTIONS = ["How do I insert into a sorted list with bisect?", "What does bisect.bisect_right return?"]
 
@@ -26,7 +25,7 @@ QUESTIONS = ["How do I insert into a sorted list with bisect?", "What does bisec
 def build_index(tokenizer) -> VectorStoreIndex:
     passages = split_passages(stdlib_corpus(["bisect", "heapq", "json", "textwrap"]), tokens_per_passage=200,
                               tokenizer=tokenizer)
-    collection = chromadb.EphemeralClient().get_or_create_collection(
+    collection = chroma_client().get_or_create_collection(
         "pcr-example-llamaindex", embedding_function=chroma_embedding_function())  # never Chroma's default
     nodes = [TextNode(text=p.text, id_=p.doc_id) for p in passages]
     storage = StorageContext.from_defaults(vector_store=ChromaVectorStore(chroma_collection=collection))

@@ -3,22 +3,35 @@
 Public API::
 
     from pcr_rag import PCREngine, EngineConfig
+
+Names are imported lazily, so light modules (``pcr_rag.corpus``, ``pcr_rag.bench.report``, the simulator) do not
+pull in torch and transformers.
 """
 
-from pcr_rag.config import EngineConfig
-from pcr_rag.engine import EngineStats, GenerationResult, PCREngine, StreamChunk, TokenStream
-from pcr_rag.errors import (
-    ConfigError,
-    EngineClosedError,
-    InvalidRequestError,
-    PCRError,
-    PromptTooLongError,
-    RequestCancelledError,
-)
-from pcr_rag.metrics import RequestMetrics
-from pcr_rag.runtime.scheduler import QueueFullError, Ticket
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "EngineConfig": "pcr_rag.config",
+    "EngineStats": "pcr_rag.engine",
+    "GenerationResult": "pcr_rag.engine",
+    "PCREngine": "pcr_rag.engine",
+    "StreamChunk": "pcr_rag.engine",
+    "TokenStream": "pcr_rag.engine",
+    "ConfigError": "pcr_rag.errors",
+    "EngineClosedError": "pcr_rag.errors",
+    "InvalidRequestError": "pcr_rag.errors",
+    "PCRError": "pcr_rag.errors",
+    "PromptTooLongError": "pcr_rag.errors",
+    "RequestCancelledError": "pcr_rag.errors",
+    "RequestMetrics": "pcr_rag.metrics",
+    "QueueFullError": "pcr_rag.runtime.scheduler",
+    "Ticket": "pcr_rag.runtime.scheduler",
+}
 
 __all__ = [
     "ConfigError",
@@ -37,3 +50,26 @@ __all__ = [
     "Ticket",
     "TokenStream",
 ]
+
+if TYPE_CHECKING:
+    from pcr_rag.config import EngineConfig
+    from pcr_rag.engine import EngineStats, GenerationResult, PCREngine, StreamChunk, TokenStream
+    from pcr_rag.errors import (
+        ConfigError,
+        EngineClosedError,
+        InvalidRequestError,
+        PCRError,
+        PromptTooLongError,
+        RequestCancelledError,
+    )
+    from pcr_rag.metrics import RequestMetrics
+    from pcr_rag.runtime.scheduler import QueueFullError, Ticket
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pcr_rag' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -142,20 +142,19 @@ def _passages(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
 
 
 def _build_index(passages: list[Any], index_dir: str | None) -> Any:
-    import chromadb
     from llama_index.core import StorageContext, VectorStoreIndex
     from llama_index.core.schema import TextNode
     from llama_index.llms.pcr import MiniLMEmbedding
     from llama_index.vector_stores.chroma import ChromaVectorStore
 
-    from pcr_rag.embeddings import chroma_embedding_function
+    from pcr_rag.embeddings import chroma_client, chroma_embedding_function
 
     embed = MiniLMEmbedding()
     digest = hashlib.blake2b(digest_size=8)
     for p in passages:
         digest.update(f"{p.doc_id}\0{len(p.text)}\0".encode())
     ident = f"pcr-demo-{len(passages)}-{digest.hexdigest()}"  # a corpus change gets a new collection
-    client = chromadb.PersistentClient(path=index_dir) if index_dir else chromadb.EphemeralClient()
+    client = chroma_client(index_dir)
     collection = client.get_or_create_collection(
         ident, embedding_function=chroma_embedding_function(), configuration={"hnsw": {"space": "cosine"}})
     store = ChromaVectorStore(chroma_collection=collection)

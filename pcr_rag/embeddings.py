@@ -156,3 +156,17 @@ def _chroma_function_class() -> type:
 def chroma_embedding_function(device: str = "cpu") -> Any:
     """A Chroma `EmbeddingFunction` on the packaged MiniLM; registered so persistent collections reopen offline."""
     return _chroma_function_class()(device=device)
+
+
+def chroma_client(path: str | Path | None = None) -> Any:
+    """An in-process Chroma client (ephemeral, or persistent at ``path``) with telemetry off.
+
+    Chroma caches one client system per location and refuses a second one with different settings, so every
+    Chroma client in pcr-rag, its examples and tests is made here, always with the same settings."""
+    import chromadb
+    from chromadb.config import Settings
+
+    settings = Settings(anonymized_telemetry=False)
+    if path is None:
+        return chromadb.EphemeralClient(settings=settings)
+    return chromadb.PersistentClient(path=str(path), settings=settings)

@@ -175,7 +175,7 @@ class PCREngine:
                 protect=config.eviction == "lookahead-lru", on_cycle=self.board.expire,
             )
         log.info("PCREngine ready: model=%s device=%s dtype=%s cache=%s", self.loaded.name, self.device,
-                 self.loaded.dtype, "on" if self.cache else "off")
+                 self.loaded.dtype, "off" if self.cache is None else "on")
 
     # ------------------------------------------------------------------------------------------ properties
     @property

@@ -22,28 +22,19 @@ def test_request_documents_says_when_the_announcement_can_be_claimed() -> None:
     assert request_documents("a: D1", ["D1", "D2"]) == (("D1",), False)
 
 
-class _Board:
-    def __init__(self) -> None:
-        self.cancelled = []
+def test_release_ticket_withdraws_only_live_unclaimed_tickets(tmp_path) -> None:
+    from pcr_rag import EngineConfig, PCREngine
+    from pcr_rag.testing import tiny_model
 
-    def cancel(self, ticket) -> bool:
-        self.cancelled.append(ticket)
-        return True
-
-
-class _Ticket:
-    def __init__(self, claimed: bool = False, expired: bool = False) -> None:
-        self.claimed, self.expired = claimed, expired
-
-
-class _Engine:
-    def __init__(self) -> None:
-        self.board = _Board()
-
-
-def test_release_ticket_withdraws_only_live_unclaimed_tickets() -> None:
-    engine = _Engine()
-    live, claimed, expired = _Ticket(), _Ticket(claimed=True), _Ticket(expired=True)
-    for t in (live, claimed, expired, None):
-        release_ticket(engine, t)
-    assert engine.board.cancelled == [live]
+    model, tok = tiny_model("llama", num_layers=2)
+    cfg = EngineConfig(cache_dir=tmp_path, chunk_size=16, max_new_tokens=2, device="cpu")
+    with PCREngine(model, tok, cfg) as engine:
+        live = engine.announce(["a live document that nobody claims"])
+        claimed = engine.announce(["a document the next request claims"])
+        engine.generate("q", ["a document the next request claims"])
+        assert claimed.claimed and engine.stats().prefetch["pending_announcements"] == 1
+        for t in (claimed, live, None):
+            release_ticket(engine, t)
+        assert live.expired and engine.stats().prefetch["pending_announcements"] == 0
+        release_ticket(engine, live)  # idempotent
+        assert engine.window_snapshot() == []

@@ -31,7 +31,8 @@ def bench_report(tmp_path_factory):
     rc = main(["bench", "--model", str(model_dir), "--corpus", str(corpus), "--passage-tokens", "40", "--passages",
                "0", "--top-k", "2", "--topics", "4", "--requests", "6", "--warmup", "2", "--loads", "0.5,1.0",
                "--windows", "", "--systems", "no-reuse,dram-only,pcr", "--max-new-tokens", "3", "--chunk-size", "16",
-               "--threads", "1", "--no-progress", "--no-limit-ratio", "--no-plots", "--json", str(out),
+               "--threads", "1", "--dtype", "float32", "--no-progress", "--no-limit-ratio", "--no-plots",
+               "--json", str(out),
                "--work-dir", str(root / "work")])
     assert rc == 0
     return load_report(out), model_dir

@@ -5,14 +5,13 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 
-import chromadb
 import pytest
 from llama_index.core import Document, StorageContext, VectorStoreIndex
 from llama_index.llms.pcr import MiniLMEmbedding
 from llama_index.vector_stores.chroma import ChromaVectorStore
 
 from pcr_rag import EngineConfig, PCREngine
-from pcr_rag.embeddings import chroma_embedding_function
+from pcr_rag.embeddings import chroma_client, chroma_embedding_function
 from pcr_rag.testing import tiny_model
 
 PASSAGES = {
@@ -47,7 +46,7 @@ def engine(tiny, tmp_path) -> Iterator[PCREngine]:
 
 def build_index(passages: dict[str, str] | None = None) -> VectorStoreIndex:
     """An in-process Chroma collection embedded with the packaged MiniLM (no download), wrapped in an index."""
-    collection = chromadb.EphemeralClient().create_collection(
+    collection = chroma_client().create_collection(
         f"t{uuid.uuid4().hex[:12]}", embedding_function=chroma_embedding_function(),
         configuration={"hnsw": {"space": "cosine"}},
     )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import tempfile
 import uuid
 
-import chromadb
 import pytest
 from langchain_chroma import Chroma
 from langchain_core.prompts import ChatPromptTemplate
@@ -13,6 +12,7 @@ from langchain_core.runnables import RunnablePassthrough
 from langchain_pcr import ChatPCR, MiniLMEmbeddings, PCRRetrievalCallback
 
 from pcr_rag import EngineConfig, PCREngine
+from pcr_rag.embeddings import chroma_client
 
 PASSAGES = [
     "pathlib offers classes for filesystem paths. Path objects join parts with the slash operator, and "
@@ -32,7 +32,7 @@ PROMPT = ChatPromptTemplate.from_messages(
 
 def build_chain(llm):
     store = Chroma(collection_name=f"t{uuid.uuid4().hex[:12]}", embedding_function=MiniLMEmbeddings(),
-                   client=chromadb.EphemeralClient(), collection_metadata={"hnsw:space": "cosine"})
+                   client=chroma_client(), collection_metadata={"hnsw:space": "cosine"})
     store.add_texts(PASSAGES)
     retriever = store.as_retriever(search_kwargs={"k": 2})
     context = retriever | (lambda docs: "\n\n".join(d.page_content for d in docs))

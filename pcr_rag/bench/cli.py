@@ -1,0 +1,171 @@
+"""`pcr-rag bench`: the RAG serving benchmark (baselines, ablations, window sweep, percentiles, plots).
+
+Quick run (all systems, two rates, a small trace; under 10 minutes on 2 CPU cores with the default model)::
+
+    pcr-rag bench --quick --json results/bench-quick.json
+
+Full run (load factors 0.4, 0.7, 1.0 of the measured no-reuse capacity, 32 measured requests per system and
+rate, top-3 passages of ~300 tokens from 64 Zipf-popular topics, prefetch windows 2/4/6/8/10 at the middle
+rate, 32 output tokens; about 2-3 hours on 2 CPU cores, since low rates are mostly waiting for arrivals)::
+
+    pcr-rag bench --json results/bench.json
+
+Outputs: the JSON report (``--json``), a Markdown table next to it (``--markdown``, default ``<json>.md``),
+PNG plots (``--plots``, default ``<json stem>-plots/``), and a summary on stdout. Exit status 0 even when a
+target is missed (the report says which); 2 on bad arguments, 1 when the benchmark could not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from pcr_rag.bench.systems import DEFAULT_SYSTEMS, SYSTEMS
+
+log = logging.getLogger(__name__)
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(math.inf if x.strip().lower() == "inf" else float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers (or 'inf'), got {text!r}") from None
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__.splitlines()[0]
+    parser.epilog = "\n".join(__doc__.splitlines()[2:])
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    g = parser.add_argument_group("run")
+    g.add_argument("--quick", action="store_true",
+                   help="small preset: all systems, loads 0.7,1.0, 12 requests per run, window sweep {2,6}")
+    g.add_argument("--json", metavar="PATH", help="write the JSON report here")
+    g.add_argument("--markdown", metavar="PATH", help="Markdown report (default: next to --json, .md)")
+    g.add_argument("--plots", metavar="DIR", help="PNG plots directory (default: <json stem>-plots)")
+    g.add_argument("--no-plots", action="store_true", help="skip the plots")
+    g.add_argument("--work-dir", metavar="DIR", help="cache directories of the systems (default: a temp dir, removed)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--no-limit-ratio", action="store_true", help="skip the limit-ratio measurement")
+    m = parser.add_argument_group("model")
+    m.add_argument("--model", help="model alias or local HF directory (default: the engine's default model)")
+    m.add_argument("--dtype", default=None, help="auto (default), float32, bfloat16")
+    m.add_argument("--device", default=None, help="auto (default), cpu, cuda[:N]")
+    m.add_argument("--threads", type=int, help="torch compute threads (default: CPUs - 1, at least 1)")
+    w = parser.add_argument_group("workload")
+    w.add_argument("--corpus", help="directory of .txt/.md files or a .jsonl file (default: stdlib pydoc corpus)")
+    w.add_argument("--max-docs", type=int, help="use at most this many corpus documents")
+    w.add_argument("--passage-tokens", type=int, help="tokens per passage (default 300; quick 120)")
+    w.add_argument("--passages", type=int, help="passage pool size, seeded sample (default 256; quick 96; 0 = all)")
+    w.add_argument("--top-k", type=int, help="documents per request (default 3)")
+    w.add_argument("--topics", type=int,
+                   help="distinct retrieval lists with Zipf popularity (default 64; quick 16; 0 = every request "
+                        "draws its own documents)")
+    w.add_argument("--retrieval", action="store_true",
+                   help="topics are real questions with their top-k passages from Chroma + MiniLM")
+    w.add_argument("--questions", metavar="FILE",
+                   help="questions for --retrieval, one per line (default: built-in questions on the stdlib docs)")
+    w.add_argument("--zipf", type=float, help="Zipf exponent of popularity (default 1.0)")
+    w.add_argument("--requests", type=int, help="measured requests per system and rate (default 32; quick 12)")
+    w.add_argument("--warmup", type=int, help="warm-up requests per cached system, not measured: the most popular topics (default 16; quick 8)")
+    w.add_argument("--loads", type=_floats,
+                   help="rates as multiples of the measured no-reuse capacity (default 0.4,0.7,1.0; quick 0.7,1.0)")
+    w.add_argument("--rates", type=_floats, help="absolute request rates in req/s ('inf' = all at once); "
+                                                 "overrides --loads")
+    w.add_argument("--burstiness", type=float, help="gamma shape of inter-arrivals (1.0 = Poisson)")
+    w.add_argument("--repeats", type=int, help="repeat every (system, rate) run this many times (default 1)")
+    w.add_argument("--max-new-tokens", type=int, help="output tokens per request (default 32; quick 8)")
+    w.add_argument("--seed", type=int, help="workload seed (default 0)")
+    s = parser.add_argument_group("systems and cache")
+    s.add_argument("--systems", help=f"comma-separated, from: {', '.join(SYSTEMS)} (default: all of "
+                                     f"{','.join(DEFAULT_SYSTEMS)})")
+    s.add_argument("--windows", type=_ints,
+                   help="prefetch windows to sweep besides pcr's own (default 2,4,8,10; quick 2; '' = none)")
+    s.add_argument("--sweep-rates", choices=("mid", "all"), help="rates of the window sweep (default mid)")
+    s.add_argument("--chunk-size", type=int, help="tokens per cached chunk (default 256)")
+    s.add_argument("--dram-fraction", type=float, help="DRAM tier as a fraction of the working set (default 0.25)")
+    s.add_argument("--ssd-fraction", type=float, help="SSD tier as a fraction of the working set (default 1.0)")
+
+
+_FIELDS = {
+    "model": "model", "dtype": "dtype", "device": "device", "threads": "threads", "corpus": "corpus",
+    "max_docs": "max_docs", "passage_tokens": "tokens_per_passage", "passages": "num_passages", "top_k": "top_k",
+    "topics": "num_topics", "zipf": "zipf_exponent", "requests": "num_requests", "warmup": "warmup_requests",
+    "loads": "loads", "rates": "rates", "burstiness": "burstiness", "repeats": "repeats",
+    "max_new_tokens": "max_new_tokens", "seed": "seed", "windows": "windows", "sweep_rates": "sweep_rates",
+    "chunk_size": "chunk_size", "dram_fraction": "dram_fraction", "ssd_fraction": "ssd_fraction",
+    "work_dir": "work_dir", "questions": "questions",
+}
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    """A `BenchConfig` from parsed arguments (preset first, then every option given)."""
+    from pcr_rag.bench.runner import BenchConfig, quick_config
+
+    cfg = quick_config() if args.quick else BenchConfig()
+    changes: dict[str, Any] = {}
+    for arg, fld in _FIELDS.items():
+        value = getattr(args, arg, None)
+        if value is not None:
+            changes[fld] = value
+    if changes.get("num_passages") == 0:
+        changes["num_passages"] = None
+    if changes.get("num_topics") == 0:
+        changes["num_topics"] = None
+    if args.systems:
+        changes["systems"] = tuple(x.strip() for x in args.systems.split(",") if x.strip())
+    if args.retrieval or args.questions:
+        changes["retrieval"] = True
+    if args.no_limit_ratio:
+        changes["limit_ratio"] = False
+    return replace(cfg, **changes)
+
+
+def output_paths(args: argparse.Namespace) -> tuple[Path | None, Path | None, Path | None]:
+    """(json, markdown, plots dir); without --json the Markdown and plots go to ./bench-results/ by default."""
+    json_path = Path(args.json) if args.json else None
+    base = json_path.with_suffix("") if json_path else Path("bench-results") / "bench"
+    md = Path(args.markdown) if args.markdown else base.with_suffix(".md")
+    plots = None if args.no_plots else (Path(args.plots) if args.plots else Path(f"{base}-plots"))
+    return json_path, md, plots
+
+
+def run(args: argparse.Namespace) -> int:
+    from pcr_rag.bench.report import markdown_report, write_report
+    from pcr_rag.bench.runner import BenchError, run_bench
+    from pcr_rag.bench.systems import UnknownSystemError
+
+    try:
+        cfg = config_from_args(args)
+        cfg.validate()
+    except (BenchError, UnknownSystemError, TypeError, ValueError) as exc:
+        print(f"pcr-rag bench: {exc}", file=sys.stderr)
+        return 2
+    try:
+        report = run_bench(cfg, progress=not args.no_progress)
+    except BenchError as exc:
+        print(f"pcr-rag bench: {exc}", file=sys.stderr)
+        return 1
+    json_path, md_path, plot_dir = output_paths(args)
+    out = write_report(report, json_path=json_path, markdown_path=md_path, plot_dir=plot_dir,
+                       title="pcr-rag bench")
+    print(markdown_report(report, title="pcr-rag bench"))
+    print()
+    print(f"what a user would see: {report.get('summary')}")
+    for kind, path in (("json", out["json"]), ("markdown", out["markdown"])):
+        if path:
+            print(f"{kind}: {path}")
+    if out["plots"]:
+        print(f"plots: {', '.join(str(p) for p in out['plots'])}")
+    return 0
