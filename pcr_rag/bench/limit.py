@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import statistics
 import tempfile
 import time
@@ -67,23 +66,6 @@ class LimitRatioResult:
                 f"(x{self.speedup_dram:.1f}), SSD {self.ttft_ssd_s * 1000:.0f} ms (x{self.speedup_ssd:.1f})")
 
 
-def drop_page_cache(directory: Path) -> None:
-    """posix_fadvise(DONTNEED) on every file below ``directory`` so the next reads hit the disk."""
-    for root, _dirs, files in os.walk(directory):
-        for name in files:
-            try:
-                fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-
-
 def _raw_suffix_forward(model, prefix_ids: list[int], suffix_ids: list[int], device) -> float:
     """Seconds for one forward of the suffix over a resident DynamicCache of the prefix, plus argmax."""
     from transformers import DynamicCache
@@ -105,6 +87,7 @@ def measure_limit_ratio(model=None, tokenizer=None, *, documents: Sequence[str],
                         dtype="auto") -> LimitRatioResult:
     """Measure the limit ratios with ``documents`` as the cached prefix (see the module docstring)."""
     from pcr_rag import EngineConfig, PCREngine
+    from pcr_rag.bench.runner import drop_page_cache
     from pcr_rag.runtime.model import load_model
 
     loaded = load_model(model, tokenizer, dtype=dtype, device="cpu")
@@ -143,7 +126,7 @@ def measure_limit_ratio(model=None, tokenizer=None, *, documents: Sequence[str],
             t_off.append(no_cache.generate(q, documents).metrics.ttft_s)
             t_dram_no.append(r_no.metrics.ttft_s)
             for lw, bucket in ((True, t_ssd), (False, t_ssd_no)):
-                drop_page_cache(ssd_dir)
+                drop_page_cache(ssd_dir)  # the next tries read the disk, not the page cache
                 with engine(ssd_dir, layerwise=lw, dram=0) as eng:
                     r = eng.generate(q, documents)
                 if r.metrics.reused_by_tier["ssd"] == 0:

@@ -174,7 +174,7 @@ class _Outcome:
     failed: int
 
 
-def _drop_page_cache(directory: Path) -> int:
+def drop_page_cache(directory: Path) -> int:
     """Evict every file below ``directory`` from the page cache (fsync first: dirty pages cannot be dropped).
     Returns the files handled; silently skips what it cannot open (best effort by design)."""
     n = 0
@@ -541,7 +541,7 @@ class BenchRunner:
         self._bar.set_description_str(f"{name} @ {rate:.3g} req/s")
         if engine.cache is not None:
             engine.flush()
-            _drop_page_cache(self.cache_dirs[name])
+            drop_page_cache(self.cache_dirs[name])
         storage = self.storages.get(name)
         io_before = storage.snapshot() if storage else (0, 0)
         before = engine.stats().as_dict()
