@@ -24,7 +24,8 @@ def answer(model: str | None, cache_dir: str, documents: list[str]) -> dict:
         engine.flush()  # wait for the SSD write-back before the process would exit
         m = result.metrics
         return {"answer": result.text, "ttft_s": m.ttft_s, "prompt_tokens": m.prompt_tokens,
-                "computed": m.computed_tokens, **{f"from_{k}": v for k, v in m.reused_by_tier.items()}}
+                "computed": m.computed_tokens, "prefetched_chunks": m.prefetch_hit_chunks,
+                **{f"from_{k}": v for k, v in m.reused_by_tier.items()}}
 
 
 def main(model: str | None = None, cache_dir: str | None = None) -> list[dict]:
@@ -34,7 +35,8 @@ def main(model: str | None = None, cache_dir: str | None = None) -> list[dict]:
     for run in (1, 2):
         r = answer(model, cache_dir, documents)
         print(f"run {run}: TTFT {r['ttft_s']:.2f} s; prompt {r['prompt_tokens']} tokens: computed {r['computed']}, "
-              f"from DRAM {r['from_dram']}, from SSD {r['from_ssd']}\n        answer: {r['answer'].strip()!r}")
+              f"from DRAM {r['from_dram']} ({r['prefetched_chunks']} chunks prefetched off the SSD while queued), "
+              f"from SSD {r['from_ssd']}\n        answer: {r['answer'].strip()!r}")
         runs.append(r)
     print(f"same answer after the restart: {runs[0]['answer'] == runs[1]['answer']}; cache in {cache_dir}")
     return runs

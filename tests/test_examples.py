@@ -42,7 +42,10 @@ def test_langchain_lcel_example(tiny_dir, tmp_path) -> None:
 def test_persistent_cache_example(tiny_dir, tmp_path) -> None:
     first, second = load_example("persistent_cache").main(tiny_dir, str(tmp_path / "kv"))
     assert first["computed"] == first["prompt_tokens"]
-    assert second["from_ssd"] > 0 and second["computed"] < first["computed"]
+    # a restarted engine starts with an empty DRAM tier: everything it reuses came off the SSD, either read on
+    # demand or prefetched into DRAM while the request waited in the queue
+    assert second["from_ssd"] + second["from_dram"] > 0 and second["computed"] < first["computed"]
+    assert second["from_dram"] == 0 or second["prefetched_chunks"] > 0
     assert second["answer"] == first["answer"]
 
 
