@@ -44,6 +44,8 @@ class EngineConfig:
         max_new_tokens: default generation length (tokens).
         announce_ttl_s: an announced request that nobody claims expires after this many seconds.
         max_queue: waiting requests admitted at most; beyond it `generate` raises `QueueFullError`.
+        max_active: requests decoding at once, one token each per round between admissions (1 = run each
+            request to completion before the next; more = a newcomer waits for prefills, not for whole answers).
         io_workers: threads for SSD reads (prefetch and on-demand loads).
         model_cache_dir: where converted models are kept (None: the model loader's default).
     """
@@ -64,6 +66,7 @@ class EngineConfig:
     max_new_tokens: int = 128
     announce_ttl_s: float = 120.0
     max_queue: int = 4096
+    max_active: int = 8
     io_workers: int = 2
     model_cache_dir: str | Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -87,8 +90,8 @@ class EngineConfig:
             raise ConfigError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
         if self.announce_ttl_s <= 0:
             raise ConfigError(f"announce_ttl_s must be > 0 seconds, got {self.announce_ttl_s!r}")
-        if self.max_queue < 1 or self.io_workers < 1:
-            raise ConfigError("max_queue and io_workers must be >= 1")
+        if self.max_queue < 1 or self.io_workers < 1 or self.max_active < 1:
+            raise ConfigError("max_queue, max_active and io_workers must be >= 1")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

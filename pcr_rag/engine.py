@@ -30,7 +30,7 @@ from pcr_rag.prompt import PromptBuilder, SegmentedPrompt, validate_documents
 from pcr_rag.runtime.model import LoadedModel, load_model
 from pcr_rag.runtime.prefetcher import Prefetcher
 from pcr_rag.runtime.runner import Runner, SamplingParams
-from pcr_rag.runtime.scheduler import AnnouncementBoard, Request, Scheduler, Ticket
+from pcr_rag.runtime.scheduler import AnnouncementBoard, Request, RequestState, Scheduler, Ticket
 from pcr_rag.runtime.transfer import CopyEngine
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,8 @@ class PCREngine:
         self._closed = False
         self._close_lock = threading.Lock()
         self.prefetcher: Prefetcher | None = None
-        self.scheduler = Scheduler(self._execute, max_queue=config.max_queue, on_change=self._queue_changed)
+        self.scheduler = Scheduler(self._execute, max_queue=config.max_queue, max_active=config.max_active,
+                                   on_change=self._queue_changed)
         if self.cache is not None and (config.prefetch or config.eviction == "lookahead-lru"):
             self.prefetcher = Prefetcher(
                 self.cache, self._window_keys, window=config.prefetch_window, do_loads=config.prefetch,
@@ -469,8 +470,8 @@ class PCREngine:
         if self.prefetcher is not None:
             self.prefetcher.wake()
 
-    def _execute(self, req: Request) -> None:
-        """Runs on the executor thread: prefill with reuse, then decode."""
+    def _execute(self, req: Request) -> _ActiveRequest | None:
+        """Runs on the executor thread: prefill with reuse; returns the request's decode to be advanced."""
         m = req.metrics
         started = time.perf_counter()
         m.queue_s = started - req.submitted_at
@@ -478,10 +479,9 @@ class PCREngine:
         capacity = len(req.token_ids) + req.params.max_new_tokens
         if self.cache is not None and req.ssd_keys_at_entry:
             # prefetch hits: chunks on SSD at entry, in memory now (counted before the lease touches anything)
-            now_ssd = self._ssd_keys(req.keys)
             match = self.cache.match(req.keys)
             in_memory = {k for k, t in zip(match.keys, match.tiers) if getattr(t, "value", t) != "ssd"}
-            m.prefetch_hit_chunks = len((req.ssd_keys_at_entry - now_ssd) & in_memory)
+            m.prefetch_hit_chunks = len(req.ssd_keys_at_entry & in_memory)
         pre = self.runner.prefill(req.token_ids, req.plan, capacity, req.cancelled)
         m.prefill_s = time.perf_counter() - started
         m.computed_tokens = pre.computed_tokens
@@ -489,28 +489,10 @@ class PCREngine:
         m.reused_tokens = sum(pre.reused_by_tier.values())
         m.load_wait_s = pre.load_wait_s
         m.recomputed_after_error = pre.retries
-        first = [True]
-
-        def on_token(token_id: int, delta: str) -> None:
-            now = time.perf_counter()
-            if first[0]:
-                first[0] = False
-                m.ttft_s = now - req.submitted_at
-            if req.on_token is not None:
-                req.on_token(token_id, delta)
-
-        tokens, text, finish = self.runner.decode(pre.kv, pre.last_logits, len(req.token_ids), req.params,
-                                                  self.loaded.tokenizer, on_token, req.cancelled, m)
-        end = time.perf_counter()
-        if first[0]:  # no visible token (immediate EOS): the first token still came out of prefill
-            m.ttft_s = end - req.submitted_at
-        m.e2e_s = end - req.submitted_at
-        m.generated_tokens = len(tokens)
-        self.recorder.record(m)
-        req.future.set_result(GenerationResult(text=text, token_ids=tokens, prompt_token_ids=list(req.token_ids),
-                                               metrics=m, finish_reason=finish, request_id=req.request_id,
-                                               documents_found=req.documents_found,
-                                               first_token_logits=pre.last_logits.detach().to("cpu")))
+        active = _ActiveRequest(self, req, pre.last_logits)
+        active.state = self.runner.start_decode(pre.kv, pre.last_logits, len(req.token_ids), req.params,
+                                                self.loaded.tokenizer, active.on_token, req.cancelled, m)
+        return active
 
     def _cancel(self, req: Request) -> None:
         if req.future.done():
@@ -575,3 +557,44 @@ class PCREngine:
         except (asyncio.CancelledError, GeneratorExit):
             self._cancel(req)
             raise
+
+
+class _ActiveRequest:
+    """A request between prefill and its last token, advanced by the executor one token per `step()`."""
+
+    def __init__(self, engine: PCREngine, req: Request, first_logits) -> None:
+        self.engine = engine
+        self.req = req
+        self.first_logits = first_logits
+        self.state = None
+        self._first = True
+
+    def on_token(self, token_id: int, delta: str) -> None:
+        if self._first:
+            self._first = False
+            self.req.metrics.ttft_s = time.perf_counter() - self.req.submitted_at
+        if self.req.on_token is not None:
+            self.req.on_token(token_id, delta)
+
+    def step(self) -> bool:
+        if not self.state.step():
+            return False
+        req, m, st = self.req, self.req.metrics, self.state
+        end = time.perf_counter()
+        if self._first:  # no visible token (immediate EOS): the first token still came out of prefill
+            m.ttft_s = end - req.submitted_at
+        m.e2e_s = end - req.submitted_at
+        m.generated_tokens = len(st.tokens)
+        req.state = RequestState.FINISHED
+        self.engine.recorder.record(m)
+        req.future.set_result(GenerationResult(
+            text=st.text, token_ids=st.tokens, prompt_token_ids=list(req.token_ids), metrics=m,
+            finish_reason=st.finish, request_id=req.request_id, documents_found=req.documents_found,
+            first_token_logits=self.first_logits.detach().to("cpu")))
+        return True
+
+    def fail(self, exc: BaseException) -> None:
+        self.req.state = RequestState.CANCELLED if isinstance(exc, RequestCancelledError) else RequestState.FAILED
+        self.state = None  # drop the KV buffers
+        if not self.req.future.done():
+            self.req.future.set_exception(exc)

@@ -163,55 +163,86 @@ class Runner:
                 self._insert(plan[src.index], kv.chunk_payload(src.start, src.end))
 
     # ------------------------------------------------------------------------------------------------- decode
-    @torch.inference_mode()
-    def decode(self, kv: PCRKVCache, first_logits: torch.Tensor, position: int, params: SamplingParams,
-               tokenizer, on_token: Callable[[int, str], None], cancelled: threading.Event | None,
-               metrics: RequestMetrics) -> tuple[list[int], str, str]:
-        """Generate up to ``params.max_new_tokens`` tokens; returns (token ids, text, finish reason)."""
-        gen = None
+    def start_decode(self, kv: PCRKVCache, first_logits: torch.Tensor, position: int, params: SamplingParams,
+                     tokenizer, on_token: Callable[[int, str], None], cancelled: threading.Event | None,
+                     metrics: RequestMetrics) -> DecodeState:
+        """A request's decode, advanced one token per `DecodeState.step()` (so the executor can interleave it)."""
+        return DecodeState(self, kv, first_logits, position, params, tokenizer, on_token, cancelled, metrics)
+
+
+class DecodeState:
+    """One request's decode loop, one token per `step()`. Invariant: ``logits`` are those of the last position
+    in ``kv``; a step selects a token from them, streams it, and (unless finished) runs the model on it."""
+
+    def __init__(self, runner: Runner, kv: PCRKVCache, first_logits: torch.Tensor, position: int,
+                 params: SamplingParams, tokenizer, on_token: Callable[[int, str], None],
+                 cancelled: threading.Event | None, metrics: RequestMetrics) -> None:
+        self.runner = runner
+        self.kv = kv
+        self.logits = first_logits
+        self.position = position
+        self.params = params
+        self.tokenizer = tokenizer
+        self.on_token = on_token
+        self.cancelled = cancelled
+        self.metrics = metrics
+        self.tokens: list[int] = []
+        self.text = ""
+        self.finish = "length"
+        self.done = False
+        self._step = 0
+        self._last_t: float | None = None
+        self._gen = None
         if params.temperature > 0:
-            gen = torch.Generator(device="cpu")
-            gen.manual_seed(params.seed if params.seed is not None else int(time.time_ns() % (2**31)))
-        tokens: list[int] = []
-        text = ""
-        logits = first_logits
-        finish = "length"
-        last_t = None
-        for step in range(params.max_new_tokens):
-            if cancelled is not None and cancelled.is_set():
-                raise RequestCancelledError("request cancelled during decode")
-            tok = _select(logits, params, gen)
-            now = time.perf_counter()
-            if last_t is not None:
-                metrics.itl_s.append(now - last_t)
-            last_t = now
-            if tok in self._eos:
-                finish = "stop"
-                break
-            tokens.append(tok)
-            new_text = tokenizer.decode(tokens, skip_special_tokens=True)
-            stop_at = _find_stop(new_text, params.stop, len(text))
-            if stop_at is not None:
-                delta = new_text[len(text): stop_at]
-                if delta:
-                    on_token(tok, delta)
-                text = new_text[:stop_at]
-                finish = "stop"
-                break
-            delta = new_text[len(text):]
-            text = new_text
-            on_token(tok, delta)
-            if step == params.max_new_tokens - 1:
-                break
-            out = self.model(
-                input_ids=torch.tensor([[tok]], device=self.device),
-                position_ids=torch.tensor([[position + step]], device=self.device),
-                cache=kv,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            logits = out.logits[0, -1]
-        return tokens, text, finish
+            self._gen = torch.Generator(device="cpu")
+            self._gen.manual_seed(params.seed if params.seed is not None else int(time.time_ns() % (2**31)))
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """Emit one token; True once the request is finished (EOS, a stop string, or max_new_tokens)."""
+        if self.done:
+            return True
+        if self.cancelled is not None and self.cancelled.is_set():
+            raise RequestCancelledError("request cancelled during decode")
+        p = self.params
+        tok = _select(self.logits, p, self._gen)
+        now = time.perf_counter()
+        if self._last_t is not None:
+            self.metrics.itl_s.append(now - self._last_t)
+        self._last_t = now
+        if tok in self.runner._eos:
+            return self._end("stop")
+        self.tokens.append(tok)
+        new_text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        stop_at = _find_stop(new_text, p.stop, len(self.text))
+        if stop_at is not None:
+            delta = new_text[len(self.text): stop_at]
+            if delta:
+                self.on_token(tok, delta)
+            self.text = new_text[:stop_at]
+            return self._end("stop")
+        delta = new_text[len(self.text):]
+        self.text = new_text
+        self.on_token(tok, delta)
+        self._step += 1
+        if self._step >= p.max_new_tokens:
+            return self._end("length")
+        device = self.runner.device
+        out = self.runner.model(
+            input_ids=torch.tensor([[tok]], device=device),
+            position_ids=torch.tensor([[self.position + self._step - 1]], device=device),
+            cache=self.kv,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.logits = out.logits[0, -1]
+        return False
+
+    def _end(self, reason: str) -> bool:
+        self.finish = reason
+        self.done = True
+        self.kv = None  # free the request's KV buffers as soon as it is done
+        return True
 
 
 def _tier_name(tier) -> str:

@@ -1,8 +1,12 @@
 """Waiting queue, request states and the executor loop.
 
-Policy: first-come first-served, one request at a time (prefill then decode) on a single executor thread. On a
-2-core CPU one running request already uses the cores; a waiting queue is exactly what queue-based prefetch
-exploits. Requests enter from any thread or event loop; TTFT counts from submission, queueing included.
+Policy: one executor thread; requests are admitted first-come first-served. Admitting a request runs its whole
+prefill (one forward per chunk); its decode then joins the set of active decodes, which advance one token each per
+round, round-robin, between admissions (prefill first, then a decode round: a newcomer's TTFT never waits for
+other requests' whole answers, and at most `max_active` requests hold KV buffers at once). With
+``max_active=1`` it is plain run-to-completion FCFS. On a 2-core CPU one forward already uses the cores, and the
+waiting queue is exactly what queue-based prefetch exploits. Requests enter from any thread or event loop; TTFT
+counts from submission, queueing included.
 
 Announced requests (`AnnouncementBoard`): a retriever that has finished announces its documents before the LLM
 call exists; the announcement joins the prefetch window behind the waiting queue, and a later request with the
@@ -20,6 +24,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Protocol
 
 from pcr_rag.cache import ChunkSpec
 from pcr_rag.errors import EngineClosedError, PCRError, RequestCancelledError
@@ -141,17 +146,28 @@ class AnnouncementBoard:
             return len(self._tickets)
 
 
-class Scheduler:
-    """FCFS waiting queue plus the executor thread that runs ``execute(request)`` for one request at a time."""
+class ActiveDecode(Protocol):
+    """A request whose prefill is done: `step()` emits one token and returns True once it has finished (and
+    delivered its result); `fail(exc)` delivers an error instead."""
 
-    def __init__(self, execute: Callable[[Request], None], *, max_queue: int,
+    def step(self) -> bool: ...
+
+    def fail(self, exc: BaseException) -> None: ...
+
+
+class Scheduler:
+    """FCFS waiting queue plus the executor thread: ``prefill(request)`` admits a request (returning its active
+    decode, or None when it already finished), and active decodes advance round-robin between admissions."""
+
+    def __init__(self, prefill: Callable[[Request], ActiveDecode | None], *, max_queue: int, max_active: int = 8,
                  on_change: Callable[[], None] | None = None) -> None:
-        self._execute = execute
+        self._prefill = prefill
         self.max_queue = max_queue
+        self.max_active = max(1, max_active)
         self.on_change = on_change
         self._cond = threading.Condition()
         self._waiting: deque[Request] = deque()
-        self._running: Request | None = None
+        self.active = 0  # decodes in progress (as of the last loop iteration)
         self._closed = False
         self._ids = itertools.count(1)
         self.max_depth = 0
@@ -192,29 +208,43 @@ class Scheduler:
             return len(self._waiting)
 
     def _loop(self) -> None:
+        active: list[ActiveDecode] = []
         while True:
+            req = None
             with self._cond:
-                while not self._waiting and not self._closed:
+                while not self._waiting and not active and not self._closed:
                     self._cond.wait()
-                if self._closed and not self._waiting:
+                if self._closed and not self._waiting and not active:
                     return
-                req = self._waiting.popleft()
-                self._running = req
-            if self.on_change is not None:
-                self.on_change()
-            try:
-                if req.cancelled.is_set():
-                    raise RequestCancelledError("request cancelled while waiting")
-                req.state = RequestState.RUNNING
-                self._execute(req)
-            except BaseException as exc:  # noqa: BLE001 - delivered to the caller through the future
-                req.state = RequestState.CANCELLED if isinstance(exc, RequestCancelledError) \
-                    else RequestState.FAILED
-                if not req.future.done():
-                    req.future.set_exception(exc)
-            finally:
-                with self._cond:
-                    self._running = None
+                if self._waiting and len(active) < self.max_active:
+                    req = self._waiting.popleft()
+                self.active = len(active)
+            if req is not None:
+                if self.on_change is not None:
+                    self.on_change()
+                task = self._admit(req)
+                if task is not None:
+                    active.append(task)
+            for task in list(active):  # one decode round
+                try:
+                    finished = task.step()
+                except BaseException as exc:  # noqa: BLE001 - delivered to the caller through the future
+                    task.fail(exc)
+                    finished = True
+                if finished:
+                    active.remove(task)
+
+    def _admit(self, req: Request) -> ActiveDecode | None:
+        try:
+            if req.cancelled.is_set():
+                raise RequestCancelledError("request cancelled while waiting")
+            req.state = RequestState.RUNNING
+            return self._prefill(req)
+        except BaseException as exc:  # noqa: BLE001 - delivered to the caller through the future
+            req.state = RequestState.CANCELLED if isinstance(exc, RequestCancelledError) else RequestState.FAILED
+            if not req.future.done():
+                req.future.set_exception(exc)
+            return None
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Stop accepting work; waiting requests fail with `EngineClosedError`, the running one finishes."""

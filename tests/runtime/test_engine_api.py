@@ -141,3 +141,17 @@ def test_64_concurrent_requests_threads_and_asyncio(tiny, tmp_path):
     assert all(async_out[i] == expected[i] for i in range(32))
     assert stats["bytes_high_water"]["dram"] <= dram
     assert stats["hit_tokens"]["dram"] + stats["hit_tokens"]["ssd"] > 0
+
+
+@pytest.mark.parametrize("max_active", [1, 4])
+def test_newcomer_waits_for_prefills_not_whole_answers(tiny, tmp_path, max_active):
+    with _engine(tiny, tmp_path / "c", max_active=max_active) as eng:
+        eng.runner._eos = set()  # the random tiny model must not stop the long answer early
+        long = eng.stream("a long answer please", DOCS[:1], max_new_tokens=150)
+        next(iter(long))  # the long request is decoding now
+        short = eng.generate("short", DOCS[1:2], max_new_tokens=2)
+        long_done_first = long._request.future.done()
+        rest = list(long)
+    assert len(short.token_ids) == 2 and rest[-1].result.metrics.generated_tokens == 150
+    # interleaved decode: the short request finished while the long one was still decoding
+    assert long_done_first == (max_active == 1)
