@@ -120,3 +120,17 @@ def test_unclaimed_announcement_expires(tmp_path):
         assert eng.window_snapshot() == []
         r = eng.generate("bloom?", [DOC_C])
     assert not r.metrics.announced
+
+
+def test_dram_smaller_than_one_request_spills_to_ssd_and_reuses(tmp_path):
+    """DRAM holds 3 chunks, the prompt ~130: write-back backpressure streams the chain to SSD, nothing is lost."""
+    model, tok = tiny_model("llama", num_layers=2)
+    chunk_bytes = 2 * 2 * 2 * 16 * 16 * 4  # layers x K/V x kv_heads x tokens x head_dim x fp32
+    doc = "The quick brown fox jumps over the lazy dog near the river bank. " * 40
+    with _engine(model, tok, tmp_path / "spill", dram_capacity=3 * chunk_bytes) as eng:
+        r1 = eng.generate("q1", [doc])
+        r2 = eng.generate("q2", [doc])
+        st = eng.cache.stats()
+    assert st.bytes_high_water["dram"] <= 3 * chunk_bytes
+    assert st.chunks["ssd"] >= r1.metrics.prompt_tokens // 16  # every chunk of the first request was persisted
+    assert r2.metrics.reused_by_tier["ssd"] > 0.9 * r1.metrics.prompt_tokens
