@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from pcr_rag.handoff import release_ticket, request_documents
 from pcr_rag.shared import shared_engine
@@ -197,3 +198,39 @@ def generation_info(result: GenerationResult, model_name: str, documents: Reques
         "announcement_claimed": bool(getattr(m, "announced", False)),
         "prefetch_hit_chunks": getattr(m, "prefetch_hit_chunks", 0),
     }
+
+
+class PCRModelParams(BaseModel):
+    """Fields and engine wiring shared by `ChatPCR` and `PCRLLM` (mixed in before the LangChain base class)."""
+
+    model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True, protected_namespaces=())
+
+    model: Any = None
+    tokenizer: Any = Field(default=None, exclude=True)
+    engine: Any = Field(default=None, exclude=True)
+    config: Any = Field(default=None, exclude=True)
+    max_tokens: int | None = Field(default=None, alias="max_new_tokens", ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: list[str] | None = Field(default=None, alias="stop_sequences")
+    timeout: float | None = Field(default=None, gt=0)
+
+    _holder: EngineHolder = PrivateAttr()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_engine_args(cls, values: Any) -> Any:
+        if isinstance(values, dict) and values.get("engine") is not None:
+            clash = [k for k in ("model", "tokenizer", "config") if values.get(k) is not None]
+            if clash:
+                raise ValueError(f"pass either engine= or {clash} (they configure the engine), not both")
+        return values
+
+    def model_post_init(self, context: Any, /) -> None:
+        super().model_post_init(context)
+        self._holder = EngineHolder(self)
+
+    @property
+    def model_name(self) -> str:
+        return model_display_name(self.model, self._holder.loaded)

@@ -19,11 +19,10 @@ from langchain_core.messages import (
     ToolMessage,
 )
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from langchain_pcr._common import (
     PROVIDER,
-    EngineHolder,
+    PCRModelParams,
     RequestDocuments,
     generation_info,
     model_display_name,
@@ -38,7 +37,7 @@ __all__ = ["ChatPCR"]
 _CALL_KWARGS = frozenset({"documents", "max_tokens", "max_new_tokens", "temperature", "top_p", "seed", "timeout"})
 
 
-class ChatPCR(BaseChatModel):
+class ChatPCR(PCRModelParams, BaseChatModel):
     """Chat model served by a `pcr_rag.PCREngine`: cached document KV is reused across requests.
 
     The conversation is rendered with the model's chat template. Documents that a retriever returned (announced by
@@ -69,43 +68,13 @@ class ChatPCR(BaseChatModel):
     Tool calling, structured output, JSON mode and image/audio/PDF inputs are not supported.
     """
 
-    model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True, protected_namespaces=())
-
-    model: Any = None
-    tokenizer: Any = Field(default=None, exclude=True)
-    engine: Any = Field(default=None, exclude=True)
-    config: Any = Field(default=None, exclude=True)
-    max_tokens: int | None = Field(default=None, alias="max_new_tokens", ge=1)
-    temperature: float = Field(default=0.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop: list[str] | None = Field(default=None, alias="stop_sequences")
-    timeout: float | None = Field(default=None, gt=0)
     streaming: bool = False
 
-    _holder: EngineHolder = PrivateAttr()
-
-    @model_validator(mode="before")
-    @classmethod
-    def _check_engine_args(cls, values: Any) -> Any:
-        if isinstance(values, dict) and values.get("engine") is not None:
-            clash = [k for k in ("model", "tokenizer", "config") if values.get(k) is not None]
-            if clash:
-                raise ValueError(f"pass either engine= or {clash} (they configure the engine), not both")
-        return values
-
-    def model_post_init(self, context: Any, /) -> None:
-        super().model_post_init(context)
-        self._holder = EngineHolder(self)
 
     # ------------------------------------------------------------------------------------------ metadata
     @property
     def _llm_type(self) -> str:
         return "pcr-chat"
-
-    @property
-    def model_name(self) -> str:
-        return model_display_name(self.model, self._holder.loaded)
 
     @property
     def _identifying_params(self) -> dict[str, Any]:

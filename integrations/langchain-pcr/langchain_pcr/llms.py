@@ -10,11 +10,10 @@ from typing import Any
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import LLM, LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
-from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from langchain_pcr._common import (
     PROVIDER,
-    EngineHolder,
+    PCRModelParams,
     RequestDocuments,
     generation_info,
     model_display_name,
@@ -29,7 +28,7 @@ __all__ = ["PCRLLM"]
 _CALL_KWARGS = frozenset({"documents", "max_tokens", "max_new_tokens", "temperature", "top_p", "seed", "timeout"})
 
 
-class PCRLLM(LLM):
+class PCRLLM(PCRModelParams, LLM):
     """Text-completion LLM served by a `pcr_rag.PCREngine` (cached document KV reused across requests).
 
     With ``chat_template=True`` (default) the prompt is sent as one user turn of the model's chat template (right
@@ -43,44 +42,14 @@ class PCRLLM(LLM):
     Usage per generation is in ``generation_info["usage_metadata"]`` and summed in ``llm_output["token_usage"]``.
     """
 
-    model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True, protected_namespaces=())
-
-    model: Any = None
-    tokenizer: Any = Field(default=None, exclude=True)
-    engine: Any = Field(default=None, exclude=True)
-    config: Any = Field(default=None, exclude=True)
-    max_tokens: int | None = Field(default=None, alias="max_new_tokens", ge=1)
-    temperature: float = Field(default=0.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop: list[str] | None = Field(default=None, alias="stop_sequences")
-    timeout: float | None = Field(default=None, gt=0)
     chat_template: bool = True
     system: str | None = None
     streaming: bool = False
 
-    _holder: EngineHolder = PrivateAttr()
-
-    @model_validator(mode="before")
-    @classmethod
-    def _check_engine_args(cls, values: Any) -> Any:
-        if isinstance(values, dict) and values.get("engine") is not None:
-            clash = [k for k in ("model", "tokenizer", "config") if values.get(k) is not None]
-            if clash:
-                raise ValueError(f"pass either engine= or {clash} (they configure the engine), not both")
-        return values
-
-    def model_post_init(self, context: Any, /) -> None:
-        super().model_post_init(context)
-        self._holder = EngineHolder(self)
 
     @property
     def _llm_type(self) -> str:
         return "pcr"
-
-    @property
-    def model_name(self) -> str:
-        return model_display_name(self.model, self._holder.loaded)
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
