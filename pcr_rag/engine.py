@@ -477,12 +477,10 @@ class PCREngine:
         m.queue_s = started - req.submitted_at
         m.prompt_tokens = len(req.token_ids)
         capacity = len(req.token_ids) + req.params.max_new_tokens
-        if self.cache is not None and req.ssd_keys_at_entry:
-            # prefetch hits: chunks on SSD at entry, in memory now (counted before the lease touches anything)
-            match = self.cache.match(req.keys)
-            in_memory = {k for k, t in zip(match.keys, match.tiers) if getattr(t, "value", t) != "ssd"}
-            m.prefetch_hit_chunks = len(req.ssd_keys_at_entry & in_memory)
         pre = self.runner.prefill(req.token_ids, req.plan, capacity, req.cancelled)
+        # prefetch hits: chunks that were on SSD when the request entered the queue (or was announced) and were
+        # served from memory when it ran
+        m.prefetch_hit_chunks = len(req.ssd_keys_at_entry & pre.memory_keys)
         m.prefill_s = time.perf_counter() - started
         m.computed_tokens = pre.computed_tokens
         m.reused_by_tier = pre.reused_by_tier

@@ -50,6 +50,7 @@ class PrefillOutcome:
     reused_by_tier: dict[str, int]
     load_wait_s: float
     retries: int
+    memory_keys: frozenset[bytes] = frozenset()  # matched chunks served from memory (device/DRAM), not the SSD
 
 
 class Runner:
@@ -144,7 +145,8 @@ class Runner:
             self._promote_ssd_chunks(plan, sources, kv)
         computed = plan[-1].end - matched_tokens
         wait_s = sum(self.copy.waits.seconds) - waits_before
-        return PrefillOutcome(kv, logits, computed, reused, wait_s, retries)
+        in_memory = frozenset(src.key for src in sources if src.payload is not None)
+        return PrefillOutcome(kv, logits, computed, reused, wait_s, retries, in_memory)
 
     def _insert(self, spec: ChunkSpec, payload: torch.Tensor, ids: torch.Tensor | None = None) -> None:
         tokens = ids[spec.start: spec.end].tolist() if ids is not None and spec.partial else None
