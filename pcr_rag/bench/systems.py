@@ -104,17 +104,22 @@ def get_system(name: str) -> SystemSpec:
     raise UnknownSystemError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}, or pcr-window-N")
 
 
-def parse_systems(names: str | Sequence[str] | None, windows: Iterable[int] = ()) -> list[SystemSpec]:
-    """Systems from a comma-separated string or a list (None = :data:`DEFAULT_SYSTEMS`), plus one
-    ``pcr-window-N`` per window in ``windows``; duplicates dropped, order kept."""
+def system_names(names: str | Sequence[str] | None, windows: Iterable[int] = (),
+                 default: Sequence[str] = DEFAULT_SYSTEMS) -> list[str]:
+    """System names from a comma-separated string or a list (None = ``default``), plus one ``pcr-window-N`` per
+    window in ``windows``; duplicates dropped, order kept. Raises `UnknownSystemError` when nothing is left."""
     if names is None:
-        items = list(DEFAULT_SYSTEMS)
+        items = list(default)
     elif isinstance(names, str):
         items = [n.strip() for n in names.split(",") if n.strip()]
     else:
         items = list(names)
     items += [f"pcr-window-{w}" for w in windows]
-    specs = [get_system(n) for n in dict.fromkeys(items)]
-    if not specs:
+    if not items:
         raise UnknownSystemError("no systems selected")
-    return specs
+    return list(dict.fromkeys(items))
+
+
+def parse_systems(names: str | Sequence[str] | None, windows: Iterable[int] = ()) -> list[SystemSpec]:
+    """`SystemSpec`s for `system_names` (None = :data:`DEFAULT_SYSTEMS`)."""
+    return [get_system(n) for n in system_names(names, windows)]

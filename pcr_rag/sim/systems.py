@@ -97,15 +97,6 @@ def get_system(name: str) -> SimSystem:
 
 def parse_systems(names: str | list[str] | None, windows: list[int] | tuple[int, ...] = ()) -> list[SimSystem]:
     """Systems from a comma-separated string or a list (None = :data:`DEFAULT_SYSTEMS`), plus ``pcr-window-N``
-    per window; duplicates dropped, order kept."""
-    if names is None:
-        items = list(DEFAULT_SYSTEMS)
-    elif isinstance(names, str):
-        items = [n.strip() for n in names.split(",") if n.strip()]
-    else:
-        items = list(names)
-    items += [f"pcr-window-{w}" for w in windows]
-    out = [get_system(n) for n in dict.fromkeys(items)]
-    if not out:
-        raise UnknownSystemError("no systems selected")
-    return out
+    per window; duplicates dropped, order kept (the same parsing as the bench)."""
+    return [get_system(n) for n in bench_systems.system_names(names, windows, DEFAULT_SYSTEMS)]
+
