@@ -99,4 +99,3 @@ def parse_systems(names: str | list[str] | None, windows: list[int] | tuple[int,
     """Systems from a comma-separated string or a list (None = :data:`DEFAULT_SYSTEMS`), plus ``pcr-window-N``
     per window; duplicates dropped, order kept (the same parsing as the bench)."""
     return [get_system(n) for n in bench_systems.system_names(names, windows, DEFAULT_SYSTEMS)]
-
