@@ -247,6 +247,16 @@ class PCRLLM(CustomLLM):
         args["documents"] = docs
         return turns, args
 
+    def _stream_step(self, piece: Any, text: str, make: Any) -> tuple[Any, str, bool]:
+        """One engine `StreamChunk` -> (the response to yield or None, the text so far, finished). The closing
+        chunk carries the request's metrics as ``raw`` (and ``additional_kwargs["pcr"]``)."""
+        if piece.is_final:
+            return make(text, "", self._raw(piece.result)), text, True
+        if piece.text:
+            text += piece.text
+            return make(text, piece.text, None), text, False
+        return None, text, False
+
     @staticmethod
     def _raw(result: Any) -> dict[str, Any]:
         m = result.metrics
@@ -291,13 +301,11 @@ class PCRLLM(CustomLLM):
         text = ""
         try:
             for piece in stream:
-                if piece.is_final:
-                    raw = self._raw(piece.result)
-                    yield CompletionResponse(text=text, delta="", raw=raw, additional_kwargs={"pcr": raw})
+                resp, text, done = self._stream_step(piece, text, _completion_chunk)
+                if resp is not None:
+                    yield resp
+                if done:
                     return
-                if piece.text:
-                    text += piece.text
-                    yield CompletionResponse(text=text, delta=piece.text)
         finally:
             stream.close()
 
@@ -320,13 +328,11 @@ class PCRLLM(CustomLLM):
             text = ""
             try:
                 async for piece in _translated(agen):
-                    if piece.is_final:
-                        raw = self._raw(piece.result)
-                        yield CompletionResponse(text=text, delta="", raw=raw, additional_kwargs={"pcr": raw})
+                    resp, text, done = self._stream_step(piece, text, _completion_chunk)
+                    if resp is not None:
+                        yield resp
+                    if done:
                         return
-                    if piece.text:
-                        text += piece.text
-                        yield CompletionResponse(text=text, delta=piece.text)
             finally:
                 await agen.aclose()
 
@@ -357,15 +363,11 @@ class PCRLLM(CustomLLM):
             text = ""
             try:
                 for piece in stream:
-                    if piece.is_final:
-                        raw = self._raw(piece.result)
-                        yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta="",
-                                           raw=raw, additional_kwargs={"pcr": raw})
+                    resp, text, done = self._stream_step(piece, text, _chat_chunk)
+                    if resp is not None:
+                        yield resp
+                    if done:
                         return
-                    if piece.text:
-                        text += piece.text
-                        yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
-                                           delta=piece.text)
             finally:
                 stream.close()
 
@@ -389,19 +391,26 @@ class PCRLLM(CustomLLM):
             text = ""
             try:
                 async for piece in _translated(agen):
-                    if piece.is_final:
-                        raw = self._raw(piece.result)
-                        yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta="",
-                                           raw=raw, additional_kwargs={"pcr": raw})
+                    resp, text, done = self._stream_step(piece, text, _chat_chunk)
+                    if resp is not None:
+                        yield resp
+                    if done:
                         return
-                    if piece.text:
-                        text += piece.text
-                        yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
-                                           delta=piece.text)
             finally:
                 await agen.aclose()
 
         return gen()
+
+
+def _completion_chunk(text: str, delta: str, raw: dict[str, Any] | None) -> CompletionResponse:
+    extra = {"pcr": raw} if raw is not None else {}
+    return CompletionResponse(text=text, delta=delta, raw=raw, additional_kwargs=extra)
+
+
+def _chat_chunk(text: str, delta: str, raw: dict[str, Any] | None) -> ChatResponse:
+    extra = {"pcr": raw} if raw is not None else {}
+    return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta, raw=raw,
+                        additional_kwargs=extra)
 
 
 async def _translated(agen: Any) -> Any:
