@@ -159,7 +159,8 @@ def chroma_embedding_function(device: str = "cpu") -> Any:
 
 
 def chroma_client(path: str | Path | None = None) -> Any:
-    """An in-process Chroma client (ephemeral, or persistent at ``path``) with telemetry off.
+    """An in-process Chroma client (ephemeral when ``path`` is None or "", else persistent at ``path``), telemetry
+    off.
 
     Chroma caches one client system per location and refuses a second one with different settings, so every
     Chroma client in pcr-rag, its examples and tests is made here, always with the same settings."""
@@ -167,6 +168,6 @@ def chroma_client(path: str | Path | None = None) -> Any:
     from chromadb.config import Settings
 
     settings = Settings(anonymized_telemetry=False)
-    if path is None:
+    if path is None or str(path) == "":  # "" would persist into the current directory
         return chromadb.EphemeralClient(settings=settings)
     return chromadb.PersistentClient(path=str(path), settings=settings)

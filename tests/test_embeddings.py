@@ -33,3 +33,13 @@ def test_chroma_function_round_trips_its_config() -> None:
     assert len(vectors) == 2 and len(vectors[0]) == MINILM_DIM
     rebuilt = type(fn).build_from_config(fn.get_config())
     assert type(fn).name() == "pcr-rag-minilm" and rebuilt.get_config() == fn.get_config()
+
+
+def test_chroma_client_with_empty_path_persists_nothing(tmp_path, monkeypatch) -> None:
+    from pcr_rag.embeddings import chroma_client
+
+    monkeypatch.chdir(tmp_path)
+    col = chroma_client("").get_or_create_collection("empty-path-check")
+    col.add(ids=["a", "b"], embeddings=[[0.1, 0.2], [0.3, 0.4]], documents=["x", "y"])
+    assert col.count() == 2
+    assert list(tmp_path.iterdir()) == []  # nothing written into the working directory
