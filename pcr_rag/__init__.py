@@ -3,6 +3,7 @@
 Public API::
 
     from pcr_rag import PCREngine, EngineConfig
+    from pcr_rag import RagPrompt, FlatPrompt, ChatPrompt, SamplingParams   # engine.submit(prompt, params)
 
 Names are imported lazily, so light modules (``pcr_rag.corpus``, ``pcr_rag.bench.report``, the simulator) do not
 pull in torch and transformers.
@@ -18,52 +19,70 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "EngineConfig": "pcr_rag.config",
     "EngineStats": "pcr_rag.engine",
-    "GenerationResult": "pcr_rag.engine",
     "PCREngine": "pcr_rag.engine",
-    "StreamChunk": "pcr_rag.engine",
-    "TokenStream": "pcr_rag.engine",
     "ConfigError": "pcr_rag.errors",
     "EngineClosedError": "pcr_rag.errors",
     "InvalidRequestError": "pcr_rag.errors",
     "PCRError": "pcr_rag.errors",
     "PromptTooLongError": "pcr_rag.errors",
     "RequestCancelledError": "pcr_rag.errors",
+    "QueueFullError": "pcr_rag.errors",
     "RequestMetrics": "pcr_rag.metrics",
-    "QueueFullError": "pcr_rag.runtime.scheduler",
+    "ChatPrompt": "pcr_rag.requests",
+    "FlatPrompt": "pcr_rag.requests",
+    "GenerationResult": "pcr_rag.requests",
+    "RagPrompt": "pcr_rag.requests",
+    "RequestHandle": "pcr_rag.requests",
+    "SamplingParams": "pcr_rag.requests",
+    "StreamChunk": "pcr_rag.requests",
     "Ticket": "pcr_rag.runtime.scheduler",
 }
 
 __all__ = [
+    "ChatPrompt",
     "ConfigError",
     "EngineClosedError",
     "EngineConfig",
     "EngineStats",
+    "FlatPrompt",
     "GenerationResult",
     "InvalidRequestError",
     "PCREngine",
     "PCRError",
     "PromptTooLongError",
     "QueueFullError",
+    "RagPrompt",
     "RequestCancelledError",
+    "RequestHandle",
     "RequestMetrics",
+    "SamplingParams",
     "StreamChunk",
     "Ticket",
-    "TokenStream",
 ]
 
 if TYPE_CHECKING:
     from pcr_rag.config import EngineConfig
-    from pcr_rag.engine import EngineStats, GenerationResult, PCREngine, StreamChunk, TokenStream
+    from pcr_rag.engine import EngineStats, PCREngine
     from pcr_rag.errors import (
         ConfigError,
         EngineClosedError,
         InvalidRequestError,
         PCRError,
         PromptTooLongError,
+        QueueFullError,
         RequestCancelledError,
     )
     from pcr_rag.metrics import RequestMetrics
-    from pcr_rag.runtime.scheduler import QueueFullError, Ticket
+    from pcr_rag.requests import (
+        ChatPrompt,
+        FlatPrompt,
+        GenerationResult,
+        RagPrompt,
+        RequestHandle,
+        SamplingParams,
+        StreamChunk,
+    )
+    from pcr_rag.runtime.scheduler import Ticket
 
 
 def __getattr__(name: str):

@@ -12,80 +12,63 @@ one forward per unmatched chunk with layer-wise offload, insert new chunks -> de
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
-from concurrent.futures import Future
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from queue import Queue
 from typing import Any
 
-from pcr_rag.cache import CacheConfig, CacheEngine, namespace_key, plan_chunks
+from pcr_rag.cache import CacheConfig, CacheEngine, CacheStats, ChunkSpec, Tier, namespace_key, plan_chunks
 from pcr_rag.config import EngineConfig
 from pcr_rag.errors import EngineClosedError, InvalidRequestError, PromptTooLongError, RequestCancelledError
-from pcr_rag.metrics import MetricsRecorder, RequestMetrics, prometheus_text
-from pcr_rag.prompt import PromptBuilder, SegmentedPrompt, validate_documents
+from pcr_rag.metrics import MetricsRecorder, prometheus_text
+from pcr_rag.prompt import PromptBuilder, validate_documents
+from pcr_rag.requests import (
+    PROMPT_KINDS,
+    ChatPrompt,
+    FlatPrompt,
+    GenerationResult,
+    Prompt,
+    RagPrompt,
+    Request,
+    RequestHandle,
+    RequestState,
+    SamplingParams,
+    StreamChunk,
+    TokenChannel,
+)
 from pcr_rag.runtime.model import LoadedModel, load_model
 from pcr_rag.runtime.prefetcher import Prefetcher
-from pcr_rag.runtime.runner import Runner, SamplingParams
-from pcr_rag.runtime.scheduler import AnnouncementBoard, Request, RequestState, Scheduler, Ticket
+from pcr_rag.runtime.runner import Runner
+from pcr_rag.runtime.scheduler import AnnouncementBoard, Scheduler, Ticket
 from pcr_rag.runtime.transfer import CopyEngine
 
 log = logging.getLogger(__name__)
 
-_DONE = object()
-
-
-@dataclass
-class GenerationResult:
-    """A finished request. finish_reason: "stop" (EOS or a stop string) or "length" (max_new_tokens)."""
-
-    text: str
-    token_ids: list[int]
-    prompt_token_ids: list[int]
-    metrics: RequestMetrics
-    finish_reason: str
-    request_id: int = 0
-    documents_found: int = 0
-    first_token_logits: Any = None  # the prefill's last-position logits (a CPU tensor), for checks and scoring
+__all__ = ["EngineStats", "GenerationResult", "PCREngine", "StreamChunk"]
 
 
 @dataclass(frozen=True)
-class StreamChunk:
-    """One generated token as it comes: its id and the text it added (may be "" mid-way through a character).
-
-    The last chunk of every stream is a closing one: ``token_id=-1``, ``text=""`` and ``result`` set to the
-    request's `GenerationResult` (finish reason, token counts, metrics)."""
-
-    token_id: int
-    text: str
-    index: int
-    result: GenerationResult | None = None
-
-    @property
-    def is_final(self) -> bool:
-        return self.result is not None
-
-
-@dataclass
 class EngineStats:
-    """Engine-wide counters: requests, latency percentiles (seconds), hit ratios (fraction of prompt tokens),
-    the cache engine's tier stats, prefetch and announcement counts, and per-layer load wait (seconds)."""
+    """Engine-wide counters. ``requests``: counts, latency percentiles (seconds) and hit ratios (fraction of prompt
+    tokens), as `MetricsRecorder.snapshot`; ``cache``: the cache engine's `CacheStats` (all zero when the cache is
+    off); ``prefetch``: window size, prefetch cycles and loads, announcement counts; ``layer_wait_s``: per-layer
+    prefix-load wait (seconds)."""
 
-    requests: dict[str, Any]
-    cache: dict[str, Any]
-    prefetch: dict[str, Any]
+    requests: Mapping[str, Any]
+    cache: CacheStats
+    prefetch: Mapping[str, int]
     queue_depth: int
     max_queue_depth: int
     layer_wait_s: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
+        """Everything as plain dicts and numbers (the bench's records, `prometheus`)."""
         return {
-            "requests": self.requests,
-            "cache": self.cache,
-            "prefetch": self.prefetch,
+            "requests": dict(self.requests),
+            "cache": self.cache.as_dict(),
+            "prefetch": dict(self.prefetch),
             "queue_depth": self.queue_depth,
             "max_queue_depth": self.max_queue_depth,
             "layer_wait_s": list(self.layer_wait_s),
@@ -93,35 +76,6 @@ class EngineStats:
 
     def prometheus(self) -> str:
         return prometheus_text(self.as_dict())
-
-
-class TokenStream:
-    """Iterator of `StreamChunk`s for one request; `.result` holds the `GenerationResult` once exhausted.
-
-    Closing the stream early (``close()`` or leaving a ``for`` loop via break and garbage collection) cancels
-    the request and releases what it holds."""
-
-    def __init__(self, request: Request, queue: Queue, engine: PCREngine) -> None:
-        self._request = request
-        self._queue = queue
-        self._engine = engine
-        self.result: GenerationResult | None = None
-
-    def __iter__(self) -> Iterator[StreamChunk]:
-        return self
-
-    def __next__(self) -> StreamChunk:
-        if self.result is not None:
-            raise StopIteration
-        item = self._queue.get()
-        if item is _DONE:
-            self.result = self._request.future.result()
-            return StreamChunk(-1, "", -1, self.result)
-        return item
-
-    def close(self) -> None:
-        if not self._request.future.done():
-            self._engine._cancel(self._request)
 
 
 class PCREngine:
@@ -199,85 +153,118 @@ class PCREngine:
     def count_tokens(self, text: str) -> int:
         return len(self.loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    # ------------------------------------------------------------------------------------------ public API
+    # ------------------------------------------------------------------------------------------ requests
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, *,
+               timeout: float | None = None) -> RequestHandle:
+        """Validate, render and enqueue one request; returns at once with its `RequestHandle`.
+
+        Args:
+            prompt: a `RagPrompt`, `FlatPrompt` or `ChatPrompt` (validated when constructed).
+            params: `SamplingParams` (None = defaults; ``max_new_tokens=None`` = ``EngineConfig.max_new_tokens``).
+            timeout: seconds from now after which any wait on the handle cancels the request and raises
+                `TimeoutError` (None = no deadline).
+        Raises (before any compute): `InvalidRequestError` (bad prompt kind, params or timeout),
+            `PromptTooLongError`, `QueueFullError`, `EngineClosedError`.
+        """
+        self._check_open()
+        if not isinstance(prompt, PROMPT_KINDS):
+            raise InvalidRequestError(f"prompt must be a RagPrompt, FlatPrompt or ChatPrompt, got "
+                                      f"{type(prompt).__name__}")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout > 0):
+            raise InvalidRequestError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
+        if params.max_new_tokens is None:
+            params = SamplingParams.from_kwargs(params, max_new_tokens=self.config.max_new_tokens)
+        seg = prompt.segment(self.builder)
+        n = seg.num_tokens
+        if n + params.max_new_tokens > self.loaded.context_window:
+            raise PromptTooLongError(n, params.max_new_tokens, self.loaded.context_window)
+        plan = plan_chunks(self.root_key, seg.segments, self.config.chunk_size)
+        ticket = self.board.claim(prompt.documents) if prompt.documents else None
+        channel = TokenChannel()
+        req = Request(
+            request_id=self.scheduler.next_id(), token_ids=seg.token_ids, plan=plan, params=params,
+            submitted_at=time.perf_counter(), on_token=channel.put, documents_found=seg.documents_found,
+        )
+        req.ssd_keys_at_entry = self._ssd_keys(req.keys) | (ticket.ssd_keys_at_entry if ticket else frozenset())
+        req.metrics.announced = ticket is not None
+        req.future.add_done_callback(channel.close)
+        req.future.add_done_callback(self._count_failure)
+        self.scheduler.submit(req)
+        return RequestHandle(req, channel, self._cancel, timeout)
+
+    # The public methods below are wrappers over `submit`: generate* wait for the result, stream* return the
+    # handle (iterate it for `StreamChunk`s, ``.result()`` afterwards), agenerate* await it, astream* are stream*
+    # for ``async for``. Sampling keywords: see `SamplingParams`; ``timeout`` as for `submit`.
     def generate(self, query: str, documents: Sequence[str] = (), *, system: str | None = None,
                  max_new_tokens: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
                  stop: Sequence[str] | str | None = None, seed: int | None = None,
                  timeout: float | None = None) -> GenerationResult:
         """Answer ``query`` over ``documents`` (in order, each cached as its own token run)."""
-        req = self._submit_rag(query, documents, system, max_new_tokens, temperature, top_p, stop, seed, None)
-        return self._wait(req, timeout)
+        return self.submit(RagPrompt(query, documents, system),
+                           SamplingParams(max_new_tokens, temperature, top_p, stop, seed), timeout=timeout).result()
 
     def generate_prompt(self, prompt: str, documents: Sequence[str] = (), *, chat: bool = True,
                         system: str | None = None, max_new_tokens: int | None = None, temperature: float = 0.0,
                         top_p: float = 1.0, stop: Sequence[str] | str | None = None, seed: int | None = None,
                         timeout: float | None = None) -> GenerationResult:
-        """A flat prompt that contains ``documents`` verbatim, in order (a framework's rendered template).
+        """A flat prompt that contains ``documents`` verbatim, in order (a framework's rendered template); see
+        `FlatPrompt`. ``chat=True`` wraps the prompt as one user turn of the model's chat template."""
+        return self.submit(FlatPrompt(prompt, documents, chat, system),
+                           SamplingParams(max_new_tokens, temperature, top_p, stop, seed), timeout=timeout).result()
 
-        Documents are located from a moving cursor; one that is not found is simply computed as part of the
-        surrounding text. ``chat=True`` wraps the prompt as one user turn of the model's chat template."""
-        req = self._submit_flat(prompt, documents, chat, system, max_new_tokens, temperature, top_p, stop, seed,
-                                None)
-        return self._wait(req, timeout)
-
-    def generate_messages(self, messages: Sequence[dict[str, str]], documents: Sequence[str] = (), *,
+    def generate_messages(self, messages: Sequence[Mapping[str, Any]], documents: Sequence[str] = (), *,
                           max_new_tokens: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
                           stop: Sequence[str] | str | None = None, seed: int | None = None,
                           timeout: float | None = None) -> GenerationResult:
         """A chat conversation ([{"role", "content"}]) rendered with the chat template; ``documents`` found in
         the rendered text get their own token runs."""
-        req = self._submit_messages(messages, documents, max_new_tokens, temperature, top_p, stop, seed, None)
-        return self._wait(req, timeout)
+        return self.submit(ChatPrompt(messages, documents),
+                           SamplingParams(max_new_tokens, temperature, top_p, stop, seed), timeout=timeout).result()
 
-    def stream(self, query: str, documents: Sequence[str] = (), **kwargs: Any) -> TokenStream:
-        """Like `generate`, yielding `StreamChunk`s as tokens come; ``.result`` afterwards."""
-        return self._stream(lambda cb: self._submit_rag(query, documents, kwargs.get("system"),
-                                                         *self._sampling_args(kwargs), cb))
+    def stream(self, query: str, documents: Sequence[str] = (), *, system: str | None = None,
+               timeout: float | None = None, **sampling: Any) -> RequestHandle:
+        """Like `generate`; iterate the handle for `StreamChunk`s as tokens come, ``.result()`` afterwards."""
+        return self.submit(RagPrompt(query, documents, system), SamplingParams.from_kwargs(**sampling),
+                           timeout=timeout)
 
     def stream_prompt(self, prompt: str, documents: Sequence[str] = (), *, chat: bool = True,
-                      **kwargs: Any) -> TokenStream:
-        return self._stream(lambda cb: self._submit_flat(prompt, documents, chat, kwargs.get("system"),
-                                                          *self._sampling_args(kwargs), cb))
+                      system: str | None = None, timeout: float | None = None, **sampling: Any) -> RequestHandle:
+        return self.submit(FlatPrompt(prompt, documents, chat, system), SamplingParams.from_kwargs(**sampling),
+                           timeout=timeout)
 
-    def stream_messages(self, messages: Sequence[dict[str, str]], documents: Sequence[str] = (),
-                        **kwargs: Any) -> TokenStream:
-        return self._stream(lambda cb: self._submit_messages(messages, documents, *self._sampling_args(kwargs),
-                                                              cb))
+    def stream_messages(self, messages: Sequence[Mapping[str, Any]], documents: Sequence[str] = (), *,
+                        timeout: float | None = None, **sampling: Any) -> RequestHandle:
+        return self.submit(ChatPrompt(messages, documents), SamplingParams.from_kwargs(**sampling), timeout=timeout)
 
     async def agenerate(self, query: str, documents: Sequence[str] = (), **kwargs: Any) -> GenerationResult:
         """`generate` without blocking the event loop; cancelling the task cancels the request."""
-        req = self._submit_rag(query, documents, kwargs.get("system"), *self._sampling_args(kwargs), None)
-        return await self._await(req)
+        return await self.stream(query, documents, **kwargs)
 
     async def agenerate_prompt(self, prompt: str, documents: Sequence[str] = (), *, chat: bool = True,
                                **kwargs: Any) -> GenerationResult:
-        req = self._submit_flat(prompt, documents, chat, kwargs.get("system"), *self._sampling_args(kwargs),
-                                None)
-        return await self._await(req)
+        return await self.stream_prompt(prompt, documents, chat=chat, **kwargs)
 
-    async def agenerate_messages(self, messages: Sequence[dict[str, str]], documents: Sequence[str] = (),
+    async def agenerate_messages(self, messages: Sequence[Mapping[str, Any]], documents: Sequence[str] = (),
                                  **kwargs: Any) -> GenerationResult:
-        req = self._submit_messages(messages, documents, *self._sampling_args(kwargs), None)
-        return await self._await(req)
+        return await self.stream_messages(messages, documents, **kwargs)
 
-    async def astream(self, query: str, documents: Sequence[str] = (), **kwargs: Any) -> AsyncIterator[StreamChunk]:
-        """Async iterator of `StreamChunk`s; cancelling the consumer cancels the request."""
-        async for chunk in self._astream(lambda cb: self._submit_rag(
-                query, documents, kwargs.get("system"), *self._sampling_args(kwargs), cb)):
-            yield chunk
+    def astream(self, query: str, documents: Sequence[str] = (), **kwargs: Any) -> RequestHandle:
+        """`stream` for ``async for``; cancelling the consumer (or ``aclose()``) cancels the request."""
+        return self.stream(query, documents, **kwargs)
 
-    async def astream_prompt(self, prompt: str, documents: Sequence[str] = (), *, chat: bool = True,
-                             **kwargs: Any) -> AsyncIterator[StreamChunk]:
-        async for chunk in self._astream(lambda cb: self._submit_flat(
-                prompt, documents, chat, kwargs.get("system"), *self._sampling_args(kwargs), cb)):
-            yield chunk
+    def astream_prompt(self, prompt: str, documents: Sequence[str] = (), *, chat: bool = True,
+                       **kwargs: Any) -> RequestHandle:
+        return self.stream_prompt(prompt, documents, chat=chat, **kwargs)
 
-    async def astream_messages(self, messages: Sequence[dict[str, str]], documents: Sequence[str] = (),
-                               **kwargs: Any) -> AsyncIterator[StreamChunk]:
-        async for chunk in self._astream(lambda cb: self._submit_messages(
-                messages, documents, *self._sampling_args(kwargs), cb)):
-            yield chunk
+    def astream_messages(self, messages: Sequence[Mapping[str, Any]], documents: Sequence[str] = (),
+                         **kwargs: Any) -> RequestHandle:
+        return self.stream_messages(messages, documents, **kwargs)
 
+    # ------------------------------------------------------------------------------------------ announcements
     def announce(self, documents: Sequence[str], query: str | None = None, *, system: str | None = None,
                  prefix: str | None = None, separator: str | None = None, layout: str = "auto") -> Ticket:
         """Retrieval finished: put the coming request into the prefetch window before the LLM call exists.
@@ -309,7 +296,7 @@ class PCREngine:
         return withdrawn
 
     def stats(self) -> EngineStats:
-        cache = self.cache.stats().as_dict() if self.cache is not None else {}
+        cache = self.cache.stats() if self.cache is not None else CacheStats()
         pf = {
             "window": self.config.prefetch_window,
             "cycles": self.prefetcher.cycles if self.prefetcher else 0,
@@ -325,9 +312,10 @@ class PCREngine:
                            max_queue_depth=self.scheduler.max_depth,
                            layer_wait_s=list(self.copy_engine.waits.seconds))
 
-    def plan_for(self, query: str, documents: Sequence[str] = (), *, system: str | None = None) -> list:
-        """The chunk plan (`ChunkSpec`s) `generate` would use for this request (no compute, no side effects)."""
-        seg = self.builder.build_rag(query, validate_documents(documents), system)
+    def plan_for(self, query: str, documents: Sequence[str] = (), *,
+                 system: str | None = None) -> list[ChunkSpec]:
+        """The chunk plan `generate` would use for this request (no compute, no side effects)."""
+        seg = RagPrompt(query, documents, system).segment(self.builder)
         return plan_chunks(self.root_key, seg.segments, self.config.chunk_size)
 
     def window_snapshot(self) -> list[tuple[bytes, ...]]:
@@ -370,95 +358,11 @@ class PCREngine:
         if self._closed:
             raise EngineClosedError("the engine is closed; create a new PCREngine")
 
-    @staticmethod
-    def _sampling_args(kwargs: dict[str, Any]) -> tuple:
-        allowed = {"system", "max_new_tokens", "temperature", "top_p", "stop", "seed", "timeout"}
-        unknown = set(kwargs) - allowed
-        if unknown:
-            raise TypeError(f"unexpected keyword argument(s): {sorted(unknown)}; allowed: {sorted(allowed)}")
-        return (kwargs.get("max_new_tokens"), kwargs.get("temperature", 0.0), kwargs.get("top_p", 1.0),
-                kwargs.get("stop"), kwargs.get("seed"))
-
-    def _params(self, max_new_tokens, temperature, top_p, stop, seed) -> SamplingParams:
-        n = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise InvalidRequestError(f"max_new_tokens must be a positive int, got {n!r}")
-        if not isinstance(temperature, (int, float)) or temperature < 0:
-            raise InvalidRequestError(f"temperature must be a number >= 0, got {temperature!r}")
-        if not 0 < float(top_p) <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {top_p!r}")
-        if stop is None:
-            stops: tuple[str, ...] = ()
-        elif isinstance(stop, str):
-            stops = (stop,)
-        else:
-            stops = tuple(stop)
-            if not all(isinstance(s, str) for s in stops):
-                raise InvalidRequestError("stop must be a string or a sequence of strings")
-        return SamplingParams(n, float(temperature), float(top_p), stops, seed)
-
-    def _submit_rag(self, query, documents, system, max_new_tokens, temperature, top_p, stop, seed, on_token):
-        self._check_open()
-        if not isinstance(query, str):
-            raise InvalidRequestError(f"query must be a str, got {type(query).__name__}")
-        docs = validate_documents(documents)
-        if not query.strip() and not any(d.strip() for d in docs):
-            raise InvalidRequestError("empty request: pass a non-empty query or at least one document")
-        if system is not None and not isinstance(system, str):
-            raise InvalidRequestError(f"system must be a str or None, got {type(system).__name__}")
-        params = self._params(max_new_tokens, temperature, top_p, stop, seed)
-        seg = self.builder.build_rag(query, docs, system)
-        return self._enqueue(seg, docs, params, on_token)
-
-    def _submit_flat(self, prompt, documents, chat, system, max_new_tokens, temperature, top_p, stop, seed,
-                     on_token):
-        self._check_open()
-        if not isinstance(prompt, str):
-            raise InvalidRequestError(f"prompt must be a str, got {type(prompt).__name__}")
-        if not prompt.strip():
-            raise InvalidRequestError("empty prompt: pass the rendered prompt text")
-        docs = validate_documents(documents)
-        params = self._params(max_new_tokens, temperature, top_p, stop, seed)
-        seg = self.builder.build_flat(prompt, docs, chat=chat, system=system)
-        return self._enqueue(seg, docs, params, on_token)
-
-    def _submit_messages(self, messages, documents, max_new_tokens, temperature, top_p, stop, seed, on_token):
-        self._check_open()
-        if isinstance(messages, (str, bytes)) or not messages:
-            raise InvalidRequestError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
-                raise InvalidRequestError(f"message #{i} must be a dict with 'role' and a str 'content'")
-        if not any(m["content"].strip() for m in messages):
-            raise InvalidRequestError("all messages are empty")
-        docs = validate_documents(documents)
-        params = self._params(max_new_tokens, temperature, top_p, stop, seed)
-        text = self.builder.render_messages(messages)
-        seg = self.builder.segment(text, docs)
-        return self._enqueue(seg, docs, params, on_token)
-
-    def _enqueue(self, seg: SegmentedPrompt, docs: tuple[str, ...], params: SamplingParams,
-                 on_token) -> Request:
-        n = seg.num_tokens
-        if n + params.max_new_tokens > self.loaded.context_window:
-            raise PromptTooLongError(n, params.max_new_tokens, self.loaded.context_window)
-        plan = plan_chunks(self.root_key, seg.segments, self.config.chunk_size)
-        keys = [c.key for c in plan]
-        ticket = self.board.claim(docs) if docs else None
-        req = Request(
-            request_id=self.scheduler.next_id(), token_ids=seg.token_ids, plan=plan, params=params,
-            submitted_at=time.perf_counter(), on_token=on_token, documents_found=seg.documents_found,
-        )
-        ssd_now = self._ssd_keys(keys)
-        req.ssd_keys_at_entry = ssd_now | (ticket.ssd_keys_at_entry if ticket else frozenset())
-        req.metrics.announced = ticket is not None
-        return self.scheduler.submit(req)
-
     def _ssd_keys(self, keys: Sequence[bytes]) -> frozenset[bytes]:
         if self.cache is None:
             return frozenset()
         m = self.cache.match(keys)
-        return frozenset(k for k, t in zip(m.keys, m.tiers) if getattr(t, "value", t) == "ssd")
+        return frozenset(k for k, t in zip(m.keys, m.tiers) if t is Tier.SSD)
 
     def _window_keys(self, limit: int) -> list[Sequence[bytes]]:
         waiting = [r.keys for r in self.scheduler.window(limit)]
@@ -492,69 +396,20 @@ class PCREngine:
                                                 self.loaded.tokenizer, active.on_token, req.cancelled, m)
         return active
 
-    def _cancel(self, req: Request) -> None:
+    def _cancel(self, req: Request) -> bool:
+        """Cancel ``req``: a waiting one leaves the queue and fails now; a running one fails at its next forward.
+        False if it had already finished."""
         if req.future.done():
-            return
+            return False
         req.cancel()
         if self.scheduler.remove_waiting(req) and not req.future.done():
             req.future.set_exception(RequestCancelledError("request cancelled while waiting"))
-        self.recorder.record_failure(cancelled=True)
+        return True
 
-    def _wait(self, req: Request, timeout: float | None) -> GenerationResult:
-        try:
-            return req.future.result(timeout=timeout)
-        except TimeoutError:
-            self._cancel(req)
-            raise
-        except RequestCancelledError:
-            raise
-        except Exception:
-            self.recorder.record_failure()
-            raise
-
-    async def _await(self, req: Request) -> GenerationResult:
-        try:
-            return await asyncio.wrap_future(req.future)
-        except asyncio.CancelledError:
-            self._cancel(req)
-            raise
-
-    def _stream(self, submit) -> TokenStream:
-        queue: Queue = Queue()
-        counter = [0]
-
-        def cb(token_id: int, delta: str) -> None:
-            queue.put(StreamChunk(token_id, delta, counter[0]))
-            counter[0] += 1
-
-        req = submit(cb)
-        req.future.add_done_callback(lambda _f: queue.put(_DONE))
-        return TokenStream(req, queue, self)
-
-    async def _astream(self, submit) -> AsyncIterator[StreamChunk]:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        counter = [0]
-
-        def cb(token_id: int, delta: str) -> None:
-            chunk = StreamChunk(token_id, delta, counter[0])
-            counter[0] += 1
-            loop.call_soon_threadsafe(queue.put_nowait, chunk)
-
-        req = submit(cb)
-        fut: Future = req.future
-        fut.add_done_callback(lambda _f: loop.call_soon_threadsafe(queue.put_nowait, _DONE))
-        try:
-            while True:
-                item = await queue.get()
-                if item is _DONE:
-                    result = fut.result()  # re-raises a failure
-                    yield StreamChunk(-1, "", counter[0], result)
-                    return
-                yield item
-        except (asyncio.CancelledError, GeneratorExit):
-            self._cancel(req)
-            raise
+    def _count_failure(self, future) -> None:
+        exc = future.exception()
+        if exc is not None:
+            self.recorder.record_failure(cancelled=isinstance(exc, RequestCancelledError))
 
 
 class _ActiveRequest:

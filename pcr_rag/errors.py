@@ -35,6 +35,10 @@ class EngineClosedError(PCRError, RuntimeError):
     """The engine was closed; create a new `PCREngine`."""
 
 
+class QueueFullError(PCRError, RuntimeError):
+    """The waiting queue is at `max_queue`; retry later or raise EngineConfig.max_queue."""
+
+
 class RequestCancelledError(PCRError):
     """The request was cancelled before it finished."""
 

@@ -36,9 +36,10 @@ def run(args: argparse.Namespace) -> int:
                 if not args.json:
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
-            m = stream.result.metrics
+            result = stream.result()
+            m = result.metrics
             if args.json:
-                print(json.dumps({"run": i, "text": stream.result.text, **m.as_dict()}))
+                print(json.dumps({"run": i, "text": result.text, **m.as_dict()}))
             else:
                 print(f"\n[run {i}] TTFT {m.ttft_s * 1000:.0f} ms, E2E {m.e2e_s:.2f} s, prompt {m.prompt_tokens} "
                       f"tokens: computed {m.computed_tokens}, reused {m.reused_by_tier}")

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from pcr_rag.cache import CacheEngine
+from pcr_rag.cache import CacheEngine, Tier
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def plan_prefetch(window: Sequence[Sequence[bytes]], cache: CacheEngine) -> Pref
         protect.update(keys)
         match = cache.match(keys)
         for key, tier in zip(match.keys, match.tiers):
-            if getattr(tier, "value", tier) == "ssd" and key not in seen:
+            if tier is Tier.SSD and key not in seen:
                 seen.add(key)
                 load.append(key)
     return PrefetchPlan(frozenset(protect), tuple(load))

@@ -21,25 +21,15 @@ from dataclasses import dataclass
 
 import torch
 
-from pcr_rag.cache import CacheEngine, ChunkSpec
+from pcr_rag.cache import CacheEngine, ChunkSpec, Tier
 from pcr_rag.errors import PrefixLoadError, RequestCancelledError
 from pcr_rag.metrics import TIERS, RequestMetrics
+from pcr_rag.requests import SamplingParams
 from pcr_rag.runtime.kv_cache import PCRKVCache
 from pcr_rag.runtime.model import LoadedModel
 from pcr_rag.runtime.transfer import CopyEngine, LoadSource, StepHooks
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Decoding settings. temperature 0 = greedy. stop: strings that end generation (not included in text)."""
-
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
 
 
 @dataclass
@@ -57,14 +47,13 @@ class Runner:
     """Runs prefill-with-reuse and decode for one request at a time on the engine's executor thread."""
 
     def __init__(self, loaded: LoadedModel, cache: CacheEngine | None, copy_engine: CopyEngine,
-                 *, layerwise: bool, store: bool = True) -> None:
+                 *, layerwise: bool) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
         self.cache = cache
         self.copy = copy_engine
         self.layerwise = layerwise
-        self.store = store and cache is not None
         self.prefetch_wait_s = 30.0  # longest wait for an in-flight prefetch of a chunk this request needs
         self._eos = set(loaded.eos_token_ids)
 
@@ -94,8 +83,8 @@ class Runner:
         m = lease.num_chunks if lease is not None else 0
         reused = dict.fromkeys(TIERS, 0)
         sources: list[LoadSource] = []
-        tiers = [_tier_name(t) for t in lease.tiers] if lease is not None else []
-        on_ssd = [plan[i].key for i in range(m) if tiers[i] == "ssd"]
+        tiers = lease.tiers if lease is not None else ()
+        on_ssd = [plan[i].key for i in range(m) if tiers[i] is Tier.SSD]
         if on_ssd:  # a prefetch of these may be finishing: wait for it rather than read the chunk twice
             for fut in self.cache.pending_loads(on_ssd):
                 try:
@@ -105,8 +94,8 @@ class Runner:
         for i in range(m):
             spec = plan[i]
             payload = self.cache.get_payload(spec.key)
-            tier = tiers[i] if payload is None or tiers[i] != "ssd" else "dram"
-            reused[tier] += spec.num_tokens
+            served = Tier.DRAM if payload is not None and tiers[i] is Tier.SSD else tiers[i]  # prefetched
+            reused[served.value] += spec.num_tokens
             sources.append(LoadSource(i, spec.key, spec.start, spec.end, payload))
         matched_tokens = plan[m - 1].end if m else 0
         kv.set_length(matched_tokens)
@@ -121,7 +110,7 @@ class Runner:
                     raise RequestCancelledError("request cancelled during prefill")
                 spec = plan[idx]
                 offload = self.copy.offload(kv, spec.start, spec.end, layerwise=self.layerwise) \
-                    if self.store else None
+                    if self.cache is not None else None
                 kv.hooks = StepHooks(load if idx == m else None, offload)
                 try:
                     out = self.model(
@@ -158,8 +147,6 @@ class Runner:
     def _promote_ssd_chunks(self, plan: Sequence[ChunkSpec], sources: Sequence[LoadSource],
                             kv: PCRKVCache) -> None:
         """Chunks read from SSD on demand are now in the request's buffers: keep a DRAM copy too."""
-        if not self.store:
-            return
         for src in sources:
             if src.payload is None:
                 self._insert(plan[src.index], kv.chunk_payload(src.start, src.end))
@@ -245,10 +232,6 @@ class DecodeState:
         self.done = True
         self.kv = None  # free the request's KV buffers as soon as it is done
         return True
-
-
-def _tier_name(tier) -> str:
-    return getattr(tier, "value", str(tier))
 
 
 def _select(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:

@@ -21,54 +21,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass, field
-from enum import Enum
+from dataclasses import dataclass
 from typing import Protocol
 
-from pcr_rag.cache import ChunkSpec
-from pcr_rag.errors import EngineClosedError, PCRError, RequestCancelledError
-from pcr_rag.metrics import RequestMetrics
-from pcr_rag.runtime.runner import SamplingParams
+from pcr_rag.errors import EngineClosedError, QueueFullError, RequestCancelledError
+from pcr_rag.requests import Request, RequestState
 
 log = logging.getLogger(__name__)
-
-
-class QueueFullError(PCRError, RuntimeError):
-    """The waiting queue is at `max_queue`; retry later or raise EngineConfig.max_queue."""
-
-
-class RequestState(str, Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-@dataclass
-class Request:
-    """One generation request. ``plan`` holds its chunks; ``on_token(token_id, text_delta)`` streams output."""
-
-    request_id: int
-    token_ids: list[int]
-    plan: list[ChunkSpec]
-    params: SamplingParams
-    submitted_at: float
-    future: Future = field(default_factory=Future)
-    on_token: Callable[[int, str], None] | None = None
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    state: RequestState = RequestState.WAITING
-    ssd_keys_at_entry: frozenset[bytes] = frozenset()
-    metrics: RequestMetrics = field(default_factory=RequestMetrics)
-    documents_found: int = 0
-
-    @property
-    def keys(self) -> list[bytes]:
-        return [c.key for c in self.plan]
-
-    def cancel(self) -> None:
-        self.cancelled.set()
 
 
 @dataclass

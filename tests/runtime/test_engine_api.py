@@ -104,7 +104,7 @@ def test_cancel_releases_pins(tiny, tmp_path):
         next(iter(stream))
         stream.close()
         with pytest.raises(RequestCancelledError):
-            stream._request.future.result(timeout=30)
+            stream.result(timeout=30)
         assert eng.cache.stats().as_dict()["pinned_chunks"] == 0
 
 
@@ -150,7 +150,7 @@ def test_newcomer_waits_for_prefills_not_whole_answers(tiny, tmp_path, max_activ
         long = eng.stream("a long answer please", DOCS[:1], max_new_tokens=150)
         next(iter(long))  # the long request is decoding now
         short = eng.generate("short", DOCS[1:2], max_new_tokens=2)
-        long_done_first = long._request.future.done()
+        long_done_first = long.done()
         rest = list(long)
     assert len(short.token_ids) == 2 and rest[-1].result.metrics.generated_tokens == 150
     # interleaved decode: the short request finished while the long one was still decoding

@@ -1,0 +1,496 @@
+"""What a caller asks the engine for, and what comes back.
+
+A request is a prompt, one of three frozen kinds, plus `SamplingParams`:
+
+- `RagPrompt(query, documents, system)`: the engine lays out ``[system][doc 1]...[doc k][question]``;
+- `FlatPrompt(text, documents, chat, system)`: a framework's rendered prompt that holds the documents verbatim;
+- `ChatPrompt(messages, documents)`: a conversation rendered with the model's chat template.
+
+Both are validated when constructed, so bad input fails before any compute. ``PCREngine.submit(prompt, params)``
+enqueues the request and returns a `RequestHandle`: ``.result()``, iteration over `StreamChunk`s (sync and async),
+``await handle`` and ``.cancel()``. Every public generate/stream method of the engine is a wrapper over ``submit``.
+
+Invariants: a handle's stream yields every generated token once, in order, then one closing chunk that carries
+the `GenerationResult` (or raises the request's error); a request whose deadline passes while someone waits on its
+handle is cancelled, and the wait raises `TimeoutError`; a cancelled request releases what it holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from pcr_rag.errors import InvalidRequestError, RequestCancelledError
+from pcr_rag.metrics import RequestMetrics
+from pcr_rag.prompt import PromptBuilder, SegmentedPrompt, validate_documents
+
+if TYPE_CHECKING:
+    from collections.abc import Generator
+
+    from pcr_rag.cache import ChunkSpec
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "ChatPrompt",
+    "FlatPrompt",
+    "GenerationResult",
+    "Prompt",
+    "RagPrompt",
+    "Request",
+    "RequestHandle",
+    "RequestState",
+    "SamplingParams",
+    "StreamChunk",
+]
+
+
+# ---------------------------------------------------------------------------------------------------- prompts
+def _check_system(system: object) -> None:
+    if system is not None and not isinstance(system, str):
+        raise InvalidRequestError(f"system must be a str or None, got {type(system).__name__}")
+
+
+@dataclass(frozen=True)
+class RagPrompt:
+    """A question over documents, laid out by the engine: ``[system][doc 1]...[doc k][question]``; each document
+    is cached as its own token run. ``documents`` may be any sequence of str (stored as a tuple)."""
+
+    query: str
+    documents: tuple[str, ...] = ()
+    system: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.query, str):
+            raise InvalidRequestError(f"query must be a str, got {type(self.query).__name__}")
+        docs = validate_documents(self.documents)
+        object.__setattr__(self, "documents", docs)
+        if not self.query.strip() and not any(d.strip() for d in docs):
+            raise InvalidRequestError("empty request: pass a non-empty query or at least one document")
+        _check_system(self.system)
+
+    def segment(self, builder: PromptBuilder) -> SegmentedPrompt:
+        return builder.build_rag(self.query, self.documents, self.system)
+
+
+@dataclass(frozen=True)
+class FlatPrompt:
+    """A flat prompt that contains ``documents`` verbatim, in order (a framework's rendered template).
+
+    Documents are located from a moving cursor; one that is not found is computed as part of the surrounding
+    text. ``chat=True`` wraps the text as one user turn of the model's chat template (``system`` as the system
+    turn); ``chat=False`` continues the raw text."""
+
+    text: str
+    documents: tuple[str, ...] = ()
+    chat: bool = True
+    system: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.text, str):
+            raise InvalidRequestError(f"prompt must be a str, got {type(self.text).__name__}")
+        if not self.text.strip():
+            raise InvalidRequestError("empty prompt: pass the rendered prompt text")
+        object.__setattr__(self, "documents", validate_documents(self.documents))
+        _check_system(self.system)
+
+    def segment(self, builder: PromptBuilder) -> SegmentedPrompt:
+        return builder.build_flat(self.text, self.documents, chat=self.chat, system=self.system)
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation (``[{"role": ..., "content": str}, ...]``, copied) rendered with the chat template;
+    ``documents`` found in the rendered text get their own token runs."""
+
+    messages: tuple[Mapping[str, Any], ...]
+    documents: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        messages = self.messages
+        if isinstance(messages, (str, bytes)) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping) or not isinstance(m.get("content"), str) or "role" not in m:
+                raise InvalidRequestError(f"message #{i} must be a dict with 'role' and a str 'content'")
+        if not any(m["content"].strip() for m in messages):
+            raise InvalidRequestError("all messages are empty")
+        object.__setattr__(self, "messages", tuple(dict(m) for m in messages))
+        object.__setattr__(self, "documents", validate_documents(self.documents))
+
+    def segment(self, builder: PromptBuilder) -> SegmentedPrompt:
+        return builder.segment(builder.render_messages(self.messages), self.documents)
+
+
+Prompt = RagPrompt | FlatPrompt | ChatPrompt
+PROMPT_KINDS: tuple[type, ...] = (RagPrompt, FlatPrompt, ChatPrompt)
+
+
+# ---------------------------------------------------------------------------------------------------- sampling
+_NAME_ALIASES = {"max_tokens": "max_new_tokens"}  # the OpenAI / LangChain spelling
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to decode one request. Validated on construction (`InvalidRequestError`).
+
+    max_new_tokens: tokens generated at most; None = the engine's ``EngineConfig.max_new_tokens``.
+    temperature: 0 = greedy (deterministic); > 0 samples. top_p: nucleus mass in (0, 1].
+    stop: strings that end generation (not included in the text); a single str or any sequence is accepted.
+    seed: the sampling seed when temperature > 0 (None = a fresh one per request).
+    """
+
+    max_new_tokens: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        n = self.max_new_tokens
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise InvalidRequestError(f"max_new_tokens must be a positive int, got {n!r}")
+        t = self.temperature
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not t >= 0:
+            raise InvalidRequestError(f"temperature must be a number >= 0, got {t!r}")
+        p = self.top_p
+        if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 < p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise InvalidRequestError(f"seed must be an int or None, got {self.seed!r}")
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_p", float(p))
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
+
+    @classmethod
+    def names(cls) -> frozenset[str]:
+        """Every keyword `from_kwargs` accepts (the fields and their aliases, e.g. ``max_tokens``)."""
+        return frozenset(f.name for f in dataclasses.fields(cls)) | frozenset(_NAME_ALIASES)
+
+    @classmethod
+    def from_kwargs(cls, defaults: SamplingParams | None = None, /, **kwargs: Any) -> SamplingParams:
+        """``defaults`` (or the field defaults) overridden by ``kwargs``; a None value keeps the default.
+
+        Raises:
+            TypeError: a keyword that is not a sampling parameter (all unknown ones are listed).
+            InvalidRequestError: a bad value, or ``max_tokens`` and ``max_new_tokens`` that disagree.
+        """
+        unknown = set(kwargs) - cls.names()
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}; the sampling parameters are "
+                            f"{sorted(cls.names())}")
+        given: dict[str, Any] = {}
+        for name, value in kwargs.items():
+            if value is None:
+                continue
+            name = _NAME_ALIASES.get(name, name)
+            if name in given and given[name] != value:
+                raise InvalidRequestError(f"max_tokens={kwargs['max_tokens']!r} and max_new_tokens="
+                                          f"{kwargs['max_new_tokens']!r} disagree; pass one of them")
+            given[name] = value
+        base = defaults if defaults is not None else cls()
+        return dataclasses.replace(base, **given) if given else base
+
+
+def _stop_strings(stop: object) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    try:
+        stops = tuple(stop)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidRequestError(f"stop must be a string or a sequence of strings, got {stop!r}") from None
+    if not all(isinstance(s, str) for s in stops):
+        raise InvalidRequestError("stop must be a string or a sequence of strings")
+    return stops
+
+
+# ---------------------------------------------------------------------------------------------------- results
+@dataclass
+class GenerationResult:
+    """A finished request. finish_reason: "stop" (EOS or a stop string) or "length" (max_new_tokens)."""
+
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    metrics: RequestMetrics
+    finish_reason: str
+    request_id: int = 0
+    documents_found: int = 0
+    first_token_logits: Any = None  # the prefill's last-position logits (a CPU tensor), for checks and scoring
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """One generated token as it comes: its id and the text it added (may be "" mid-way through a character).
+
+    The last chunk of every stream is a closing one: ``token_id=-1``, ``text=""``, ``index`` = the number of token
+    chunks before it, and ``result`` set to the request's `GenerationResult` (finish reason, counts, metrics)."""
+
+    token_id: int
+    text: str
+    index: int
+    result: GenerationResult | None = None
+
+    @property
+    def is_final(self) -> bool:
+        return self.result is not None
+
+
+# ---------------------------------------------------------------------------------------------------- requests
+class RequestState(str, Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+@dataclass
+class Request:
+    """The engine's side of one request (the caller holds its `RequestHandle`).
+
+    ``plan`` holds its chunks; ``on_token(token_id, text_delta)`` streams output; ``future`` gets the
+    `GenerationResult` or the error; ``cancelled`` is checked by the executor between forwards."""
+
+    request_id: int
+    token_ids: list[int]
+    plan: list[ChunkSpec]
+    params: SamplingParams
+    submitted_at: float
+    future: Future = field(default_factory=Future)
+    on_token: Callable[[int, str], None] | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    state: RequestState = RequestState.WAITING
+    ssd_keys_at_entry: frozenset[bytes] = frozenset()
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    documents_found: int = 0
+
+    @property
+    def keys(self) -> list[bytes]:
+        return [c.key for c in self.plan]
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class TokenChannel:
+    """Tokens of one request on their way from the executor thread to one consumer, sync or async.
+
+    The producer calls `put` per token and `close` once the request's future is done; the consumer takes chunks in
+    order with `get` (blocking, with a timeout) or `aget` (awaiting). Thread-safe; holds no reference to the
+    handle, so dropping the handle lets it be collected while the request still runs."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._chunks: deque[StreamChunk] = deque()
+        self._count = 0
+        self._closed = False
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+
+    @property
+    def produced(self) -> int:
+        """Token chunks put so far."""
+        return self._count
+
+    def put(self, token_id: int, text: str) -> None:
+        with self._cond:
+            self._chunks.append(StreamChunk(token_id, text, self._count))
+            self._count += 1
+            self._cond.notify_all()
+            waiters, self._waiters = self._waiters, []
+        _wake(waiters)
+
+    def close(self, _future: object = None) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            waiters, self._waiters = self._waiters, []
+        _wake(waiters)
+
+    def get(self, timeout: float | None) -> StreamChunk | None:
+        """The next chunk; None once closed and drained. Raises `TimeoutError` after ``timeout`` seconds."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._chunks or self._closed, timeout):
+                raise TimeoutError
+            return self._chunks.popleft() if self._chunks else None
+
+    async def aget(self, timeout: float | None) -> StreamChunk | None:
+        """As `get`, awaiting instead of blocking."""
+        return await self._await(lambda: self._chunks.popleft() if self._chunks else None,
+                                 lambda: bool(self._chunks) or self._closed, timeout)
+
+    async def wait_closed(self, timeout: float | None) -> None:
+        """Await `close` without taking chunks. Raises `TimeoutError` after ``timeout`` seconds."""
+        await self._await(lambda: None, lambda: self._closed, timeout)
+
+    async def _await(self, take: Callable[[], Any], ready: Callable[[], bool], timeout: float | None) -> Any:
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            with self._cond:
+                if ready():
+                    return take()
+                waiter = loop.create_future()
+                self._waiters.append((loop, waiter))
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            await asyncio.wait_for(waiter, left)  # TimeoutError / CancelledError propagate
+
+
+def _wake(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]) -> None:
+    for loop, waiter in waiters:
+        try:
+            loop.call_soon_threadsafe(_resolve, waiter)
+        except RuntimeError:  # the consumer's loop is closed: nobody is waiting any more
+            pass
+
+
+def _resolve(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+class RequestHandle:
+    """The caller's side of one submitted request.
+
+    - ``result(timeout=None)`` blocks for the `GenerationResult`; ``await handle`` / ``await handle.aresult()``
+      awaits it without blocking the event loop.
+    - Iterating (``for`` or ``async for``) yields `StreamChunk`s as tokens come, then the closing chunk with the
+      result; a failed or cancelled request raises its error instead. There is one stream per handle.
+    - ``cancel()`` cancels the request (a waiting one leaves the queue; a running one stops at its next forward
+      and releases its pinned chunks); ``close()`` / ``aclose()`` cancel it unless it finished. Dropping the last
+      reference to an unfinished handle cancels its request too.
+    - A deadline (``submit(..., timeout=)``) bounds every wait on the handle: when it passes, the request is
+      cancelled and the wait raises `TimeoutError`. Cancelling the task that awaits or iterates cancels the
+      request.
+    """
+
+    def __init__(self, request: Request, channel: TokenChannel, cancel: Callable[[Request], bool],
+                 timeout: float | None = None) -> None:
+        self._request = request
+        self._channel = channel
+        self._cancel = cancel
+        self._timeout = timeout
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._finished_stream = False
+
+    # ------------------------------------------------------------------------------------------ state
+    @property
+    def request_id(self) -> int:
+        return self._request.request_id
+
+    @property
+    def state(self) -> RequestState:
+        return self._request.state
+
+    @property
+    def metrics(self) -> RequestMetrics:
+        """The request's metrics so far (final once it is done)."""
+        return self._request.metrics
+
+    def done(self) -> bool:
+        """True once the request finished, failed or was cancelled."""
+        return self._request.future.done()
+
+    def cancel(self) -> bool:
+        """Cancel the request; True if it had not finished yet (its result then raises `RequestCancelledError`)."""
+        return self._cancel(self._request)
+
+    def close(self) -> None:
+        """Stop consuming: cancels the request unless it already finished (no-op then)."""
+        if not self.done():
+            self.cancel()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    # ------------------------------------------------------------------------------------------ result
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        """The `GenerationResult`, waiting at most ``timeout`` seconds (and never past the deadline).
+
+        Raises the request's error (e.g. `RequestCancelledError`); on timeout the request is cancelled and
+        `TimeoutError` raised."""
+        try:
+            return self._request.future.result(timeout=self._wait_s(timeout))
+        except TimeoutError:
+            raise self._timed_out() from None
+
+    async def aresult(self, timeout: float | None = None) -> GenerationResult:
+        """`result` for asyncio: awaits without blocking the loop; cancelling the awaiting task cancels the request."""
+        try:
+            await self._channel.wait_closed(self._wait_s(timeout))
+        except TimeoutError:
+            raise self._timed_out() from None
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+        return self._request.future.result()
+
+    def __await__(self) -> Generator[Any, None, GenerationResult]:
+        return self.aresult().__await__()
+
+    # ------------------------------------------------------------------------------------------ streaming
+    def __iter__(self) -> RequestHandle:
+        return self
+
+    def __next__(self) -> StreamChunk:
+        if self._finished_stream:
+            raise StopIteration
+        try:
+            chunk = self._channel.get(self._wait_s(None))
+        except TimeoutError:
+            raise self._timed_out() from None
+        return chunk if chunk is not None else self._closing_chunk()
+
+    def __aiter__(self) -> RequestHandle:
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        if self._finished_stream:
+            raise StopAsyncIteration
+        try:
+            chunk = await self._channel.aget(self._wait_s(None))
+        except TimeoutError:
+            raise self._timed_out() from None
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+        return chunk if chunk is not None else self._closing_chunk()
+
+    # ------------------------------------------------------------------------------------------ internals
+    def _closing_chunk(self) -> StreamChunk:
+        self._finished_stream = True
+        result = self._request.future.result()  # the channel closes only once the future is done; raises errors
+        return StreamChunk(-1, "", self._channel.produced, result)
+
+    def _wait_s(self, timeout: float | None) -> float | None:
+        """Seconds a wait may take: ``timeout``, capped by what is left of the deadline (>= 0)."""
+        if self._deadline is None:
+            return timeout
+        left = max(0.0, self._deadline - time.monotonic())
+        return left if timeout is None else min(timeout, left)
+
+    def _timed_out(self) -> TimeoutError:
+        self.cancel()
+        past = self._deadline is not None and time.monotonic() >= self._deadline
+        what = f"within its timeout of {self._timeout:g} s" if past else "within the wait's timeout"
+        return TimeoutError(f"request {self.request_id} did not finish {what}; it was cancelled")
+
+    def __repr__(self) -> str:
+        return f"<RequestHandle request_id={self.request_id} state={self.state.value}>"
