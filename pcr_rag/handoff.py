@@ -6,17 +6,25 @@ with the rendered prompt. The engine claims a ticket when a request brings exact
 a template, a node postprocessor or a response mode dropped or reordered some of them, the documents actually
 present (in prompt order) are passed instead, so every present document still gets its own token run, and the
 ticket is released explicitly (its prefetch has already happened; it must not linger in the window).
+
+`Announcement` is what both framework hooks keep per retrieval: the documents, the run or span it came from, and
+the ticket each engine returned. An engine here is anything with ``announce`` and ``cancel_announcement`` (a
+`PCREngine`, or a client of a remote one).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
+
+from pcr_rag.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["documents_in_prompt", "release_ticket", "request_documents"]
+__all__ = ["Announcement", "documents_in_prompt", "release_ticket", "request_documents"]
 
 
 def documents_in_prompt(prompt: str, documents: Sequence[str]) -> tuple[str, ...]:
@@ -59,3 +67,70 @@ def release_ticket(engine: Any, ticket: Any) -> None:
         engine.cancel_announcement(ticket)
     except Exception:  # withdrawing is an optimisation; the ticket would expire anyway
         logger.exception("withdrawing an announcement failed")
+
+
+@dataclass
+class Announcement:
+    """What one retrieval returned, as the prompt will show it, and the engine tickets it produced.
+
+    Attributes:
+        documents: the retrieved texts in retriever order.
+        query: the retriever's query string (None when the framework did not say).
+        origin: the retriever's run or span id.
+        ancestors: the runs or spans above the retrieval, nearest first; a model call below one of them uses it.
+        tickets: ``id(engine) -> (engine, ticket)``; each ticket is claimed by the first model call on its engine.
+        created_s: ``time.monotonic()`` when announced.
+    """
+
+    documents: tuple[str, ...]
+    query: str | None
+    origin: Hashable
+    ancestors: tuple[Hashable, ...]
+    tickets: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+    claimed: set[int] = field(default_factory=set)
+    created_s: float = field(default_factory=time.monotonic)
+
+    def announce_to(self, engines: Iterable[Any]) -> None:
+        """Announce the documents to each engine and keep its ticket; a failed announce only costs the prefetch."""
+        for engine in engines:
+            try:
+                self.tickets[id(engine)] = (engine, engine.announce(list(self.documents), query=self.query or None))
+            except Exception:  # noqa: BLE001 - never fail the retrieval for a prefetch
+                logger.exception("announcing retrieved documents to the PCR engine failed")
+
+    @property
+    def fully_claimed(self) -> bool:
+        """True when every engine's ticket was taken (and at least one ticket exists)."""
+        return bool(self.tickets) and len(self.claimed) >= len(self.tickets)
+
+    def take_ticket(self, engine: Any) -> Any:
+        """The ticket for ``engine``, the first time it is asked for (later model calls, e.g. refine, get None)."""
+        key = id(engine)
+        entry = self.tickets.get(key)
+        if entry is None or key in self.claimed:
+            return None
+        self.claimed.add(key)
+        return entry[1]
+
+    def release_unclaimed(self) -> None:
+        """Withdraw every ticket no model call took."""
+        for key, (engine, ticket) in self.tickets.items():
+            if key not in self.claimed:
+                release_ticket(engine, ticket)
+
+    def documents_for(self, engine: Any, prompt: str) -> tuple[str, ...]:
+        """The documents to pass with ``prompt`` to ``engine`` (see `request_documents`); takes the engine's ticket
+        and withdraws it unless the engine will claim it (exactly the announced documents, in order).
+
+        Raises:
+            InvalidRequestError: the retriever was asked an empty query (the ticket is withdrawn first).
+        """
+        ticket = self.take_ticket(engine)
+        if self.query is not None and not self.query.strip():
+            release_ticket(engine, ticket)
+            raise InvalidRequestError("empty query: the retriever was asked an empty string; pass a non-empty "
+                                      "question")
+        present, exact = request_documents(prompt, self.documents)
+        if not exact:
+            release_ticket(engine, ticket)
+        return present

@@ -23,13 +23,13 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from pcr_rag.errors import InvalidRequestError, RequestCancelledError
+from pcr_rag.errors import InvalidRequestError
 from pcr_rag.metrics import RequestMetrics
 from pcr_rag.prompt import PromptBuilder, SegmentedPrompt, validate_documents
 

@@ -1,22 +1,24 @@
-"""Pieces shared by `ChatPCR` and `PCRLLM`: engine resolution, the model side of the retrieval hook, metadata."""
+"""Pieces shared by the retrieval hook and the models: engine resolution, announce targets, response metadata.
+
+Module order (no cycles): ``_common`` (this) <- ``callbacks`` (the retrieval hook) <- ``_base`` (the models'
+shared fields, submission and stream loops) <- ``chat_models`` / ``llms``.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
 import weakref
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from pcr_rag.handoff import release_ticket, request_documents
+from pcr_rag.requests import GenerationResult
 from pcr_rag.shared import shared_engine
 
 if TYPE_CHECKING:
-    from pcr_rag.engine import GenerationResult, PCREngine
+    from pcr_rag.engine import PCREngine
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +32,6 @@ __all__ = [
     "announce_targets",
     "generation_info",
     "model_display_name",
-    "release_ticket",
-    "resolve_documents",
     "usage_metadata",
 ]
 
@@ -107,47 +107,6 @@ class RequestDocuments:
     announced: bool
 
 
-def resolve_documents(engine: PCREngine, text: str, run_manager: Any, explicit: Sequence[str] | None) -> RequestDocuments:
-    """Documents for a model call: explicit ``documents=`` wins; else the announcement found through the run tree.
-
-    ``text`` is the prompt (or the messages' contents) the documents are searched in. An announcement whose
-    documents are all present in order is passed unchanged, so the engine claims its ticket; otherwise the present
-    documents are passed in prompt order and the ticket is withdrawn.
-    """
-    if explicit is not None:
-        if isinstance(explicit, str):
-            raise ValueError("documents= must be a list of strings, not a single string; wrap it: [doc]")
-        return RequestDocuments(tuple(explicit), announced=False)
-    ann = _find_announcement(run_manager)
-    if ann is None:
-        return RequestDocuments((), announced=False)
-    if ann.query is not None and not ann.query.strip():
-        raise ValueError("empty query: the retriever was asked an empty string; pass a non-empty question")
-    present, exact = request_documents(text, ann.documents)
-    ticket = ann.take_ticket(engine)
-    if ticket is not None and not exact:
-        release_ticket(engine, ticket)
-    return RequestDocuments(present, announced=True)
-
-
-def _find_announcement(run_manager: Any) -> Any:
-    from langchain_pcr.callbacks import PCRRetrievalCallback
-
-    if run_manager is None:
-        return None
-    handlers = list(getattr(run_manager, "handlers", []) or []) + list(
-        getattr(run_manager, "inheritable_handlers", []) or []
-    )
-    seen: set[int] = set()
-    for handler in handlers:
-        if isinstance(handler, PCRRetrievalCallback) and id(handler) not in seen:
-            seen.add(id(handler))
-            ann = handler.lookup(run_manager.run_id, run_manager.parent_run_id)
-            if ann is not None:
-                return ann
-    return None
-
-
 def model_display_name(model: Any, engine: PCREngine | None = None) -> str:
     """A string naming the model: the loaded model's name, else the alias/path, else the default alias."""
     if engine is not None:
@@ -187,50 +146,14 @@ def generation_info(result: GenerationResult, model_name: str, documents: Reques
         "ttft_s": m.ttft_s,
         "e2e_s": m.e2e_s,
         "queue_s": m.queue_s,
-        "prefill_s": getattr(m, "prefill_s", None),
+        "prefill_s": m.prefill_s,
         "prompt_tokens": m.prompt_tokens,
         "computed_tokens": m.computed_tokens,
         "reused_tokens": m.reused_tokens,
         "reused_by_tier": dict(m.reused_by_tier),
         "documents": len(documents.documents),
-        "documents_found": getattr(result, "documents_found", None),
+        "documents_found": result.documents_found,
         "documents_announced": documents.announced,
-        "announcement_claimed": bool(getattr(m, "announced", False)),
-        "prefetch_hit_chunks": getattr(m, "prefetch_hit_chunks", 0),
+        "announcement_claimed": m.announced,
+        "prefetch_hit_chunks": m.prefetch_hit_chunks,
     }
-
-
-class PCRModelParams(BaseModel):
-    """Fields and engine wiring shared by `ChatPCR` and `PCRLLM` (mixed in before the LangChain base class)."""
-
-    model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True, protected_namespaces=())
-
-    model: Any = None
-    tokenizer: Any = Field(default=None, exclude=True)
-    engine: Any = Field(default=None, exclude=True)
-    config: Any = Field(default=None, exclude=True)
-    max_tokens: int | None = Field(default=None, alias="max_new_tokens", ge=1)
-    temperature: float = Field(default=0.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop: list[str] | None = Field(default=None, alias="stop_sequences")
-    timeout: float | None = Field(default=None, gt=0)
-
-    _holder: EngineHolder = PrivateAttr()
-
-    @model_validator(mode="before")
-    @classmethod
-    def _check_engine_args(cls, values: Any) -> Any:
-        if isinstance(values, dict) and values.get("engine") is not None:
-            clash = [k for k in ("model", "tokenizer", "config") if values.get(k) is not None]
-            if clash:
-                raise ValueError(f"pass either engine= or {clash} (they configure the engine), not both")
-        return values
-
-    def model_post_init(self, context: Any, /) -> None:
-        super().model_post_init(context)
-        self._holder = EngineHolder(self)
-
-    @property
-    def model_name(self) -> str:
-        return model_display_name(self.model, self._holder.loaded)

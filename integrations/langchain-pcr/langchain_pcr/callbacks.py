@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
 
@@ -30,48 +28,18 @@ from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
 from langchain_core.tracers.context import register_configure_hook
 
-from langchain_pcr._common import announce_targets, release_ticket
+from langchain_pcr._common import RequestDocuments, announce_targets
+from pcr_rag.handoff import Announcement
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "Announcement",
     "PCRRetrievalCallback",
     "get_global_retrieval_hook",
     "install_global_retrieval_hook",
+    "resolve_documents",
     "uninstall_global_retrieval_hook",
 ]
-
-
-@dataclass
-class Announcement:
-    """What one retriever run returned, and the engine tickets it produced.
-
-    Attributes:
-        documents: the retrieved texts (``Document.page_content``), in retriever order.
-        query: the retriever's query string.
-        retriever_run_id: the retriever run.
-        ancestors: every run above the retriever (nearest first); used to match a model run to it.
-        tickets: engine -> ticket returned by ``engine.announce`` (a ticket is claimed by the first model call).
-        created_s: ``time.monotonic()`` when announced.
-    """
-
-    documents: tuple[str, ...]
-    query: str | None
-    retriever_run_id: UUID
-    ancestors: tuple[UUID, ...]
-    tickets: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # id(engine) -> (engine, ticket)
-    created_s: float = field(default_factory=time.monotonic)
-    claimed: set[int] = field(default_factory=set)
-
-    def take_ticket(self, engine: Any) -> Any:
-        """The ticket for ``engine``, the first time it is asked for (later model calls get None)."""
-        key = id(engine)
-        entry = self.tickets.get(key)
-        if entry is None or key in self.claimed:
-            return None
-        self.claimed.add(key)
-        return entry[1]
 
 
 class PCRRetrievalCallback(BaseCallbackHandler):
@@ -126,13 +94,7 @@ class PCRRetrievalCallback(BaseCallbackHandler):
             if parent_run_id is None:
                 dropped = self._trees.pop(run_id, [])
         for ann in dropped:
-            self._release_unclaimed(ann)
-
-    @staticmethod
-    def _release_unclaimed(ann: Announcement) -> None:
-        for key, (engine, ticket) in ann.tickets.items():
-            if key not in ann.claimed:
-                release_ticket(engine, ticket)
+            ann.release_unclaimed()
 
     # ---------------------------------------------------------------------------------------------- events
     def on_chain_start(self, serialized: Any, inputs: Any, *, run_id: UUID, parent_run_id: UUID | None = None,
@@ -197,9 +159,8 @@ class PCRRetrievalCallback(BaseCallbackHandler):
             self._finish(run_id, parent_run_id)
 
     def _announce(self, texts: tuple[str, ...], query: str | None, run_id: UUID, ancestors: tuple[UUID, ...]) -> None:
-        ann = Announcement(documents=texts, query=query, retriever_run_id=run_id, ancestors=ancestors)
-        for engine in announce_targets(self.target):
-            ann.tickets[id(engine)] = (engine, engine.announce(list(texts), query=query or None))
+        ann = Announcement(documents=texts, query=query, origin=run_id, ancestors=ancestors)
+        ann.announce_to(announce_targets(self.target))
         root = ancestors[-1] if ancestors else run_id
         evicted: list[Announcement] = []
         with self._lock:
@@ -213,7 +174,7 @@ class PCRRetrievalCallback(BaseCallbackHandler):
             else:
                 evicted.append(ann)
         for old in evicted:
-            self._release_unclaimed(old)
+            old.release_unclaimed()
         logger.debug("announced %d documents (retriever run %s)", len(texts), run_id)
 
     # ------------------------------------------------------------------------------------------ model side
@@ -240,6 +201,41 @@ class PCRRetrievalCallback(BaseCallbackHandler):
                 "trees": len(self._trees),
                 "announcements": sum(len(v) for v in self._trees.values()),
             }
+
+
+# ------------------------------------------------------------------------------------------------ model side
+def resolve_documents(engine: Any, text: str, run_manager: Any, explicit: Sequence[str] | None) -> RequestDocuments:
+    """Documents for a model call: explicit ``documents=`` wins; else the announcement found through the run tree.
+
+    ``text`` is the prompt (or the messages' contents) the documents are searched in. An announcement whose
+    documents are all present in order is passed unchanged, so the engine claims its ticket; otherwise the present
+    documents are passed in prompt order and the ticket is withdrawn (`Announcement.documents_for`).
+    """
+    if explicit is not None:
+        if isinstance(explicit, str):
+            raise ValueError("documents= must be a list of strings, not a single string; wrap it: [doc]")
+        return RequestDocuments(tuple(explicit), announced=False)
+    ann = find_announcement(run_manager)
+    if ann is None:
+        return RequestDocuments((), announced=False)
+    return RequestDocuments(ann.documents_for(engine, text), announced=True)
+
+
+def find_announcement(run_manager: Any) -> Announcement | None:
+    """The announcement for a model run, asked of every `PCRRetrievalCallback` among its handlers."""
+    if run_manager is None:
+        return None
+    handlers = list(getattr(run_manager, "handlers", []) or []) + list(
+        getattr(run_manager, "inheritable_handlers", []) or []
+    )
+    seen: set[int] = set()
+    for handler in handlers:
+        if isinstance(handler, PCRRetrievalCallback) and id(handler) not in seen:
+            seen.add(id(handler))
+            ann = handler.lookup(run_manager.run_id, run_manager.parent_run_id)
+            if ann is not None:
+                return ann
+    return None
 
 
 # ------------------------------------------------------------------------------------------------ global hook

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
@@ -20,21 +19,13 @@ from langchain_core.messages import (
 )
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 
-from langchain_pcr._common import (
-    PROVIDER,
-    PCRModelParams,
-    RequestDocuments,
-    generation_info,
-    model_display_name,
-    resolve_documents,
-    usage_metadata,
-)
+from langchain_pcr._base import ModelCall, PCRModelParams
+from langchain_pcr._common import PROVIDER, generation_info, model_display_name, usage_metadata
+from pcr_rag.requests import ChatPrompt, GenerationResult
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ChatPCR"]
-
-_CALL_KWARGS = frozenset({"documents", "max_tokens", "max_new_tokens", "temperature", "top_p", "seed", "timeout"})
 
 
 class ChatPCR(PCRModelParams, BaseChatModel):
@@ -56,7 +47,10 @@ class ChatPCR(PCRModelParams, BaseChatModel):
         max_tokens: tokens to generate at most (alias ``max_new_tokens``; None = the engine's default).
         temperature: 0 = greedy. top_p, seed: sampling controls.
         stop: stop strings (the answer ends before the first one).
-        timeout: seconds to wait for a whole answer (``invoke`` / ``ainvoke``).
+        timeout: seconds a call may take (``invoke``, ``stream`` and their async forms); the request is then
+            cancelled and `TimeoutError` raised.
+        Per call: ``documents=[...]``, ``timeout=``, ``stop=`` and the sampling keywords of
+        `pcr_rag.SamplingParams` (``max_tokens``/``max_new_tokens``, ``temperature``, ``top_p``, ``seed``).
 
     Example:
         .. code-block:: python
@@ -69,7 +63,6 @@ class ChatPCR(PCRModelParams, BaseChatModel):
     """
 
     streaming: bool = False
-
 
     # ------------------------------------------------------------------------------------------ metadata
     @property
@@ -101,55 +94,36 @@ class ChatPCR(PCRModelParams, BaseChatModel):
             params["ls_stop"] = list(stop or self.stop or [])
         return params
 
-    def get_engine(self) -> Any:
-        """The `PCREngine` behind this model (loads the model on first call)."""
-        return self._holder.get()
-
     # ------------------------------------------------------------------------------------------ requests
     def _request(self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any,
-                 kwargs: dict[str, Any]) -> tuple[Any, list[dict[str, str]], RequestDocuments, dict[str, Any]]:
-        unknown = set(kwargs) - _CALL_KWARGS
-        if unknown:
-            raise TypeError(f"ChatPCR got unexpected keyword argument(s) {sorted(unknown)}; "
-                            f"supported per call: {sorted(_CALL_KWARGS)}")
+                 kwargs: dict[str, Any]) -> ModelCall:
         turns = to_chat_turns(messages)
         if not any(t["content"].strip() for t in turns):
             raise ValueError("ChatPCR received only empty messages; pass a non-empty question")
-        engine = self._holder.get()
         text = "\n".join(t["content"] for t in turns)
-        docs = resolve_documents(engine, text, run_manager, kwargs.get("documents"))
-        max_tokens = kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_tokens))
-        sampling = {
-            "max_new_tokens": max_tokens,
-            "temperature": kwargs.get("temperature", self.temperature),
-            "top_p": kwargs.get("top_p", self.top_p),
-            "seed": kwargs.get("seed", self.seed),
-            "stop": list(stop) if stop is not None else self.stop,
-        }
-        return engine, turns, docs, sampling
+        return self._submit(lambda docs: ChatPrompt(turns, docs), text, stop, run_manager, kwargs)
 
-    def _chat_result(self, result: Any, engine: Any, docs: RequestDocuments) -> ChatResult:
-        info = generation_info(result, model_display_name(self.model, engine), docs)
+    def _chat_result(self, result: GenerationResult, call: ModelCall) -> ChatResult:
+        info = generation_info(result, model_display_name(self.model, call.engine), call.documents)
         message = AIMessage(content=result.text, usage_metadata=usage_metadata(result), response_metadata=info)
         return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)],
                           llm_output={"model_name": info["model_name"]})
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        timeout = kwargs.pop("timeout", self.timeout)
-        engine, turns, docs, sampling = self._request(messages, stop, run_manager, kwargs)
-        result = engine.generate_messages(turns, docs.documents, timeout=timeout, **sampling)
-        return self._chat_result(result, engine, docs)
+        call = self._request(messages, stop, run_manager, kwargs)
+        return self._chat_result(call.handle.result(), call)
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        timeout = kwargs.pop("timeout", self.timeout)
-        engine, turns, docs, sampling = self._request(messages, stop, run_manager, kwargs)
-        result = await asyncio.wait_for(engine.agenerate_messages(turns, docs.documents, **sampling), timeout)
-        return self._chat_result(result, engine, docs)
+        call = self._request(messages, stop, run_manager, kwargs)
+        return self._chat_result(await call.handle, call)
 
-    def _final_chunk(self, result: Any, engine: Any, docs: RequestDocuments) -> ChatGenerationChunk:
-        info = generation_info(result, model_display_name(self.model, engine), docs)
+    def _text_chunk(self, text: str) -> ChatGenerationChunk:
+        return ChatGenerationChunk(message=AIMessageChunk(content=text))
+
+    def _final_chunk(self, result: GenerationResult, call: ModelCall) -> ChatGenerationChunk:
+        info = generation_info(result, model_display_name(self.model, call.engine), call.documents)
         return ChatGenerationChunk(
             message=AIMessageChunk(content="", usage_metadata=usage_metadata(result), response_metadata=info,
                                    chunk_position="last"),
@@ -158,42 +132,12 @@ class ChatPCR(PCRModelParams, BaseChatModel):
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        kwargs.pop("timeout", None)
-        engine, turns, docs, sampling = self._request(messages, stop, run_manager, kwargs)
-        stream = engine.stream_messages(turns, docs.documents, **sampling)
-        try:
-            for piece in stream:
-                if piece.is_final:
-                    yield self._final_chunk(piece.result, engine, docs)
-                    return
-                if not piece.text:
-                    continue
-                chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece.text))
-                if run_manager is not None:
-                    run_manager.on_llm_new_token(piece.text, chunk=chunk)
-                yield chunk
-        finally:
-            stream.close()  # no-op when finished; cancels the request when the consumer stopped early
+        return self._stream_call(self._request(messages, stop, run_manager, kwargs), run_manager)
 
-    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
-                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        kwargs.pop("timeout", None)
-        engine, turns, docs, sampling = self._request(messages, stop, run_manager, kwargs)
-        agen = engine.astream_messages(turns, docs.documents, **sampling)
-        try:
-            async for piece in agen:
-                if piece.is_final:
-                    yield self._final_chunk(piece.result, engine, docs)
-                    return
-                if not piece.text:
-                    continue
-                chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece.text))
-                if run_manager is not None:
-                    await run_manager.on_llm_new_token(piece.text, chunk=chunk)
-                yield chunk
-        finally:
-            await agen.aclose()
+    def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                 run_manager: AsyncCallbackManagerForLLMRun | None = None,
+                 **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        return self._astream_call(self._request(messages, stop, run_manager, kwargs), run_manager)
 
     # ------------------------------------------------------------------------------------------ unsupported
     def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> Any:
