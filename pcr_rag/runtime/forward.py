@@ -1,0 +1,350 @@
+"""The fast step: our own forward pass over a transformers decoder's weights, in fixed shapes.
+
+Two entry points, both on the `KVArena`:
+- `FastForward.prefill(row, token_ids, start)`: computes positions [start, start + n) of one request, reading the
+  KV of positions < start from its row (cached or computed by an earlier step) and writing the new KV into it.
+- `FastForward.decode(rows, tokens, positions)`: one new token for each of a fixed number of rows.
+
+Why not the transformers forward: its arithmetic depends on how a prompt is split and on who shares a batch.
+This step makes a row's numbers depend on the row alone, by construction:
+
+- **Linear layers run in fixed-M GEMMs.** On oneDNN (bf16, AMX) and MKL (fp32) a row's output changes with the
+  number of rows M (measured: e.g. bf16 576x576 differs between M=57 and M=2000), but for a fixed M it depends
+  neither on the row's position in the batch nor on the other rows. So prefill rows always go through GEMMs of
+  exactly `PREFILL_TILE_ROWS` rows (the last tile padded), and decode rows through one GEMM of ``batch_rows`` rows
+  (padding rows when fewer are active). Norms and activations run on the same fixed tiles.
+- **Prefill attention runs in query blocks aligned to absolute positions.** Block b covers queries
+  [b*A, (b+1)*A) (A = `ATTENTION_BLOCK`) over keys [window start, (b+1)*A) with an explicit mask; queries of the
+  block that this step does not compute are zero rows. The call for a block is the same whatever was cached, so
+  where a prefill step starts or ends never changes a number (split invariance: cached == uncached, bit for bit).
+- **Decode attention is per row** over that row's own KV (PyTorch's fused CPU/CUDA SDPA kernel, fp32 accumulation).
+
+So reuse never changes an answer and a request's tokens do not depend on its batch company. The numbers do depend
+on the tile sizes and the weight format: `FastForward.plan_id` names them and is part of the chunk keys' root.
+Supported architectures: Llama, Mistral, Qwen2, Qwen3 and Gemma 3 (text; sliding-window layers honoured).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from pcr_rag.errors import PCRError
+from pcr_rag.runtime.kv_arena import KVArena, RowKV
+from pcr_rag.runtime.model import LoadedModel
+from pcr_rag.runtime.weights import Linear, make_linear
+
+log = logging.getLogger(__name__)
+
+PREFILL_TILE_ROWS = 256  # rows per prefill GEMM (fixed M); see the module docstring
+ATTENTION_BLOCK = 128    # query rows per prefill attention block, aligned to absolute positions
+FORWARD_VERSION = "pcr-forward-v1"
+_MASK_CACHE_ENTRIES = 256  # attention-block masks kept (full layers need one per block index)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+
+
+class UnsupportedArchitectureError(PCRError, ValueError):
+    """The model's architecture has no fast forward (see `SUPPORTED_MODEL_TYPES`)."""
+
+
+class LayerHooks(Protocol):
+    """Called on the compute thread once per layer of a prefill step, in layer order."""
+
+    def before_attention(self, layer: int) -> None:
+        """Layer ``layer``'s KV of positions < start must be in the row when this returns (layer-wise loads)."""
+
+    def after_layer(self, layer: int, start: int, end: int) -> None:
+        """Layer ``layer``'s KV of positions [start, end) was just written (layer-wise offload)."""
+
+
+@dataclass(frozen=True, eq=False)
+class LayerWeights:
+    """One decoder layer: fused projections plus the transformers norm modules (per-row ops, reused as is)."""
+
+    qkv: Linear            # [q | k | v] outputs
+    o: Linear
+    gate_up: Linear        # [gate | up] outputs
+    down: Linear
+    input_norm: Any
+    post_attn_norm: Any    # Llama/Qwen: before the MLP; Gemma 3: on the attention output
+    pre_ff_norm: Any       # Gemma 3 only (None otherwise)
+    post_ff_norm: Any      # Gemma 3 only
+    q_norm: Any            # Qwen3 / Gemma 3 per-head norms (None otherwise)
+    k_norm: Any
+    act: Any
+    window: int | None     # sliding window (keys q - window < k <= q), None for full attention
+    rope: str              # which rotary table this layer uses
+
+
+def _text_model(model: Any) -> Any:
+    base = getattr(model, "model", None)
+    if base is None or not hasattr(base, "layers"):
+        raise UnsupportedArchitectureError(
+            f"{type(model).__name__} has no decoder stack at .model.layers; the fast forward supports causal LMs of "
+            f"types {SUPPORTED_MODEL_TYPES}")
+    return base
+
+
+def _fuse(mods: Sequence[Any], fmt: str) -> Linear:
+    """One `Linear` over the concatenated outputs of ``mods``. Dense: the modules' weights become views of the
+    fused tensor (no second copy of the weights)."""
+    weight = torch.cat([m.weight.detach() for m in mods]).contiguous()
+    biases = [m.bias for m in mods]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b.detach() if b is not None else torch.zeros(m.weight.shape[0], dtype=weight.dtype,
+                                                                        device=weight.device)
+                          for m, b in zip(mods, biases)]).contiguous()
+    if fmt == "bf16":
+        offset = 0
+        for m in mods:
+            rows = m.weight.shape[0]
+            m.weight.data = weight[offset: offset + rows]
+            offset += rows
+    return make_linear(fmt, weight, bias)
+
+
+class FastForward:
+    """The model's forward in fixed shapes (see the module docstring). One instance per engine; not thread-safe
+    (the engine's executor thread is its only caller)."""
+
+    def __init__(self, loaded: LoadedModel, *, weights: str = "bf16", batch_rows: int = 8,
+                 max_positions: int | None = None, tile_rows: int = PREFILL_TILE_ROWS,
+                 attention_block: int = ATTENTION_BLOCK) -> None:
+        model = loaded.model
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedArchitectureError(
+                f"model type {config.model_type!r} has no fast forward; supported: {list(SUPPORTED_MODEL_TYPES)}")
+        if getattr(config, "attn_logit_softcapping", None) is not None:
+            raise UnsupportedArchitectureError("attention logit soft-capping (Gemma 2) is not supported")
+        self.loaded = loaded
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.weights = weights
+        self.batch_rows = batch_rows
+        self.tile_rows = tile_rows
+        self.attention_block = attention_block
+        base = _text_model(model)
+        self._embed = base.embed_tokens
+        self._final_norm = base.norm
+        self._lm_head = make_linear(weights, model.lm_head.weight.detach(),
+                                    None if model.lm_head.bias is None else model.lm_head.bias.detach())
+        self._softcap = getattr(config, "final_logit_softcapping", None)
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = loaded.kv.num_kv_heads
+        self.head_dim = loaded.kv.head_dim
+        gemma = config.model_type == "gemma3_text"
+        layers = []
+        for i, layer in enumerate(base.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            window = getattr(attn, "sliding_window", None)
+            if config.model_type == "mistral":
+                window = getattr(config, "sliding_window", None)
+            layer_type = (getattr(config, "layer_types", None) or ["full_attention"] * len(base.layers))[i]
+            layers.append(LayerWeights(
+                qkv=_fuse([attn.q_proj, attn.k_proj, attn.v_proj], weights),
+                o=make_linear(weights, attn.o_proj.weight.detach(),
+                              None if attn.o_proj.bias is None else attn.o_proj.bias.detach()),
+                gate_up=_fuse([mlp.gate_proj, mlp.up_proj], weights),
+                down=make_linear(weights, mlp.down_proj.weight.detach(), None),
+                input_norm=layer.input_layernorm, post_attn_norm=layer.post_attention_layernorm,
+                pre_ff_norm=layer.pre_feedforward_layernorm if gemma else None,
+                post_ff_norm=layer.post_feedforward_layernorm if gemma else None,
+                q_norm=getattr(attn, "q_norm", None), k_norm=getattr(attn, "k_norm", None),
+                act=mlp.act_fn, window=int(window) if window else None,
+                rope=layer_type if gemma else "default",
+            ))
+        self.layers = tuple(layers)
+        self.scale = float(base.layers[0].self_attn.scaling)
+        self.max_positions = int(max_positions or loaded.context_window)
+        self._masks: dict[tuple, torch.Tensor] = {}
+        self._cos, self._sin = self._rope_tables(base.rotary_emb, {lw.rope for lw in self.layers}, gemma)
+
+    # --------------------------------------------------------------------------------------------- identity
+    @property
+    def plan_id(self) -> str:
+        """Names everything that fixes this step's numbers besides the model: part of the chunk keys' root."""
+        return f"{FORWARD_VERSION};tile={self.tile_rows};block={self.attention_block};weights={self.weights}"
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads (every linear layer and the LM head)."""
+        lins = [self._lm_head] + [lin for lw in self.layers for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+        return sum(lin.nbytes for lin in lins)
+
+    def new_arena(self, rows: int, row_capacity: int) -> KVArena:
+        """An arena whose rows fit this step: capacity rounded up to whole attention blocks."""
+        block = self.attention_block
+        capacity = -(-row_capacity // block) * block
+        return KVArena(self.loaded.kv, rows, capacity, self.device)
+
+    # ---------------------------------------------------------------------------------------------- prefill
+    @torch.inference_mode()
+    def prefill(self, row: RowKV, token_ids: torch.Tensor, start: int, *, hooks: LayerHooks | None = None,
+                want_logits: bool = True) -> torch.Tensor | None:
+        """Compute positions [start, start + n) of ``row`` (``token_ids``: n token ids). Positions < start must
+        be in the row (or arrive before each layer's attention, see `LayerHooks`). Returns the last position's
+        logits ``[vocab]`` when ``want_logits``."""
+        n = int(token_ids.shape[0])
+        end = start + n
+        if n < 1:
+            raise ValueError("prefill needs at least one token")
+        if end > min(row.arena.row_capacity, self.max_positions):
+            raise ValueError(f"positions up to {end} exceed the row capacity {row.arena.row_capacity}")
+        block = self.attention_block
+        row.ensure_finite(-(-end // block) * block)
+        tile = self.tile_rows
+        padded = -(-n // tile) * tile
+        ids = torch.zeros(padded, dtype=torch.long, device=self.device)
+        ids[:n] = token_ids.to(self.device)
+        pos = torch.full((padded,), end - 1, dtype=torch.long, device=self.device)
+        pos[:n] = torch.arange(start, end, device=self.device)
+        x = self._embed(ids)
+        q_all = torch.empty(n, self.num_heads, self.head_dim, dtype=x.dtype, device=self.device)
+        attn = torch.zeros(padded, self.num_heads * self.head_dim, dtype=x.dtype, device=self.device)
+        for li, lw in enumerate(self.layers):
+            cos, sin = self._cos[lw.rope], self._sin[lw.rope]
+            for t0 in range(0, n, tile):
+                real = min(tile, n - t0)
+                q, k, v = self._qkv(lw, x[t0: t0 + tile], cos[pos[t0: t0 + tile]], sin[pos[t0: t0 + tile]])
+                row.write(li, start + t0, k[:real], v[:real])
+                q_all[t0: t0 + real] = q[:real]
+            if hooks is not None:
+                hooks.before_attention(li)
+            attn[:n] = self._prefill_attention(li, lw, row, q_all, start)
+            if hooks is not None:
+                hooks.after_layer(li, start, end)
+            for t0 in range(0, n, tile):
+                x[t0: t0 + tile] = self._mlp_block(lw, x[t0: t0 + tile], attn[t0: t0 + tile])
+        if not want_logits:
+            return None
+        return self._logits(x[n - 1: n])[0]
+
+    def _prefill_attention(self, li: int, lw: LayerWeights, row: RowKV, q: torch.Tensor,
+                           start: int) -> torch.Tensor:
+        """Attention of queries [start, start + n) in whole blocks aligned to absolute positions (see module)."""
+        n = q.shape[0]
+        end = start + n
+        block = self.attention_block
+        first = start // block
+        blocks = (end - 1) // block + 1 - first
+        qb = torch.zeros(blocks * block, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
+        offset = start - first * block
+        qb[offset: offset + n] = q
+        qb = qb.view(blocks, block, self.num_heads, self.head_dim).transpose(1, 2)  # [blocks, heads, A, D]
+        out = torch.empty(blocks, block, self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
+        for j in range(blocks):
+            bs = (first + j) * block
+            be = bs + block
+            ks = 0 if lw.window is None else max(0, bs - lw.window + 1)
+            o = F.scaled_dot_product_attention(
+                qb[j: j + 1], row.keys(li, ks, be).unsqueeze(0), row.values(li, ks, be).unsqueeze(0),
+                attn_mask=self._mask(bs - ks, be - ks, lw.window, q.dtype), scale=self.scale, enable_gqa=True)
+            out[j] = o[0].transpose(0, 1).reshape(block, -1)
+        return out.view(blocks * block, -1)[offset: offset + n]
+
+    def _mask(self, query_offset: int, keys: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask ``[A, keys]`` for queries at key offsets query_offset + i: 0 where key j is visible
+        (j <= query and, with a window, query - j < window), -inf elsewhere. Cached: it depends only on these."""
+        key = (query_offset, keys, window, dtype)
+        mask = self._masks.get(key)
+        if mask is None:
+            qpos = torch.arange(query_offset, query_offset + self.attention_block, device=self.device)[:, None]
+            kpos = torch.arange(keys, device=self.device)[None, :]
+            visible = kpos <= qpos
+            if window is not None:
+                visible &= kpos > qpos - window
+            mask = torch.zeros(visible.shape, dtype=dtype, device=self.device).masked_fill_(~visible, float("-inf"))
+            if len(self._masks) >= _MASK_CACHE_ENTRIES:
+                self._masks.pop(next(iter(self._masks)))
+            self._masks[key] = mask
+        return mask
+
+    # ----------------------------------------------------------------------------------------------- decode
+    @torch.inference_mode()
+    def decode(self, arena: KVArena, rows: Sequence[int | None], tokens: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        """One token per row: ``rows[i]`` is an arena row or None (a padding row); ``tokens[i]`` sits at
+        ``positions[i]`` (its KV is written there). ``len(rows) == batch_rows`` always (fixed shapes).
+        Returns logits ``[batch_rows, vocab]`` (padding rows' logits are meaningless)."""
+        if len(rows) != self.batch_rows:
+            raise ValueError(f"decode takes exactly {self.batch_rows} rows (padding rows are None), got {len(rows)}")
+        scratch = arena.scratch_row
+        row_idx = torch.tensor([scratch if r is None else r for r in rows], dtype=torch.long, device=self.device)
+        pos = positions.to(self.device).clone()
+        active = [(i, r, int(p)) for i, (r, p) in enumerate(zip(rows, positions.tolist())) if r is not None]
+        for i, r in enumerate(rows):
+            if r is None:
+                pos[i] = 0
+        x = self._embed(tokens.to(self.device))
+        for li, lw in enumerate(self.layers):
+            q, k, v = self._qkv(lw, x, self._cos[lw.rope][pos], self._sin[lw.rope][pos])
+            arena.k[li][row_idx, :, pos] = k
+            arena.v[li][row_idx, :, pos] = v
+            attn = torch.zeros(self.batch_rows, self.num_heads * self.head_dim, dtype=x.dtype, device=x.device)
+            kl, vl = arena.k[li], arena.v[li]
+            for i, r, p in active:
+                lo = 0 if lw.window is None else max(0, p - lw.window + 1)
+                o = F.scaled_dot_product_attention(
+                    q[i].view(1, self.num_heads, 1, self.head_dim), kl[r: r + 1, :, lo: p + 1],
+                    vl[r: r + 1, :, lo: p + 1], scale=self.scale, enable_gqa=True)
+                attn[i] = o.view(-1)
+            x = self._mlp_block(lw, x, attn)
+        return self._logits(x)
+
+    # ------------------------------------------------------------------------------------------ row pieces
+    def _qkv(self, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rows ``x [M, hidden]`` -> rotated q ``[M, heads, D]``, k and v ``[M, kv_heads, D]``."""
+        m, d = x.shape[0], self.head_dim
+        qkv = lw.qkv(lw.input_norm(x))
+        nq, nk = self.num_heads * d, self.num_kv_heads * d
+        q = qkv[:, :nq].view(m, self.num_heads, d)
+        k = qkv[:, nq: nq + nk].view(m, self.num_kv_heads, d)
+        v = qkv[:, nq + nk:].view(m, self.num_kv_heads, d)
+        if lw.q_norm is not None:
+            q, k = lw.q_norm(q), lw.k_norm(k)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def _mlp_block(self, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Rows after attention: output projection, residual, MLP, residual."""
+        o = lw.o(attn)
+        if lw.pre_ff_norm is not None:  # Gemma 3 sandwich norms
+            x = x + lw.post_attn_norm(o)
+            h = lw.pre_ff_norm(x)
+        else:
+            x = x + o
+            h = lw.post_attn_norm(x)
+        gate, up = lw.gate_up(h).chunk(2, dim=-1)
+        d = lw.down(lw.act(gate) * up)
+        if lw.post_ff_norm is not None:
+            d = lw.post_ff_norm(d)
+        return x + d
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self._lm_head(self._final_norm(x))
+        if self._softcap is not None:
+            logits = torch.tanh(logits / self._softcap) * self._softcap
+        return logits
+
+    def _rope_tables(self, rotary: Any, kinds: set[str], gemma: bool):
+        """cos/sin ``[max_positions, head_dim]`` per rotary kind, computed by the model's own rotary module."""
+        positions = torch.arange(self.max_positions, device=self.device).unsqueeze(0)
+        probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+        cos, sin = {}, {}
+        with torch.inference_mode():
+            for kind in kinds:
+                c, s = rotary(probe, positions, kind) if gemma else rotary(probe, positions)
+                cos[kind], sin[kind] = c[0].contiguous(), s[0].contiguous()
+        return cos, sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

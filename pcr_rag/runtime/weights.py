@@ -1,0 +1,172 @@
+"""Linear-layer weight formats for the fast forward: dense (the model dtype), int8 and int4 weight-only.
+
+Every format is a callable ``linear(x) -> y`` over ``x [M, in_features]`` in the model dtype, computed by a kernel
+PyTorch ships (no hand-written GEMM):
+
+- ``"bf16"`` (dense, the model's own dtype - also float32 models): `torch.nn.functional.linear`.
+- ``"int8"``: per-output-channel symmetric int8 weights, `torch._weight_int8pack_mm` (PyTorch's CPU weight-only
+  int8 kernel; activations stay in the model dtype).
+- ``"int4"``: group-wise (32 input features per group) asymmetric 4-bit weights, `torch._weight_int4pack_mm_for_cpu`
+  (the kernel torchao's int4 weight-only CPU layout uses).
+
+Invariant the runtime relies on: for a fixed number of rows M, a row's output depends only on that row (not on
+its position in the batch nor on the other rows). Measured for every format by the forward's invariance tests.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pcr_rag.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+WEIGHT_FORMATS = ("bf16", "int8", "int4")
+INT4_GROUP_SIZE = 32  # input features per int4 scale/zero group
+
+
+class Linear:
+    """A linear layer in some weight format: ``__call__(x [M, in]) -> [M, out]`` in the activation dtype."""
+
+    in_features: int
+    out_features: int
+    nbytes: int  # bytes of weight data read per call (the memory-roofline numerator)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, eq=False)
+class DenseLinear(Linear):
+    weight: torch.Tensor  # [out, in], model dtype
+    bias: torch.Tensor | None = None
+
+    @property
+    def in_features(self) -> int:  # type: ignore[override]
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:  # type: ignore[override]
+        return self.weight.shape[0]
+
+    @property
+    def nbytes(self) -> int:  # type: ignore[override]
+        return self.weight.nbytes + (self.bias.nbytes if self.bias is not None else 0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass(frozen=True, eq=False)
+class Int8Linear(Linear):
+    qweight: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor   # [out], activation dtype
+    bias: torch.Tensor | None = None
+
+    @property
+    def in_features(self) -> int:  # type: ignore[override]
+        return self.qweight.shape[1]
+
+    @property
+    def out_features(self) -> int:  # type: ignore[override]
+        return self.qweight.shape[0]
+
+    @property
+    def nbytes(self) -> int:  # type: ignore[override]
+        return self.qweight.nbytes + self.scales.nbytes + (self.bias.nbytes if self.bias is not None else 0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int8pack_mm(x, self.qweight, self.scales)
+        return y if self.bias is None else y + self.bias
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear:
+        w = weight.detach().float()
+        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
+        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        return cls(q, scales.to(weight.dtype).contiguous(), bias)
+
+
+@dataclass(frozen=True, eq=False)
+class Int4Linear(Linear):
+    packed: torch.Tensor            # `torch._convert_weight_to_int4pack_for_cpu` layout
+    scales_and_zeros: torch.Tensor  # [in / group, out, 2], activation dtype
+    in_dim: int
+    out_dim: int
+    bias: torch.Tensor | None = None
+    group_size: int = INT4_GROUP_SIZE
+
+    @property
+    def in_features(self) -> int:  # type: ignore[override]
+        return self.in_dim
+
+    @property
+    def out_features(self) -> int:  # type: ignore[override]
+        return self.out_dim
+
+    @property
+    def nbytes(self) -> int:  # type: ignore[override]
+        return self.packed.nbytes + self.scales_and_zeros.nbytes + (self.bias.nbytes if self.bias is not None else 0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
+        return y if self.bias is None else y + self.bias
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None,
+                 group_size: int = INT4_GROUP_SIZE) -> Int4Linear:
+        """Asymmetric 4-bit per group of ``group_size`` input features: w ~ (q - 8) * scale + zero, q in [0, 15]."""
+        out_dim, in_dim = weight.shape
+        if in_dim % group_size:
+            raise ValueError(f"int4 needs in_features divisible by {group_size}, got {in_dim}")
+        w = weight.detach().float().reshape(out_dim, in_dim // group_size, group_size)
+        lo, hi = w.amin(dim=2), w.amax(dim=2)
+        scales = ((hi - lo) / 15.0).clamp(min=1e-6)
+        zeros = lo + scales * 8.0
+        q = torch.round((w - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
+        packed = torch._convert_weight_to_int4pack_for_cpu(q.reshape(out_dim, in_dim).contiguous(), 1)
+        sz = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(weight.dtype)
+        return cls(packed, sz, in_dim, out_dim, bias, group_size)
+
+
+def _probe(fmt: str, dtype: torch.dtype, device: torch.device) -> str | None:
+    """None when the ``fmt`` kernel runs here for ``dtype`` activations, else why not."""
+    if fmt == "bf16":
+        return None
+    if device.type != "cpu":
+        return f"weights={fmt!r} uses PyTorch's CPU weight-only kernels; the model is on {device.type}"
+    try:
+        w = torch.randn(64, 64, dtype=dtype)
+        lin = Int8Linear.quantize(w, None) if fmt == "int8" else Int4Linear.quantize(w, None)
+        ref = F.linear(torch.ones(2, 64, dtype=dtype), w).float()
+        err = (lin(torch.ones(2, 64, dtype=dtype)).float() - ref).abs().max().item()
+        if not err < 0.25 * ref.abs().max().item() + 1e-3:
+            return f"the {fmt} kernel returned wrong values (max error {err:.3g})"
+    except (RuntimeError, NotImplementedError, AttributeError, ValueError) as exc:
+        return f"the {fmt} kernel is unavailable in this torch build: {str(exc).splitlines()[0][:160]}"
+    return None
+
+
+def resolve_weight_format(fmt: str, dtype: torch.dtype, device: torch.device) -> str:
+    """The format to run: ``fmt`` when its kernel works here, else "bf16" with one warning saying why."""
+    if fmt not in WEIGHT_FORMATS:
+        raise ConfigError(f"weights must be one of {list(WEIGHT_FORMATS)}, got {fmt!r}")
+    why = _probe(fmt, dtype, device)
+    if why is None:
+        return fmt
+    log.warning("weights=%r is not available (%s); running the model's own %s weights instead", fmt, why,
+                str(dtype).replace("torch.", ""))
+    return "bf16"
+
+
+def make_linear(fmt: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    """A `Linear` of ``weight [out, in]`` (+ ``bias``) in format ``fmt`` (see `resolve_weight_format`)."""
+    builders: dict[str, Callable[[torch.Tensor, torch.Tensor | None], Linear]] = {
+        "bf16": DenseLinear, "int8": Int8Linear.quantize, "int4": Int4Linear.quantize,
+    }
+    return builders[fmt](weight, bias)

@@ -1,0 +1,128 @@
+"""The fast forward: equal to transformers in fp32, split-invariant prefill and batch-invariant decode, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pcr_rag.runtime.forward import FastForward, UnsupportedArchitectureError
+from pcr_rag.testing import tiny_loaded_model
+
+ARCHS = ("llama", "qwen2", "gemma3")
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _ids(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(5, 300, (n,), generator=g)
+
+
+def _forward(arch: str, dtype: torch.dtype, **kwargs) -> FastForward:
+    kwargs.setdefault("tile_rows", 16)
+    kwargs.setdefault("attention_block", 8)
+    kwargs.setdefault("batch_rows", 4)
+    return FastForward(tiny_loaded_model(arch, dtype=dtype), **kwargs)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_matches_transformers_in_fp32(arch):
+    fw = _forward(arch, torch.float32)
+    model = fw.loaded.model
+    ids = _ids(70)
+    arena = fw.new_arena(4, 128)
+    row = arena.row(2)
+    logits = fw.prefill(row, ids, 0)
+    with torch.inference_mode():
+        ref = model(input_ids=ids[None], use_cache=False).logits[0]
+    assert torch.allclose(logits, ref[-1], atol=1e-4), (logits - ref[-1]).abs().max()
+    seq = ids.tolist()
+    for step in range(3):  # greedy decode, compared with a full transformers forward over the sequence
+        tok = int(logits.argmax())
+        seq.append(tok)
+        out = fw.decode(arena, [None, None, 2, None], torch.tensor([0, 0, tok, 0]),
+                        torch.tensor([0, 0, len(seq) - 1, 0]))
+        logits = out[2]
+        with torch.inference_mode():
+            ref = model(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1]
+        assert torch.allclose(logits, ref, atol=1e-4), (step, (logits - ref).abs().max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("splits", [(1,), (7, 30), (16, 17, 40), (5, 6, 7, 8, 9, 61)], ids=str)
+def test_prefill_is_split_invariant(arch, dtype, splits):
+    """Any split of a prompt into steps writes bit-identical KV and yields bit-identical last logits."""
+    fw = _forward(arch, dtype)
+    ids = _ids(62)
+    arena = fw.new_arena(2, 64)
+    one_shot = fw.prefill(arena.row(0), ids, 0)
+    bounds = [0, *splits, len(ids)]
+    for a, b in zip(bounds, bounds[1:]):
+        logits = fw.prefill(arena.row(1), ids[a:b], a, want_logits=b == len(ids))
+    assert torch.equal(logits, one_shot)
+    for layer in range(len(arena.k)):
+        assert torch.equal(arena.k[layer][0, :, :62], arena.k[layer][1, :, :62])
+        assert torch.equal(arena.v[layer][0, :, :62], arena.v[layer][1, :, :62])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_with_default_tiles_is_split_invariant(arch, dtype):
+    fw = _forward(arch, dtype, tile_rows=256, attention_block=128)
+    ids = _ids(300, seed=3)
+    arena = fw.new_arena(2, 320)
+    one_shot = fw.prefill(arena.row(0), ids, 0)
+    fw.prefill(arena.row(1), ids[:129], 0, want_logits=False)
+    assert torch.equal(fw.prefill(arena.row(1), ids[129:], 129), one_shot)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_row_does_not_depend_on_its_batch(arch, dtype):
+    """A row's logits are the same alone, with company, and in another batch position."""
+    fw = _forward(arch, dtype)
+    arena = fw.new_arena(4, 64)
+    prompts = [_ids(n, seed=n) for n in (20, 33, 41)]
+    for r, ids in enumerate(prompts):
+        fw.prefill(arena.row(r), ids, 0, want_logits=False)
+    alone = fw.decode(arena, [0, None, None, None], torch.tensor([9, 0, 0, 0]), torch.tensor([20, 0, 0, 0]))[0]
+    crowded = fw.decode(arena, [2, 1, None, 0], torch.tensor([11, 12, 0, 9]), torch.tensor([41, 33, 0, 20]))
+    assert torch.equal(crowded[3], alone)
+
+
+@pytest.mark.parametrize(("weights", "min_cosine"), [("int8", 0.99), ("int4", 0.85)])
+def test_quantized_weights_keep_both_invariants_and_stay_close(weights, min_cosine):
+    """Both invariants hold for quantized formats; logits stay close to the dense ones (random tiny weights are
+    Gaussian, the worst case for 4 bits: real-model quality is the kernel bench's perplexity column)."""
+    dense = _forward("llama", torch.bfloat16)
+    fw = _forward("llama", torch.bfloat16, weights=weights)
+    ids = _ids(50)
+    arena = fw.new_arena(2, 64)
+    one_shot = fw.prefill(arena.row(0), ids, 0)
+    fw.prefill(arena.row(1), ids[:23], 0, want_logits=False)
+    assert torch.equal(fw.prefill(arena.row(1), ids[23:], 23), one_shot)
+    ref = dense.prefill(dense.new_arena(1, 64).row(0), ids, 0)
+    cos = torch.nn.functional.cosine_similarity(one_shot.float(), ref.float(), dim=0)
+    assert cos > min_cosine, cos
+    alone = fw.decode(arena, [0, None, None, None], torch.tensor([9, 0, 0, 0]), torch.tensor([50, 0, 0, 0]))[0]
+    crowded = fw.decode(arena, [1, 0, None, None], torch.tensor([9, 9, 0, 0]), torch.tensor([50, 50, 0, 0]))
+    assert torch.equal(crowded[1], alone) and torch.equal(crowded[0], alone)
+    assert fw.weight_bytes < dense.weight_bytes
+    assert weights in fw.plan_id and fw.plan_id != dense.plan_id
+
+
+def test_rejects_what_it_cannot_run():
+    fw = _forward("llama", torch.float32)
+    arena = fw.new_arena(1, 16)
+    with pytest.raises(ValueError, match="capacity"):
+        fw.prefill(arena.row(0), _ids(17), 0)
+    with pytest.raises(ValueError, match="exactly 4 rows"):
+        fw.decode(arena, [0], torch.tensor([1]), torch.tensor([0]))
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from pcr_rag.runtime.model import load_model
+    from pcr_rag.testing import tiny_tokenizer
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=320)).eval()
+    with pytest.raises(UnsupportedArchitectureError, match="gpt2"):
+        FastForward(load_model(gpt2, tiny_tokenizer(), dtype=torch.float32))
