@@ -35,7 +35,7 @@ _EXPORTS = {
     "RequestHandle": "pcr_rag.requests",
     "SamplingParams": "pcr_rag.requests",
     "StreamChunk": "pcr_rag.requests",
-    "Ticket": "pcr_rag.runtime.scheduler",
+    "Ticket": "pcr_rag.runtime.announcements",
 }
 
 __all__ = [
@@ -82,7 +82,7 @@ if TYPE_CHECKING:
         SamplingParams,
         StreamChunk,
     )
-    from pcr_rag.runtime.scheduler import Ticket
+    from pcr_rag.runtime.announcements import Ticket
 
 
 def __getattr__(name: str):

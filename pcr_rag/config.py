@@ -10,6 +10,8 @@ from typing import Any, Literal
 import torch
 
 from pcr_rag.errors import ConfigError
+from pcr_rag.runtime.admission import SCHEDULES
+from pcr_rag.runtime.weights import WEIGHT_FORMATS
 from pcr_rag.units import parse_bytes
 
 EvictionPolicyName = Literal["lookahead-lru", "lru"]
@@ -44,8 +46,16 @@ class EngineConfig:
         max_new_tokens: default generation length (tokens).
         announce_ttl_s: an announced request that nobody claims expires after this many seconds.
         max_queue: waiting requests admitted at most; beyond it `generate` raises `QueueFullError`.
-        max_active: requests decoding at once, one token each per round between admissions (1 = run each
-            request to completion before the next; more = a newcomer waits for prefills, not for whole answers).
+        max_active: KV rows, i.e. requests running at once (prefilling or decoding). Every decode step is one
+            forward over exactly ``max_active`` rows (padding rows when fewer decode), so a request's numbers never
+            depend on its batch company.
+        max_model_len: tokens one row holds (prompt + generated); None = the model's context window (at most).
+            A longer request raises `PromptTooLongError` before it takes a row.
+        prefill_chunk_tokens: prompt tokens computed per engine step, between decode steps (bounds the gap
+            between two streamed tokens; prefill is split-invariant, so the value never changes an answer).
+        schedule: "fcfs" (arrival order) or "cache-aware" (least uncached work first, with aging).
+        weights: "bf16" (the model's own dtype), "int8" or "int4" weight-only quantization (CPU kernels PyTorch
+            ships; falls back to the model dtype with a warning where unavailable). Part of the chunk keys' root.
         io_workers: threads for SSD reads (prefetch and on-demand loads).
         model_cache_dir: where converted models are kept (None: the model loader's default).
     """
@@ -67,6 +77,10 @@ class EngineConfig:
     announce_ttl_s: float = 120.0
     max_queue: int = 4096
     max_active: int = 8
+    max_model_len: int | None = 4096
+    prefill_chunk_tokens: int = 256
+    schedule: str = "cache-aware"
+    weights: str = "bf16"
     io_workers: int = 2
     model_cache_dir: str | Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -90,8 +104,16 @@ class EngineConfig:
             raise ConfigError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
         if self.announce_ttl_s <= 0:
             raise ConfigError(f"announce_ttl_s must be > 0 seconds, got {self.announce_ttl_s!r}")
-        if self.max_queue < 1 or self.io_workers < 1 or self.max_active < 1:
-            raise ConfigError("max_queue, max_active and io_workers must be >= 1")
+        for name in ("max_queue", "max_active", "io_workers", "prefill_chunk_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ConfigError(f"max_model_len must be an int >= 2 (tokens) or None, got {self.max_model_len!r}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
+        if self.weights not in WEIGHT_FORMATS:
+            raise ConfigError(f"weights must be one of {list(WEIGHT_FORMATS)}, got {self.weights!r}")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

@@ -6,8 +6,9 @@
         print(result.text, result.metrics.ttft_s, result.metrics.reused_tokens)
 
 Flow of a request: validate -> render + segment (one token run per document) -> chunk plan -> waiting queue
-(the prefetcher protects and prefetches its chunks) -> executor: match + lease, layer-wise load of the prefix,
-one forward per unmatched chunk with layer-wise offload, insert new chunks -> decode, streaming tokens out.
+(the prefetcher protects and prefetches its chunks, in the schedule's order) -> admitted into a KV row: match +
+lease, layer-wise load of the prefix -> prefill of the rest in chunks between decode steps, new chunks offloaded
+layer by layer and inserted -> batched decode with every other running request, streaming tokens out.
 """
 
 from __future__ import annotations
@@ -33,16 +34,19 @@ from pcr_rag.requests import (
     RagPrompt,
     Request,
     RequestHandle,
-    RequestState,
     SamplingParams,
     StreamChunk,
     TokenChannel,
 )
+from pcr_rag.runtime.announcements import AnnouncementBoard, Ticket
+from pcr_rag.runtime.batch import BatchExecutor
+from pcr_rag.runtime.forward import FastForward
 from pcr_rag.runtime.model import LoadedModel, load_model
 from pcr_rag.runtime.prefetcher import Prefetcher
-from pcr_rag.runtime.runner import Runner
-from pcr_rag.runtime.scheduler import AnnouncementBoard, Scheduler, Ticket
+from pcr_rag.runtime.runner import PrefillContext
+from pcr_rag.runtime.scheduler import Scheduler
 from pcr_rag.runtime.transfer import CopyEngine
+from pcr_rag.runtime.weights import resolve_weight_format
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +105,16 @@ class PCREngine:
                                               model_cache_dir=config.model_cache_dir)
         self.device = self.loaded.device
         self.builder = PromptBuilder(self.loaded.tokenizer)
+        weights = resolve_weight_format(config.weights, self.loaded.dtype, self.device)
+        self.max_model_len = min(config.max_model_len or self.loaded.context_window, self.loaded.context_window)
+        # tokens a KV row holds (prompt + generated); rows are preallocated, pages touched as they fill
+        self.forward = FastForward(self.loaded, weights=weights, batch_rows=config.max_active,
+                                   max_positions=self.max_model_len)
+        self.arena = self.forward.new_arena(config.max_active, self.max_model_len)
+        # the root covers everything that fixes the KV's bits: model, dtype, chunk size, the forward's tile
+        # sizes and weight format, and the tenant namespace
         self.root_key = namespace_key(self.loaded.fingerprint, str(self.loaded.kv.dtype).replace("torch.", ""),
-                                      config.chunk_size, config.namespace)
+                                      config.chunk_size, f"{self.forward.plan_id}|{config.namespace}")
         self.cache: CacheEngine | None = None
         if config.enable_cache:
             self.cache = CacheEngine(CacheConfig(
@@ -115,15 +127,18 @@ class PCREngine:
                 policy=config.eviction,
                 io_workers=config.io_workers,
             ), storage=storage)
-        self.copy_engine = CopyEngine(self.device, workers=config.io_workers)
-        self.runner = Runner(self.loaded, self.cache, self.copy_engine, layerwise=config.layerwise)
+        self.copy_engine = CopyEngine(self.device)
         self.recorder = MetricsRecorder()
         self.board = AnnouncementBoard(config.announce_ttl_s)
         self._closed = False
         self._close_lock = threading.Lock()
         self.prefetcher: Prefetcher | None = None
-        self.scheduler = Scheduler(self._execute, max_queue=config.max_queue, max_active=config.max_active,
-                                   on_change=self._queue_changed)
+        self.executor = BatchExecutor(
+            PrefillContext(self.forward, self.cache, self.copy_engine, config.layerwise), self.arena,
+            prefill_chunk_tokens=config.prefill_chunk_tokens, schedule=config.schedule,
+            tokenizer=self.loaded.tokenizer, eos_ids=frozenset(self.loaded.eos_token_ids), recorder=self.recorder)
+        self.scheduler = Scheduler(self.executor, schedule=config.schedule, max_queue=config.max_queue,
+                                   work_of=self._uncached_tokens, on_change=self._queue_changed)
         if self.cache is not None and (config.prefetch or config.eviction == "lookahead-lru"):
             self.prefetcher = Prefetcher(
                 self.cache, self._window_keys, window=config.prefetch_window, do_loads=config.prefetch,
@@ -180,8 +195,10 @@ class PCREngine:
             params = SamplingParams.from_kwargs(params, max_new_tokens=self.config.max_new_tokens)
         seg = prompt.segment(self.builder)
         n = seg.num_tokens
-        if n + params.max_new_tokens > self.loaded.context_window:
-            raise PromptTooLongError(n, params.max_new_tokens, self.loaded.context_window)
+        if n + params.max_new_tokens > self.max_model_len:
+            limit = ("the model's context window" if self.max_model_len == self.loaded.context_window
+                     else "the engine's max_model_len")
+            raise PromptTooLongError(n, params.max_new_tokens, self.max_model_len, limit)
         plan = plan_chunks(self.root_key, seg.segments, self.config.chunk_size)
         ticket = self.board.claim(prompt.documents) if prompt.documents else None
         channel = TokenChannel()
@@ -374,27 +391,11 @@ class PCREngine:
         if self.prefetcher is not None:
             self.prefetcher.wake()
 
-    def _execute(self, req: Request) -> _ActiveRequest | None:
-        """Runs on the executor thread: prefill with reuse; returns the request's decode to be advanced."""
-        m = req.metrics
-        started = time.perf_counter()
-        m.queue_s = started - req.submitted_at
-        m.prompt_tokens = len(req.token_ids)
-        capacity = len(req.token_ids) + req.params.max_new_tokens
-        pre = self.runner.prefill(req.token_ids, req.plan, capacity, req.cancelled)
-        # prefetch hits: chunks that were on SSD when the request entered the queue (or was announced) and were
-        # served from memory when it ran
-        m.prefetch_hit_chunks = len(req.ssd_keys_at_entry & pre.memory_keys)
-        m.prefill_s = time.perf_counter() - started
-        m.computed_tokens = pre.computed_tokens
-        m.reused_by_tier = pre.reused_by_tier
-        m.reused_tokens = sum(pre.reused_by_tier.values())
-        m.load_wait_s = pre.load_wait_s
-        m.recomputed_after_error = pre.retries
-        active = _ActiveRequest(self, req, pre.last_logits)
-        active.state = self.runner.start_decode(pre.kv, pre.last_logits, len(req.token_ids), req.params,
-                                                self.loaded.tokenizer, active.on_token, req.cancelled, m)
-        return active
+    def _uncached_tokens(self, req: Request) -> int:
+        """Tokens ``req`` would compute if admitted now (its prompt minus the cached prefix)."""
+        if self.cache is None:
+            return len(req.token_ids)
+        return len(req.token_ids) - self.cache.match(req.keys).num_tokens
 
     def _cancel(self, req: Request) -> bool:
         """Cancel ``req``: a waiting one leaves the queue and fails now; a running one fails at its next forward.
@@ -410,44 +411,3 @@ class PCREngine:
         exc = future.exception()
         if exc is not None:
             self.recorder.record_failure(cancelled=isinstance(exc, RequestCancelledError))
-
-
-class _ActiveRequest:
-    """A request between prefill and its last token, advanced by the executor one token per `step()`."""
-
-    def __init__(self, engine: PCREngine, req: Request, first_logits) -> None:
-        self.engine = engine
-        self.req = req
-        self.first_logits = first_logits
-        self.state = None
-        self._first = True
-
-    def on_token(self, token_id: int, delta: str) -> None:
-        if self._first:
-            self._first = False
-            self.req.metrics.ttft_s = time.perf_counter() - self.req.submitted_at
-        if self.req.on_token is not None:
-            self.req.on_token(token_id, delta)
-
-    def step(self) -> bool:
-        if not self.state.step():
-            return False
-        req, m, st = self.req, self.req.metrics, self.state
-        end = time.perf_counter()
-        if self._first:  # no visible token (immediate EOS): the first token still came out of prefill
-            m.ttft_s = end - req.submitted_at
-        m.e2e_s = end - req.submitted_at
-        m.generated_tokens = len(st.tokens)
-        req.state = RequestState.FINISHED
-        self.engine.recorder.record(m)
-        req.future.set_result(GenerationResult(
-            text=st.text, token_ids=st.tokens, prompt_token_ids=list(req.token_ids), metrics=m,
-            finish_reason=st.finish, request_id=req.request_id, documents_found=req.documents_found,
-            first_token_logits=self.first_logits.detach().to("cpu")))
-        return True
-
-    def fail(self, exc: BaseException) -> None:
-        self.req.state = RequestState.CANCELLED if isinstance(exc, RequestCancelledError) else RequestState.FAILED
-        self.state = None  # drop the KV buffers
-        if not self.req.future.done():
-            self.req.future.set_exception(exc)

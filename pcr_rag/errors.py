@@ -16,14 +16,17 @@ class InvalidRequestError(PCRError, ValueError):
 
 
 class PromptTooLongError(InvalidRequestError):
-    """The prompt plus the requested new tokens do not fit the model's context window."""
+    """The prompt plus the requested new tokens do not fit a KV row (``EngineConfig.max_model_len``, at most the
+    model's context window)."""
 
-    def __init__(self, prompt_tokens: int, max_new_tokens: int, context_window: int) -> None:
+    def __init__(self, prompt_tokens: int, max_new_tokens: int, context_window: int,
+                 limit: str = "the model's context window") -> None:
         over = prompt_tokens + max_new_tokens - context_window
+        raise_it = "" if limit.startswith("the model") else ", or raise EngineConfig.max_model_len"
         super().__init__(
-            f"prompt has {prompt_tokens} tokens and max_new_tokens={max_new_tokens}, which exceeds the model's "
-            f"context window of {context_window} tokens by {over}; retrieve fewer or shorter documents, "
-            f"or lower max_new_tokens"
+            f"prompt has {prompt_tokens} tokens and max_new_tokens={max_new_tokens}, which exceeds {limit} of "
+            f"{context_window} tokens by {over}; retrieve fewer or shorter documents, or lower "
+            f"max_new_tokens{raise_it}"
         )
         self.prompt_tokens = prompt_tokens
         self.max_new_tokens = max_new_tokens

@@ -198,7 +198,7 @@ class FastForward:
         if end > min(row.arena.row_capacity, self.max_positions):
             raise ValueError(f"positions up to {end} exceed the row capacity {row.arena.row_capacity}")
         block = self.attention_block
-        row.ensure_finite(-(-end // block) * block)
+        row.ensure_finite(start, -(-end // block) * block)
         tile = self.tile_rows
         padded = -(-n // tile) * tile
         ids = torch.zeros(padded, dtype=torch.long, device=self.device)

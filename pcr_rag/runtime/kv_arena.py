@@ -7,8 +7,10 @@ from admission to its last token; its positions ``[0, n)`` are its prompt and ge
 Invariants:
 - Every row has the same capacity and strides, so a view ``k[l][row, :, a:b]`` has the same strides for every
   row and every request (attention inputs never depend on which row a request got).
-- Positions a kernel may read but that hold no KV yet (the masked tail of an attention block) are finite: a row's
-  positions are zero-filled up to `ensure_finite` before prefill reads them, so masked scores never meet NaN.
+- Positions a kernel may read but that hold no KV yet (the masked tail of an attention block) are finite: before
+  a prefill step reads them, the positions it computes and the rest of their last block are zero-filled where
+  never written (`ensure_finite`), so masked scores never meet NaN. Positions below the step's start are left
+  alone: they hold computed KV or are arriving from a load running on another thread.
 - A chunk payload ``[layers, 2, kv_heads, tokens, head_dim]`` maps onto ``k[l][row, :, start:end]`` without a
   transpose (same head-major order), so loads and offloads are plain strided copies.
 """
@@ -68,9 +70,10 @@ class RowKV:
             self.store_payload_layer(layer, start, end, out[layer])
         return out
 
-    def ensure_finite(self, end: int) -> None:
-        """Zero-fill positions that were never written, up to ``end`` (so masked reads see finite values)."""
-        self.arena.ensure_finite(self.row, end)
+    def ensure_finite(self, start: int, end: int) -> None:
+        """Zero-fill positions in [start, end) that were never written (so masked reads see finite values).
+        Positions below ``start`` are never touched: they may be arriving from a concurrent load."""
+        self.arena.ensure_finite(self.row, start, end)
 
 
 class KVArena:
@@ -88,7 +91,7 @@ class KVArena:
         self.k = [torch.empty(shape, dtype=geometry.dtype, device=device) for _ in range(geometry.num_layers)]
         self.v = [torch.empty(shape, dtype=geometry.dtype, device=device) for _ in range(geometry.num_layers)]
         self._finite_upto = [0] * (rows + 1)  # per row: positions [0, n) hold finite values
-        self.ensure_finite(rows, 1)  # the scratch row: padding rows attend to its position 0
+        self.ensure_finite(rows, 0, 1)  # the scratch row: padding rows attend to its position 0
 
     @property
     def scratch_row(self) -> int:
@@ -103,9 +106,9 @@ class KVArena:
             raise IndexError(f"row {index} outside [0, {self.rows}]")
         return RowKV(self, index)
 
-    def ensure_finite(self, row: int, end: int) -> None:
+    def ensure_finite(self, row: int, start: int, end: int) -> None:
         end = min(end, self.row_capacity)
-        start = self._finite_upto[row]
+        start = max(start, self._finite_upto[row])
         if end <= start:
             return
         for t in (*self.k, *self.v):

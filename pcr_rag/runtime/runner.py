@@ -1,20 +1,22 @@
-"""One request's prefill with prefix reuse, then decode.
+"""One request's prefill with reuse (`PrefillTask`), and its decode row (`DecodeRow`).
 
-Prefill advances one forward step per chunk of the plan (`plan_chunks`), whether or not the chunk is cached. A
-hit skips exactly the step it would have run, and the next step sees bit-identical KV, so a cached run produces
-bit for bit the tokens of an uncached run in any dtype (the fidelity invariant). The last chunk is always
-computed, since its last position yields the first token's logits.
+Prefill, on the request's arena row:
+1. `begin()`: lease (pin) the longest cached prefix of the chunk plan, wait for in-flight prefetches of its SSD
+   chunks (rather than reading them twice), and start the layer-wise load of the prefix into the row.
+2. `advance(budget)`: compute the next ``budget`` tokens with `FastForward.prefill`. The first step's layer i
+   waits only for layer i of the prefix; every plan chunk the step completes is offloaded layer by layer and
+   inserted into the cache (DRAM, then SSD write-back). Returns the last position's logits when the prompt is done.
+3. `release()`: unpin.
 
-Reuse: the matched prefix (leased, i.e. pinned, from the cache engine) is loaded into the request's `PCRKVCache`
-by the copy engine, layer by layer, while the first computed step runs; each computed step's new KV is offloaded
-layer by layer and inserted into the cache engine (DRAM, then asynchronous SSD write-back). A chunk that fails
-verification is dropped by the cache engine and the request restarts its prefill with the prefix before it.
+Because the forward is split-invariant, a hit replays bit for bit what it skips, whatever the step sizes. When
+every chunk is cached, the last token is still computed (its logits are the first token's) - the rest of the last
+chunk is loaded. A chunk that fails verification while loading raises `PrefixLoadError`; the task then leases
+the prefix before that chunk and recomputes from there (counted in ``retries``).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,188 +24,233 @@ from dataclasses import dataclass
 import torch
 
 from pcr_rag.cache import CacheEngine, ChunkSpec, Tier
-from pcr_rag.errors import PrefixLoadError, RequestCancelledError
-from pcr_rag.metrics import TIERS, RequestMetrics
-from pcr_rag.requests import SamplingParams
-from pcr_rag.runtime.kv_cache import PCRKVCache
-from pcr_rag.runtime.model import LoadedModel
-from pcr_rag.runtime.transfer import CopyEngine, LoadSource, StepHooks
+from pcr_rag.errors import PrefixLoadError
+from pcr_rag.metrics import TIERS
+from pcr_rag.requests import Request
+from pcr_rag.runtime.forward import FastForward
+from pcr_rag.runtime.kv_arena import RowKV
+from pcr_rag.runtime.sampling import TokenSampler
+from pcr_rag.runtime.transfer import ChunkOffload, CopyEngine, LoadSource, PrefixLoad
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class PrefillOutcome:
-    kv: PCRKVCache
-    last_logits: torch.Tensor
-    computed_tokens: int
-    reused_by_tier: dict[str, int]
-    load_wait_s: float
-    retries: int
-    memory_keys: frozenset[bytes] = frozenset()  # matched chunks served from memory (device/DRAM), not the SSD
+PREFETCH_WAIT_S = 30.0  # longest wait for an in-flight prefetch of a chunk this request needs
 
 
-class Runner:
-    """Runs prefill-with-reuse and decode for one request at a time on the engine's executor thread."""
+@dataclass(frozen=True)
+class PrefillContext:
+    """What every prefill task shares: the forward, the cache (None = no reuse), the copy engine, the mode."""
 
-    def __init__(self, loaded: LoadedModel, cache: CacheEngine | None, copy_engine: CopyEngine,
-                 *, layerwise: bool) -> None:
-        self.loaded = loaded
-        self.model = loaded.model
-        self.device = loaded.device
-        self.cache = cache
-        self.copy = copy_engine
-        self.layerwise = layerwise
-        self.prefetch_wait_s = 30.0  # longest wait for an in-flight prefetch of a chunk this request needs
-        self._eos = set(loaded.eos_token_ids)
+    forward: FastForward
+    cache: CacheEngine | None
+    copy: CopyEngine
+    layerwise: bool
 
-    # ------------------------------------------------------------------------------------------------ prefill
-    @torch.inference_mode()
-    def prefill(self, token_ids: Sequence[int], plan: Sequence[ChunkSpec], capacity: int,
-                cancelled: threading.Event | None = None) -> PrefillOutcome:
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        kv = PCRKVCache(self.loaded.kv, capacity, self.device)
-        max_chunks = len(plan) - 1  # the last chunk is always computed: it yields the first token's logits
-        retries = 0
-        while True:
-            lease = self.cache.acquire(plan, max_chunks=max_chunks) if self.cache is not None else None
+
+class _StepHooks:
+    """`LayerHooks` of one prefill step: wait for the prefix load, offload completed chunks."""
+
+    def __init__(self, load: PrefixLoad | None, offload: ChunkOffload | None) -> None:
+        self.load = load
+        self.offload = offload
+
+    def before_attention(self, layer: int) -> None:
+        if self.load is not None:
+            self.load.wait_layer(layer)
+
+    def after_layer(self, layer: int, start: int, end: int) -> None:
+        if self.offload is not None:
+            self.offload.after_layer(layer)
+
+
+class PrefillTask:
+    """A request's prefill, advanced in steps on the executor thread (see the module docstring)."""
+
+    def __init__(self, request: Request, row: RowKV, ctx: PrefillContext) -> None:
+        self.request = request
+        self.row = row
+        self.ctx = ctx
+        self.plan: Sequence[ChunkSpec] = request.plan
+        self.total = len(request.token_ids)
+        self._ids = torch.tensor(request.token_ids, dtype=torch.long)
+        self.position = 0                      # tokens [0, position) are in the row (or arriving by the load)
+        self.retries = 0
+        self.reused_by_tier = dict.fromkeys(TIERS, 0)
+        self.memory_keys: frozenset[bytes] = frozenset()  # matched chunks served from memory
+        self.load_wait_s = 0.0
+        self._lease = None
+        self._load: PrefixLoad | None = None
+        self._sources: list[LoadSource] = []
+        self._stored_upto = 0                  # plan chunks [0, _stored_upto) are cached or matched
+        self._max_chunks = len(self.plan)
+
+    # ------------------------------------------------------------------------------------------------ state
+    @property
+    def remaining(self) -> int:
+        """Tokens still to compute."""
+        return self.total - self.position
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.total - sum(self.reused_by_tier.values())
+
+    # -------------------------------------------------------------------------------------------- lifecycle
+    def begin(self) -> None:
+        """Lease the cached prefix and start loading it (no compute)."""
+        cache = self.ctx.cache
+        self.reused_by_tier = dict.fromkeys(TIERS, 0)
+        self._sources = []
+        matched = 0
+        if cache is not None and self._max_chunks > 0:
+            self._lease = cache.acquire(self.plan, max_chunks=self._max_chunks)
+            matched = self._lease.num_chunks
+        if matched:
+            self._collect_sources(matched)
+        self.position = min(self.plan[matched - 1].end, self.total - 1) if matched else 0
+        self._stored_upto = matched
+        if self._sources:
+            self._load = self.ctx.copy.start_load(self.row, self._sources, cache.open_layer_reader,
+                                                  layerwise=self.ctx.layerwise)
+
+    def _collect_sources(self, matched: int) -> None:
+        cache, tiers = self.ctx.cache, self._lease.tiers
+        on_ssd = [self.plan[i].key for i in range(matched) if tiers[i] is Tier.SSD]
+        for fut in cache.pending_loads(on_ssd):  # a prefetch may be finishing: wait rather than read twice
             try:
-                return self._prefill_once(ids, plan, kv, lease, cancelled, retries)
+                fut.result(timeout=PREFETCH_WAIT_S)
+            except Exception:  # noqa: BLE001 - timed out or failed: read from SSD below
+                pass
+        last = self.total - 1
+        in_memory = []
+        for i in range(matched):
+            spec = self.plan[i]
+            payload = cache.get_payload(spec.key)
+            tier = tiers[i] if payload is None or tiers[i] is not Tier.SSD else Tier.DRAM
+            fill_end = min(spec.end, last)
+            if fill_end <= spec.start:
+                continue
+            self.reused_by_tier[tier.value] += fill_end - spec.start
+            self._sources.append(LoadSource(i, spec.key, spec.start, spec.end, payload, fill_end))
+            if payload is not None:
+                in_memory.append(spec.key)
+        self.memory_keys = frozenset(in_memory)
+
+    def advance(self, budget: int) -> torch.Tensor | None:
+        """Compute up to ``budget`` more tokens; the last position's logits once the prompt is complete."""
+        while True:
+            try:
+                return self._step(budget)
             except PrefixLoadError as exc:
-                retries += 1
+                self.retries += 1
                 log.warning("recomputing from chunk %d: %s", exc.chunk_index, exc)
-                max_chunks = min(max_chunks, exc.chunk_index)
-                kv.set_length(0)
-            finally:
-                if lease is not None:
-                    lease.release()
+                self._cancel_load()
+                self.release()
+                self._max_chunks = min(self._max_chunks, exc.chunk_index)
+                self.begin()
 
-    def _prefill_once(self, ids: torch.Tensor, plan: Sequence[ChunkSpec], kv: PCRKVCache, lease,
-                      cancelled: threading.Event | None, retries: int) -> PrefillOutcome:
-        m = lease.num_chunks if lease is not None else 0
-        reused = dict.fromkeys(TIERS, 0)
-        sources: list[LoadSource] = []
-        tiers = lease.tiers if lease is not None else ()
-        on_ssd = [plan[i].key for i in range(m) if tiers[i] is Tier.SSD]
-        if on_ssd:  # a prefetch of these may be finishing: wait for it rather than read the chunk twice
-            for fut in self.cache.pending_loads(on_ssd):
-                try:
-                    fut.result(timeout=self.prefetch_wait_s)
-                except Exception:  # noqa: BLE001 - timed out or failed: read from SSD below
-                    pass
-        for i in range(m):
-            spec = plan[i]
-            payload = self.cache.get_payload(spec.key)
-            served = Tier.DRAM if payload is not None and tiers[i] is Tier.SSD else tiers[i]  # prefetched
-            reused[served.value] += spec.num_tokens
-            sources.append(LoadSource(i, spec.key, spec.start, spec.end, payload))
-        matched_tokens = plan[m - 1].end if m else 0
-        kv.set_length(matched_tokens)
-        load = None
-        if sources:
-            load = self.copy.start_load(kv, sources, self.cache.open_layer_reader, layerwise=self.layerwise)
-        waits_before = sum(self.copy.waits.seconds)
-        logits = None
-        try:
-            for idx in range(m, len(plan)):
-                if cancelled is not None and cancelled.is_set():
-                    raise RequestCancelledError("request cancelled during prefill")
-                spec = plan[idx]
-                offload = self.copy.offload(kv, spec.start, spec.end, layerwise=self.layerwise) \
-                    if self.cache is not None else None
-                kv.hooks = StepHooks(load if idx == m else None, offload)
-                try:
-                    out = self.model(
-                        input_ids=ids[spec.start: spec.end].unsqueeze(0),
-                        position_ids=torch.arange(spec.start, spec.end, device=self.device).unsqueeze(0),
-                        cache=kv,
-                        use_cache=True,
-                        logits_to_keep=1,
-                    )
-                finally:
-                    kv.hooks = None
-                logits = out.logits[0, -1]
-                if offload is not None:
-                    self._insert(spec, offload.finish(), ids)
-        except BaseException:
-            if load is not None:
-                load.cancel()
-            raise
+    def _step(self, budget: int) -> torch.Tensor | None:
+        start = self.position
+        end = min(self.total, start + max(1, budget))
+        load = self._load
+        offload = self._offload_for(end)
+        waits_before = sum(self.ctx.copy.waits.seconds)
+        logits = self.ctx.forward.prefill(self.row, self._ids[start:end], start, hooks=_StepHooks(load, offload),
+                                          want_logits=end == self.total)
         if load is not None:
-            load.wait_all()  # all layers were waited for by the first step; this only surfaces late errors
-            self._promote_ssd_chunks(plan, sources, kv)
-        computed = plan[-1].end - matched_tokens
-        wait_s = sum(self.copy.waits.seconds) - waits_before
-        in_memory = frozenset(src.key for src in sources if src.payload is not None)
-        return PrefillOutcome(kv, logits, computed, reused, wait_s, retries, in_memory)
+            load.wait_all()  # the first step waited for every layer; this only surfaces a late error
+            self.load_wait_s += sum(self.ctx.copy.waits.seconds) - waits_before
+            self._load = None
+            self._promote_ssd_chunks()
+        self.position = end
+        if offload is not None:
+            self._insert_completed(offload)
+        return logits
 
-    def _insert(self, spec: ChunkSpec, payload: torch.Tensor, ids: torch.Tensor | None = None) -> None:
-        tokens = ids[spec.start: spec.end].tolist() if ids is not None and spec.partial else None
+    def _offload_for(self, end: int) -> ChunkOffload | None:
+        """The offload of plan chunks this step completes (ending at or before ``end``, not cached yet)."""
+        if self.ctx.cache is None:
+            return None
+        upto = self._stored_upto
+        while upto < len(self.plan) and self.plan[upto].end <= end:
+            upto += 1
+        if upto == self._stored_upto:
+            return None
+        spans = [(self.plan[i].start, self.plan[i].end) for i in range(self._stored_upto, upto)]
+        return self.ctx.copy.offload(self.row, spans)
+
+    def _insert_completed(self, offload: ChunkOffload) -> None:
+        for payload in offload.finish():
+            spec = self.plan[self._stored_upto]
+            self._insert(spec, payload)
+            self._stored_upto += 1
+
+    def _promote_ssd_chunks(self) -> None:
+        """Chunks read from SSD on demand are now in the row: keep a DRAM copy too (once the row holds them)."""
+        for src in self._sources:
+            if src.payload is None and src.fill_end == src.end:
+                self._insert(self.plan[src.index], self.row.chunk_payload(src.start, src.end))
+
+    def _insert(self, spec: ChunkSpec, payload: torch.Tensor) -> None:
+        tokens = self._ids[spec.start: spec.end].tolist() if spec.partial else None
         try:
-            self.cache.insert(spec, payload, tokens=tokens)
+            self.ctx.cache.insert(spec, payload, tokens=tokens)
         except Exception as exc:  # noqa: BLE001 - caching is best effort; the answer is already right
             log.warning("could not cache chunk %s: %s", spec.key.hex()[:12], exc)
 
-    def _promote_ssd_chunks(self, plan: Sequence[ChunkSpec], sources: Sequence[LoadSource],
-                            kv: PCRKVCache) -> None:
-        """Chunks read from SSD on demand are now in the request's buffers: keep a DRAM copy too."""
-        for src in sources:
-            if src.payload is None:
-                self._insert(plan[src.index], kv.chunk_payload(src.start, src.end))
+    def _cancel_load(self) -> None:
+        if self._load is not None:
+            self._load.cancel()
+            self._load = None
 
-    # ------------------------------------------------------------------------------------------------- decode
-    def start_decode(self, kv: PCRKVCache, first_logits: torch.Tensor, position: int, params: SamplingParams,
-                     tokenizer, on_token: Callable[[int, str], None], cancelled: threading.Event | None,
-                     metrics: RequestMetrics) -> DecodeState:
-        """A request's decode, advanced one token per `DecodeState.step()` (so the executor can interleave it)."""
-        return DecodeState(self, kv, first_logits, position, params, tokenizer, on_token, cancelled, metrics)
+    def release(self) -> None:
+        """Unpin the leased prefix (idempotent); stops a load still running."""
+        self._cancel_load()
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
 
 
-class DecodeState:
-    """One request's decode loop, one token per `step()`. Invariant: ``logits`` are those of the last position
-    in ``kv``; a step selects a token from them, streams it, and (unless finished) runs the model on it."""
+class DecodeRow:
+    """One request's decode: picks each token from the row's logits, streams its text, applies stop strings,
+    end-of-sequence and ``max_new_tokens``. Invariant: ``tokens[-1]`` sits at `position` in the row and is the
+    next decode input (until `finished`)."""
 
-    def __init__(self, runner: Runner, kv: PCRKVCache, first_logits: torch.Tensor, position: int,
-                 params: SamplingParams, tokenizer, on_token: Callable[[int, str], None],
-                 cancelled: threading.Event | None, metrics: RequestMetrics) -> None:
-        self.runner = runner
-        self.kv = kv
-        self.logits = first_logits
-        self.position = position
-        self.params = params
+    def __init__(self, request: Request, prompt_tokens: int, tokenizer, eos_ids: frozenset[int],
+                 on_token: Callable[[int, str], None]) -> None:
+        self.request = request
+        self.params = request.params
+        self.prompt_tokens = prompt_tokens
         self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
         self.on_token = on_token
-        self.cancelled = cancelled
-        self.metrics = metrics
+        self.sampler = TokenSampler(request.params, getattr(request, "constraint", None))
         self.tokens: list[int] = []
         self.text = ""
-        self.finish = "length"
-        self.done = False
-        self._step = 0
+        self.finish_reason = "length"
+        self.finished = False
         self._last_t: float | None = None
-        self._gen = None
-        if params.temperature > 0:
-            self._gen = torch.Generator(device="cpu")
-            self._gen.manual_seed(params.seed if params.seed is not None else int(time.time_ns() % (2**31)))
 
-    @torch.inference_mode()
-    def step(self) -> bool:
-        """Emit one token; True once the request is finished (EOS, a stop string, or max_new_tokens)."""
-        if self.done:
-            return True
-        if self.cancelled is not None and self.cancelled.is_set():
-            raise RequestCancelledError("request cancelled during decode")
-        p = self.params
-        tok = _select(self.logits, p, self._gen)
+    @property
+    def position(self) -> int:
+        return self.prompt_tokens + len(self.tokens) - 1
+
+    @property
+    def last_token(self) -> int:
+        return self.tokens[-1]
+
+    def accept(self, logits: torch.Tensor) -> bool:
+        """Choose the next token from ``logits``; True once the request is finished."""
+        tok = self.sampler.select(logits)
         now = time.perf_counter()
         if self._last_t is not None:
-            self.metrics.itl_s.append(now - self._last_t)
+            self.request.metrics.itl_s.append(now - self._last_t)
         self._last_t = now
-        if tok in self.runner._eos:
+        if tok in self.eos_ids:
             return self._end("stop")
+        self.sampler.accept(tok)
         self.tokens.append(tok)
         new_text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        stop_at = _find_stop(new_text, p.stop, len(self.text))
+        stop_at = _find_stop(new_text, self.params.stop, len(self.text))
         if stop_at is not None:
             delta = new_text[len(self.text): stop_at]
             if delta:
@@ -213,39 +260,16 @@ class DecodeState:
         delta = new_text[len(self.text):]
         self.text = new_text
         self.on_token(tok, delta)
-        self._step += 1
-        if self._step >= p.max_new_tokens:
+        if len(self.tokens) >= self.params.max_new_tokens:
             return self._end("length")
-        device = self.runner.device
-        out = self.runner.model(
-            input_ids=torch.tensor([[tok]], device=device),
-            position_ids=torch.tensor([[self.position + self._step - 1]], device=device),
-            cache=self.kv,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        self.logits = out.logits[0, -1]
+        if self.sampler.constraint is not None and self.sampler.constraint.is_terminated():
+            return self._end("stop")
         return False
 
     def _end(self, reason: str) -> bool:
-        self.finish = reason
-        self.done = True
-        self.kv = None  # free the request's KV buffers as soon as it is done
+        self.finish_reason = reason
+        self.finished = True
         return True
-
-
-def _select(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    scores = logits.float()
-    if params.temperature <= 0:
-        return int(torch.argmax(scores).item())
-    probs = torch.softmax(scores / params.temperature, dim=-1).cpu()
-    if params.top_p < 1.0:
-        sorted_p, idx = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_p, 0) - sorted_p < params.top_p
-        sorted_p = sorted_p * keep
-        choice = torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=gen)
-        return int(idx[choice].item())
-    return int(torch.multinomial(probs, 1, generator=gen).item())
 
 
 def _find_stop(text: str, stops: Sequence[str], searched_upto: int) -> int | None:

@@ -1,16 +1,13 @@
-"""Waiting queue, request states and the executor loop.
+"""The waiting queue and the executor thread that runs engine steps.
 
-Policy: one executor thread; requests are admitted first-come first-served. Admitting a request runs its whole
-prefill (one forward per chunk); its decode then joins the set of active decodes, which advance one token each per
-round, round-robin, between admissions (prefill first, then a decode round: a newcomer's TTFT never waits for
-other requests' whole answers, and at most `max_active` requests hold KV buffers at once). With
-``max_active=1`` it is plain run-to-completion FCFS. On a 2-core CPU one forward already uses the cores, and the
-waiting queue is exactly what queue-based prefetch exploits. Requests enter from any thread or event loop; TTFT
-counts from submission, queueing included.
+One executor thread owns the model: each iteration it admits waiting requests into free rows - in the order of
+the schedule (`pcr_rag.runtime.admission`: ``fcfs`` or ``cache-aware``) - and runs one engine step
+(`BatchExecutor.step`: a fixed-shape decode over every decoding row, then at most one prefill chunk). Requests
+enter from any thread or event loop; TTFT counts from submission, queueing included. `window` gives the waiting
+requests in the order they will be admitted, which is what the prefetcher looks ahead at.
 
-Announced requests (`AnnouncementBoard`): a retriever that has finished announces its documents before the LLM
-call exists; the announcement joins the prefetch window behind the waiting queue, and a later request with the
-same documents claims it. Unclaimed announcements expire after a TTL.
+Shutdown (`close`): no new requests; waiting ones fail with `EngineClosedError`; admitted ones finish within the
+grace period, then fail with `EngineClosedError` too.
 """
 
 from __future__ import annotations
@@ -19,115 +16,51 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Protocol
 
-from pcr_rag.errors import EngineClosedError, QueueFullError, RequestCancelledError
-from pcr_rag.requests import Request, RequestState
+from pcr_rag.errors import EngineClosedError, QueueFullError
+from pcr_rag.requests import Request
+from pcr_rag.runtime.admission import Candidate, order_by
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Ticket:
-    """An announced request: its documents, the chunk keys its prefix is predicted to have, and its deadline."""
+class StepExecutor(Protocol):
+    """What the scheduler drives (`pcr_rag.runtime.batch.BatchExecutor`)."""
 
-    ticket_id: int
-    documents: tuple[str, ...]
-    keys: tuple[bytes, ...]
-    announced_at: float
-    expires_at: float
-    ssd_keys_at_entry: frozenset[bytes] = frozenset()
-    claimed: bool = False
-    expired: bool = False
+    @property
+    def free_rows(self) -> int: ...
 
+    @property
+    def idle(self) -> bool: ...
 
-class AnnouncementBoard:
-    """Announced, not yet claimed requests in arrival order. Thread-safe."""
+    def admit(self, req: Request) -> None: ...
 
-    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.ttl_s = ttl_s
-        self.clock = clock
-        self._lock = threading.Lock()
-        self._tickets: deque[Ticket] = deque()
-        self._ids = itertools.count(1)
-        self.announced = 0
-        self.claimed = 0
-        self.expired = 0
+    def step(self) -> None: ...
 
-    def add(self, documents: tuple[str, ...], keys: Sequence[bytes],
-            ssd_keys: frozenset[bytes] = frozenset()) -> Ticket:
-        now = self.clock()
-        t = Ticket(next(self._ids), documents, tuple(keys), now, now + self.ttl_s, ssd_keys)
-        with self._lock:
-            self._tickets.append(t)
-            self.announced += 1
-        return t
-
-    def claim(self, documents: tuple[str, ...]) -> Ticket | None:
-        """The oldest live ticket with exactly these documents, removed from the board."""
-        with self._lock:
-            for t in self._tickets:
-                if t.documents == documents:
-                    self._tickets.remove(t)
-                    t.claimed = True
-                    self.claimed += 1
-                    return t
-        return None
-
-    def cancel(self, ticket: Ticket) -> bool:
-        with self._lock:
-            if ticket in self._tickets:
-                self._tickets.remove(ticket)
-                ticket.expired = True
-                return True
-        return False
-
-    def expire(self) -> int:
-        now = self.clock()
-        n = 0
-        with self._lock:
-            while self._tickets and self._tickets[0].expires_at <= now:
-                t = self._tickets.popleft()
-                t.expired = True
-                n += 1
-            self.expired += n
-        return n
-
-    def keys(self, limit: int) -> list[tuple[bytes, ...]]:
-        with self._lock:
-            return [t.keys for t in itertools.islice(self._tickets, limit)]
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._tickets)
-
-
-class ActiveDecode(Protocol):
-    """A request whose prefill is done: `step()` emits one token and returns True once it has finished (and
-    delivered its result); `fail(exc)` delivers an error instead."""
-
-    def step(self) -> bool: ...
-
-    def fail(self, exc: BaseException) -> None: ...
+    def fail_all(self, exc: BaseException) -> None: ...
 
 
 class Scheduler:
-    """FCFS waiting queue plus the executor thread: ``prefill(request)`` admits a request (returning its active
-    decode, or None when it already finished), and active decodes advance round-robin between admissions."""
+    """Waiting queue + executor thread (see the module docstring).
 
-    def __init__(self, prefill: Callable[[Request], ActiveDecode | None], *, max_queue: int, max_active: int = 8,
-                 on_change: Callable[[], None] | None = None) -> None:
-        self._prefill = prefill
+    ``work_of(request)`` returns the tokens a waiting request would still compute given the cache now (used by
+    the cache-aware schedule); ``on_change()`` is called when the queue changes (wakes the prefetcher)."""
+
+    def __init__(self, executor: StepExecutor, *, schedule: str, max_queue: int,
+                 work_of: Callable[[Request], int], on_change: Callable[[], None] | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.executor = executor
+        self.schedule = schedule
         self.max_queue = max_queue
-        self.max_active = max(1, max_active)
+        self.work_of = work_of
         self.on_change = on_change
+        self.clock = clock
         self._cond = threading.Condition()
-        self._waiting: deque[Request] = deque()
-        self.active = 0  # decodes in progress (as of the last loop iteration)
+        self._waiting: list[Request] = []
         self._closed = False
+        self._abort = False
         self._ids = itertools.count(1)
         self.max_depth = 0
         self._thread = threading.Thread(target=self._loop, name="pcr-executor", daemon=True)
@@ -136,6 +69,7 @@ class Scheduler:
     def next_id(self) -> int:
         return next(self._ids)
 
+    # ------------------------------------------------------------------------------------------------ queue
     def submit(self, req: Request) -> Request:
         with self._cond:
             if self._closed:
@@ -145,8 +79,7 @@ class Scheduler:
             self._waiting.append(req)
             self.max_depth = max(self.max_depth, len(self._waiting))
             self._cond.notify_all()
-        if self.on_change is not None:
-            self.on_change()
+        self._changed()
         return req
 
     def remove_waiting(self, req: Request) -> bool:
@@ -157,56 +90,53 @@ class Scheduler:
         return False
 
     def window(self, limit: int) -> list[Request]:
-        """The next ``limit`` waiting requests in the order they will run."""
+        """The next ``limit`` waiting requests in the order they will be admitted."""
         with self._cond:
-            return list(itertools.islice(self._waiting, limit))
+            waiting = list(self._waiting)
+        return self._ordered(waiting)[:limit]
 
     @property
     def depth(self) -> int:
         with self._cond:
             return len(self._waiting)
 
-    def _loop(self) -> None:
-        active: list[ActiveDecode] = []
-        while True:
-            req = None
-            with self._cond:
-                while not self._waiting and not active and not self._closed:
-                    self._cond.wait()
-                if self._closed and not self._waiting and not active:
-                    return
-                if self._waiting and len(active) < self.max_active:
-                    req = self._waiting.popleft()
-                self.active = len(active)
-            if req is not None:
-                if self.on_change is not None:
-                    self.on_change()
-                task = self._admit(req)
-                if task is not None:
-                    active.append(task)
-            for task in list(active):  # one decode round
-                try:
-                    finished = task.step()
-                except BaseException as exc:  # noqa: BLE001 - delivered to the caller through the future
-                    task.fail(exc)
-                    finished = True
-                if finished:
-                    active.remove(task)
+    def _ordered(self, waiting: list[Request]) -> list[Request]:
+        if self.schedule == "fcfs" or len(waiting) < 2:
+            return waiting
+        return order_by(self.schedule, waiting, lambda r: Candidate(r.submitted_at, self.work_of(r)), self.clock())
 
-    def _admit(self, req: Request) -> ActiveDecode | None:
-        try:
-            if req.cancelled.is_set():
-                raise RequestCancelledError("request cancelled while waiting")
-            req.state = RequestState.RUNNING
-            return self._prefill(req)
-        except BaseException as exc:  # noqa: BLE001 - delivered to the caller through the future
-            req.state = RequestState.CANCELLED if isinstance(exc, RequestCancelledError) else RequestState.FAILED
-            if not req.future.done():
-                req.future.set_exception(exc)
-            return None
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    # ------------------------------------------------------------------------------------------------- loop
+    def _loop(self) -> None:
+        ex = self.executor
+        while True:
+            with self._cond:
+                while not self._waiting and ex.idle and not self._closed:
+                    self._cond.wait()
+                if self._abort or (self._closed and ex.idle):
+                    break
+                admit: list[Request] = []
+                if self._waiting and ex.free_rows:
+                    admit = self._ordered(self._waiting)[: ex.free_rows]
+                    for req in admit:
+                        self._waiting.remove(req)
+            if admit:
+                self._changed()
+                for req in admit:
+                    ex.admit(req)
+            if not ex.idle:
+                try:
+                    ex.step()
+                except Exception:  # noqa: BLE001 - BatchExecutor fails requests itself; never kill the thread
+                    log.exception("engine step failed")
+        if not ex.idle:
+            ex.fail_all(EngineClosedError("the engine was closed before this request finished"))
 
     def close(self, timeout: float | None = 30.0) -> None:
-        """Stop accepting work; waiting requests fail with `EngineClosedError`, the running one finishes."""
+        """Stop accepting work; waiting requests fail now; admitted ones get ``timeout`` seconds to finish."""
         with self._cond:
             self._closed = True
             pending = list(self._waiting)
@@ -216,3 +146,7 @@ class Scheduler:
             if not req.future.done():
                 req.future.set_exception(EngineClosedError("the engine was closed before this request ran"))
         self._thread.join(timeout=timeout)
+        if self._thread.is_alive():
+            with self._cond:
+                self._abort = True
+            self._thread.join(timeout=30.0)

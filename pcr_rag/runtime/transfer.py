@@ -1,13 +1,17 @@
-"""The copy engine: moves cached KV into a request's `PCRKVCache` and new KV out of it, layer by layer.
+"""The copy engine: moves cached KV into a request's arena row and new KV out of it, layer by layer.
 
-- Loads (`PrefixLoad`): a worker thread walks layers in order; for layer i it copies layer i of every matched chunk
-  into the request's buffers (from a resident payload, or a verified per-layer SSD read) and then marks layer i
-  ready. On CUDA the copies are issued on a dedicated load stream and "ready" is a CUDA event the compute stream
-  waits on; on the CPU "ready" is a threading event. The compute thread only ever waits for the layer it is about
-  to run, so layer i computes while layers > i are still loading.
-- Offloads (`ChunkOffload`): as soon as layer i of a step has written its new KV, the copy of that layer into the
-  chunk's host payload is queued (an offload stream on CUDA, a worker thread on the CPU); `finish()` returns the
-  payload once every layer has landed.
+- Loads (`PrefixLoad`): layer i of every matched chunk is copied into the row (from a resident payload, or a
+  verified per-layer SSD read), then layer i is marked ready. The compute thread waits only for the layer it is
+  about to attend with (`wait_layer`), so layer i computes while layers > i are still loading.
+  - CUDA: copies run on a load stream; "ready" is a CUDA event the compute stream waits on.
+  - CPU with an SSD source: a worker thread reads and copies; "ready" is a threading event (the worker mostly waits
+    on I/O, so it does not compete with the compute threads).
+  - CPU with every chunk in memory: the compute thread itself copies layer i right before attending with it (a
+    memcpy; a hand-off would cost more than it hides).
+- Offloads (`ChunkOffload`): once layer i of a prefill step has written its KV, layer i of every plan chunk that
+  this step completes is copied into that chunk's host payload: on an offload stream on CUDA, inline on the CPU
+  (about 10 microseconds a layer for a 256-token chunk of a small model: a worker thread would only steal a core
+  from the GEMMs). `finish()` returns the payloads once every layer has landed.
 
 Units: seconds for waits, tokens for positions.
 """
@@ -25,7 +29,7 @@ from typing import Protocol
 import torch
 
 from pcr_rag.errors import PrefixLoadError
-from pcr_rag.runtime.kv_cache import PCRKVCache
+from pcr_rag.runtime.kv_arena import RowKV
 
 OpenReader = Callable[[bytes], "LayerReader"]
 
@@ -40,13 +44,20 @@ class LayerReader(Protocol):
 
 @dataclass(frozen=True)
 class LoadSource:
-    """One matched chunk to load: plan index, key, token span, and its resident payload (None: read from SSD)."""
+    """One matched chunk to load: plan index, key, its span [start, end), its resident payload (None: read it
+    from SSD), and ``fill_end``: positions [start, fill_end) are copied (less than the span when the request
+    recomputes the chunk's tail)."""
 
     index: int
     key: bytes
     start: int
     end: int
     payload: torch.Tensor | None
+    fill_end: int
+
+    @property
+    def fill_tokens(self) -> int:
+        return self.fill_end - self.start
 
 
 @dataclass
@@ -62,28 +73,25 @@ class LayerWaits:
 
 
 class CopyEngine:
-    """Owns the transfer resources of one device: CUDA streams, or worker threads on the CPU."""
+    """Owns the transfer resources of one device: CUDA streams, or one loader thread on the CPU."""
 
-    def __init__(self, device: torch.device, *, workers: int = 2) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pcr-load")
-        self._offloader = ThreadPoolExecutor(max_workers=max(1, workers - 1), thread_name_prefix="pcr-offload")
         if self.is_cuda:
             self.load_stream = torch.cuda.Stream(device=device)
             self.offload_stream = torch.cuda.Stream(device=device)
         self.waits = LayerWaits()
-        self.last_load: PrefixLoad | None = None
+        self.last_load: PrefixLoad | None = None  # the most recent load (tests and overlap measurements)
         self._closed = False
 
-    def start_load(self, kv: PCRKVCache, sources: Sequence[LoadSource], open_reader: OpenReader,
+    def start_load(self, row: RowKV, sources: Sequence[LoadSource], open_reader: OpenReader,
                    *, layerwise: bool) -> PrefixLoad:
-        """Begin loading ``sources`` into ``kv``; with ``layerwise=False`` the load completes before returning."""
-        load = PrefixLoad(self, kv, list(sources), open_reader)
+        """Begin loading ``sources`` into ``row``; with ``layerwise=False`` the load completes before returning."""
+        load = PrefixLoad(self, row, list(sources), open_reader)
         self.last_load = load
         if layerwise and not self.is_cuda and all(s.payload is not None for s in sources):
-            # CPU, everything in memory: layer i's copy is a memcpy best done by the compute thread right before
-            # layer i runs (no hand-off to a worker, data hot in cache); see PrefixLoad.inline.
             load.inline = True
         elif layerwise:
             load.future = self._loader.submit(load.run)
@@ -92,31 +100,31 @@ class CopyEngine:
             load.raise_if_failed()
         return load
 
-    def offload(self, kv: PCRKVCache, start: int, end: int, *, layerwise: bool) -> ChunkOffload:
-        return ChunkOffload(self, kv, start, end, layerwise=layerwise)
+    def offload(self, row: RowKV, spans: Sequence[tuple[int, int]]) -> ChunkOffload:
+        return ChunkOffload(self, row, spans)
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
             self._loader.shutdown(wait=True)
-            self._offloader.shutdown(wait=True)
 
 
 class PrefixLoad:
-    """Layer-wise load of a request's matched prefix. `wait_layer(i)` blocks until layer i is in the buffers."""
+    """Layer-wise load of a request's matched prefix. `wait_layer(i)` blocks until layer i is in the row."""
 
-    def __init__(self, engine: CopyEngine, kv: PCRKVCache, sources: list[LoadSource], open_reader: OpenReader):
+    def __init__(self, engine: CopyEngine, row: RowKV, sources: list[LoadSource], open_reader: OpenReader):
         self.engine = engine
-        self.kv = kv
+        self.row = row
         self.sources = sources
         self.open_reader = open_reader
         self._readers: dict[int, LayerReader] = {}  # plan index -> open SSD reader (file + verified header)
         self._staging: dict[tuple[int, ...], torch.Tensor] = {}  # reused per layer shape: no fresh page faults
-        n = kv.geometry.num_layers
+        n = row.arena.geometry.num_layers
         self._ready = [threading.Event() for _ in range(n)]
         self._cuda_events: list[torch.cuda.Event | None] = [None] * n
         self._error: PrefixLoadError | None = None
         self._cancelled = False
+        self._current_index = 0
         self.future: Future | None = None
         self.bytes_loaded = 0
         self.started_at = time.perf_counter()
@@ -127,8 +135,8 @@ class PrefixLoad:
     def run(self) -> None:
         stream_ctx = torch.cuda.stream(self.engine.load_stream) if self.engine.is_cuda else nullcontext()
         try:
-            with stream_ctx, torch.inference_mode():  # inference mode is per thread; the buffers are inference tensors
-                for layer in range(self.kv.geometry.num_layers):
+            with stream_ctx, torch.inference_mode():  # inference mode is per thread; the arena is an inference tensor
+                for layer in range(len(self._ready)):
                     for src in self.sources:
                         if self._cancelled:
                             raise PrefixLoadError(src.index, RuntimeError("load cancelled"))
@@ -142,8 +150,7 @@ class PrefixLoad:
         except PrefixLoadError as exc:
             self._fail(exc)
         except Exception as exc:  # noqa: BLE001 - any failure becomes a recompute, never a wrong answer
-            index = self._current_index if hasattr(self, "_current_index") else 0
-            self._fail(PrefixLoadError(index, exc))
+            self._fail(PrefixLoadError(self._current_index, exc))
         finally:
             self._close_readers()
 
@@ -164,21 +171,23 @@ class PrefixLoad:
                 reader = self._readers.get(src.index)
                 if reader is None:
                     reader = self._readers[src.index] = self.open_reader(src.key)
-                shape = self.kv.geometry.payload_shape(src.end - src.start)[1:]
-                staging = self._staging.get(shape)
-                if staging is None:
-                    staging = self._staging[shape] = torch.empty(shape, dtype=self.kv.geometry.dtype,
-                                                                 pin_memory=self.engine.is_cuda)
-                elif self.engine.is_cuda:
-                    torch.cuda.current_stream(self.engine.device).synchronize()  # previous H2D copy done
-                data = reader.read_layer(layer, out=staging)
+                data = reader.read_layer(layer, out=self._staging_for(src.end - src.start))
             except Exception as exc:  # noqa: BLE001
                 raise PrefixLoadError(src.index, exc) from exc
-        k_dst, v_dst = self.kv.layer(layer).slot(src.start, src.end)
-        non_blocking = self.engine.is_cuda
-        k_dst.copy_(data[0].transpose(0, 1), non_blocking=non_blocking)
-        v_dst.copy_(data[1].transpose(0, 1), non_blocking=non_blocking)
+        data = data[:, :, : src.fill_tokens]
+        self.row.load_payload_layer(layer, src.start, src.fill_end, data, non_blocking=self.engine.is_cuda)
         self.bytes_loaded += data.nbytes
+
+    def _staging_for(self, tokens: int) -> torch.Tensor:
+        """A reused host buffer for one layer of a ``tokens``-token chunk (no fresh page faults per read)."""
+        geometry = self.row.arena.geometry
+        shape = geometry.payload_shape(tokens)[1:]
+        staging = self._staging.get(shape)
+        if staging is None:
+            staging = self._staging[shape] = torch.empty(shape, dtype=geometry.dtype, pin_memory=self.engine.is_cuda)
+        elif self.engine.is_cuda:
+            torch.cuda.current_stream(self.engine.device).synchronize()  # the previous H2D copy is done
+        return staging
 
     def _fail(self, exc: PrefixLoadError) -> None:
         self._error = exc
@@ -217,70 +226,43 @@ class PrefixLoad:
             self.wait_layer(layer)
 
     def cancel(self) -> None:
-        """Stop early and wait for the worker, so nothing writes into the buffers afterwards."""
+        """Stop early and wait for the worker, so nothing writes into the row afterwards."""
         self._cancelled = True
         if self.future is not None:
             self.future.result()
+        self._close_readers()
 
 
 class ChunkOffload:
-    """Copies one step's new KV (positions [start, end)) into a contiguous host payload, layer by layer."""
+    """Copies the KV of ``spans`` (each [start, end), complete once this step ends) into host payloads
+    ``[layers, 2, kv_heads, tokens, head_dim]``, layer by layer as each layer is written."""
 
-    def __init__(self, engine: CopyEngine, kv: PCRKVCache, start: int, end: int, *, layerwise: bool) -> None:
-        g = kv.geometry
+    def __init__(self, engine: CopyEngine, row: RowKV, spans: Sequence[tuple[int, int]]) -> None:
+        g = row.arena.geometry
         self.engine = engine
-        self.kv = kv
-        self.start, self.end = start, end
-        self.layerwise = layerwise
-        self.payload = torch.empty((g.num_layers, 2, g.num_kv_heads, end - start, g.head_dim), dtype=g.dtype,
-                                   pin_memory=engine.is_cuda)
-        self._futures: list[Future] = []
-
-    def _copy(self, layer: int) -> None:
-        k, v = self.kv.layer(layer).slot(self.start, self.end)
-        nb = self.engine.is_cuda
-        with torch.inference_mode():  # may run on a worker thread; inference mode is per thread
-            self.payload[layer, 0].copy_(k.transpose(0, 1), non_blocking=nb)
-            self.payload[layer, 1].copy_(v.transpose(0, 1), non_blocking=nb)
+        self.row = row
+        self.spans = list(spans)
+        self.payloads = [torch.empty(g.payload_shape(e - s), dtype=g.dtype, pin_memory=engine.is_cuda)
+                         for s, e in self.spans]
 
     def after_layer(self, layer: int) -> None:
-        if not self.layerwise:
+        if not self.spans:
             return
         if self.engine.is_cuda:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.engine.device))
             with torch.cuda.stream(self.engine.offload_stream):
                 self.engine.offload_stream.wait_event(ev)
-                self._copy(layer)
+                self._copy(layer, non_blocking=True)
         else:
-            self._futures.append(self.engine._offloader.submit(self._copy, layer))
+            self._copy(layer, non_blocking=False)
 
-    def finish(self) -> torch.Tensor:
-        """The payload ``[layers, 2, kv_heads, tokens, head_dim]`` once all layers have been copied."""
-        if not self.layerwise:
-            for layer in range(self.kv.geometry.num_layers):
-                self._copy(layer)
-            if self.engine.is_cuda:
-                torch.cuda.current_stream(self.engine.device).synchronize()
-        elif self.engine.is_cuda:
+    def _copy(self, layer: int, *, non_blocking: bool) -> None:
+        for (s, e), payload in zip(self.spans, self.payloads):
+            self.row.store_payload_layer(layer, s, e, payload[layer], non_blocking=non_blocking)
+
+    def finish(self) -> list[torch.Tensor]:
+        """The payloads, once every layer has been copied."""
+        if self.engine.is_cuda and self.spans:
             self.engine.offload_stream.synchronize()
-        else:
-            for fut in self._futures:
-                fut.result()
-        return self.payload
-
-
-class StepHooks:
-    """`LayerHooks` for one forward step: wait for the prefix load (first computed step) and offload new KV."""
-
-    def __init__(self, load: PrefixLoad | None, offload: ChunkOffload | None) -> None:
-        self.load = load
-        self.offload = offload
-
-    def before_layer(self, layer_idx: int) -> None:
-        if self.load is not None:
-            self.load.wait_layer(layer_idx)
-
-    def after_layer(self, layer_idx: int, start: int, end: int) -> None:
-        if self.offload is not None:
-            self.offload.after_layer(layer_idx)
+        return self.payloads

@@ -146,7 +146,7 @@ def test_64_concurrent_requests_threads_and_asyncio(tiny, tmp_path):
 @pytest.mark.parametrize("max_active", [1, 4])
 def test_newcomer_waits_for_prefills_not_whole_answers(tiny, tmp_path, max_active):
     with _engine(tiny, tmp_path / "c", max_active=max_active) as eng:
-        eng.runner._eos = set()  # the random tiny model must not stop the long answer early
+        eng.executor.eos_ids = frozenset()  # the random tiny model must not stop the long answer early
         long = eng.stream("a long answer please", DOCS[:1], max_new_tokens=150)
         next(iter(long))  # the long request is decoding now
         short = eng.generate("short", DOCS[1:2], max_new_tokens=2)

@@ -1,0 +1,89 @@
+"""Announced requests: a retriever that has finished announces its documents before the LLM call exists.
+
+The announcement joins the prefetch window behind the waiting queue (its chunks are protected and prefetched);
+a later request with the same documents claims it. Unclaimed announcements expire after a TTL. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass
+class Ticket:
+    """An announced request: its documents, the chunk keys its prefix is predicted to have, and its deadline."""
+
+    ticket_id: int
+    documents: tuple[str, ...]
+    keys: tuple[bytes, ...]
+    announced_at: float
+    expires_at: float
+    ssd_keys_at_entry: frozenset[bytes] = frozenset()
+    claimed: bool = False
+    expired: bool = False
+
+
+class AnnouncementBoard:
+    """Announced, not yet claimed requests in arrival order. Thread-safe."""
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._tickets: deque[Ticket] = deque()
+        self._ids = itertools.count(1)
+        self.announced = 0
+        self.claimed = 0
+        self.expired = 0
+
+    def add(self, documents: tuple[str, ...], keys: Sequence[bytes],
+            ssd_keys: frozenset[bytes] = frozenset()) -> Ticket:
+        now = self.clock()
+        t = Ticket(next(self._ids), documents, tuple(keys), now, now + self.ttl_s, ssd_keys)
+        with self._lock:
+            self._tickets.append(t)
+            self.announced += 1
+        return t
+
+    def claim(self, documents: tuple[str, ...]) -> Ticket | None:
+        """The oldest live ticket with exactly these documents, removed from the board."""
+        with self._lock:
+            for t in self._tickets:
+                if t.documents == documents:
+                    self._tickets.remove(t)
+                    t.claimed = True
+                    self.claimed += 1
+                    return t
+        return None
+
+    def cancel(self, ticket: Ticket) -> bool:
+        with self._lock:
+            if ticket in self._tickets:
+                self._tickets.remove(ticket)
+                ticket.expired = True
+                return True
+        return False
+
+    def expire(self) -> int:
+        now = self.clock()
+        n = 0
+        with self._lock:
+            while self._tickets and self._tickets[0].expires_at <= now:
+                t = self._tickets.popleft()
+                t.expired = True
+                n += 1
+            self.expired += n
+        return n
+
+    def keys(self, limit: int) -> list[tuple[bytes, ...]]:
+        with self._lock:
+            return [t.keys for t in itertools.islice(self._tickets, limit)]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._tickets)
