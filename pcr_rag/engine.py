@@ -382,10 +382,14 @@ class PCREngine:
         return frozenset(k for k, t in zip(m.keys, m.tiers) if t is Tier.SSD)
 
     def _window_keys(self, limit: int) -> list[Sequence[bytes]]:
-        waiting = [r.keys for r in self.scheduler.window(limit)]
-        if len(waiting) < limit:
-            waiting.extend(self.board.keys(limit - len(waiting)))
-        return waiting
+        """The prefetch window: admitted requests not yet prefilling, the waiting queue in admission order, then
+        announced requests."""
+        window: list[Sequence[bytes]] = list(self.executor.waiting_keys())[:limit]
+        if len(window) < limit:
+            window.extend(r.keys for r in self.scheduler.window(limit - len(window)))
+        if len(window) < limit:
+            window.extend(self.board.keys(limit - len(window)))
+        return window
 
     def _queue_changed(self) -> None:
         if self.prefetcher is not None:

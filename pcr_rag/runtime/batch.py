@@ -16,6 +16,7 @@ Failures are per request: an error in one request's prefill or token choice fail
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,6 +62,7 @@ class BatchExecutor:
         self.clock = clock
         self._free = list(range(arena.rows - 1, -1, -1))  # pop() hands out row 0 first
         self._active: dict[int, ActiveRequest] = {}
+        self._lock = threading.Lock()  # guards _active for readers on other threads (`waiting_keys`)
         self.steps = 0
         self.decode_steps = 0
         self.prefill_steps = 0
@@ -81,21 +83,28 @@ class BatchExecutor:
     def prefilling(self) -> list[ActiveRequest]:
         return [a for a in self._active.values() if a.prefill is not None]
 
+    def waiting_keys(self) -> list[list[bytes]]:
+        """Chunk keys of admitted requests whose prefill has not begun, oldest first (any thread): the head of
+        the prefetch window."""
+        with self._lock:
+            tasks = [a.prefill for a in self._active.values() if a.prefill is not None]
+        return [[c.key for c in t.plan] for t in tasks if not t.begun]
+
     # -------------------------------------------------------------------------------------------- admission
     def admit(self, req: Request) -> None:
-        """Give ``req`` a row and start its prefill (lease + load, no compute yet). Needs a free row."""
+        """Give ``req`` a row; its prefill begins (lease + load) at its first step. Needs a free row."""
         row = self._free.pop()
         now = self.clock()
         req.state = RequestState.RUNNING
         req.metrics.queue_s = now - req.submitted_at
         req.metrics.prompt_tokens = len(req.token_ids)
         active = ActiveRequest(req, row, now)
-        self._active[row] = active
+        with self._lock:
+            self._active[row] = active
         try:
             if req.cancelled.is_set():
                 raise RequestCancelledError("request cancelled while waiting")
             active.prefill = PrefillTask(req, self.arena.row(row), self.ctx)
-            active.prefill.begin()
         except BaseException as exc:  # noqa: BLE001 - delivered to the caller through the future
             self._fail(active, exc)
 
@@ -109,10 +118,18 @@ class BatchExecutor:
             self._decode(decoding)
         pending = self.prefilling()
         if pending:
-            now = self.clock()
-            nxt = order_by(self.schedule, pending,
-                           lambda a: Candidate(a.request.submitted_at, a.prefill.remaining), now)[0]
-            self._prefill(nxt)
+            self._prefill(self._next_prefill(pending))
+
+    def _next_prefill(self, pending: list[ActiveRequest]) -> ActiveRequest:
+        """The prefill to advance: by the schedule, over tasks whose next chunks nobody else is computing (a task
+        that would recompute chunks another running prefill is about to insert waits for them)."""
+        in_flight: set[bytes] = set()
+        for a in pending:
+            in_flight |= a.prefill.pending_keys()
+        ready = [a for a in pending if a.prefill.begun or not (in_flight & {c.key for c in a.prefill.plan})]
+        now = self.clock()
+        return order_by(self.schedule, ready or pending,
+                        lambda a: Candidate(a.request.submitted_at, a.prefill.estimated_work()), now)[0]
 
     def _decode(self, decoding: list[ActiveRequest]) -> None:
         rows: list[int | None] = [None] * self.batch_rows
@@ -203,7 +220,9 @@ class BatchExecutor:
         if a.prefill is not None:
             a.prefill.release()
             a.prefill = None
-        if self._active.pop(a.row, None) is not None:
+        with self._lock:
+            released = self._active.pop(a.row, None) is not None
+        if released:
             self._free.append(a.row)
 
     def _drop_cancelled(self) -> None:

@@ -1,8 +1,9 @@
 """One request's prefill with reuse (`PrefillTask`), and its decode row (`DecodeRow`).
 
 Prefill, on the request's arena row:
-1. `begin()`: lease (pin) the longest cached prefix of the chunk plan, wait for in-flight prefetches of its SSD
-   chunks (rather than reading them twice), and start the layer-wise load of the prefix into the row.
+1. `begin()` (at the first step, not at admission, so chunks that an earlier request is computing are cached by
+   then): lease (pin) the longest cached prefix of the chunk plan, wait for in-flight prefetches of its SSD chunks
+   (rather than reading them twice), and start the layer-wise load of the prefix into the row.
 2. `advance(budget)`: compute the next ``budget`` tokens with `FastForward.prefill`. The first step's layer i
    waits only for layer i of the prefix; every plan chunk the step completes is offloaded layer by layer and
    inserted into the cache (DRAM, then SSD write-back). Returns the last position's logits when the prompt is done.
@@ -83,6 +84,7 @@ class PrefillTask:
         self._sources: list[LoadSource] = []
         self._stored_upto = 0                  # plan chunks [0, _stored_upto) are cached or matched
         self._max_chunks = len(self.plan)
+        self.begun = False
 
     # ------------------------------------------------------------------------------------------------ state
     @property
@@ -94,9 +96,25 @@ class PrefillTask:
     def computed_tokens(self) -> int:
         return self.total - sum(self.reused_by_tier.values())
 
+    def pending_keys(self) -> frozenset[bytes]:
+        """Keys of the plan chunks this task will compute and insert but has not yet (empty before `begin`)."""
+        if not self.begun or self.ctx.cache is None:
+            return frozenset()
+        return frozenset(spec.key for spec in self.plan[self._stored_upto:])
+
+    def estimated_work(self) -> int:
+        """Tokens left to compute: exact once begun, else the prompt minus what the cache matches now."""
+        if self.begun:
+            return self.remaining
+        if self.ctx.cache is None:
+            return self.total
+        return self.total - self.ctx.cache.match([c.key for c in self.plan]).num_tokens
+
     # -------------------------------------------------------------------------------------------- lifecycle
     def begin(self) -> None:
-        """Lease the cached prefix and start loading it (no compute)."""
+        """Lease the cached prefix and start loading it (no compute). Called by the first `advance`, so a task
+        admitted behind another one that computes the same documents finds them cached."""
+        self.begun = True
         cache = self.ctx.cache
         self.reused_by_tier = dict.fromkeys(TIERS, 0)
         self._sources = []
@@ -137,6 +155,8 @@ class PrefillTask:
 
     def advance(self, budget: int) -> torch.Tensor | None:
         """Compute up to ``budget`` more tokens; the last position's logits once the prompt is complete."""
+        if not self.begun:
+            self.begin()
         while True:
             try:
                 return self._step(budget)
