@@ -1,0 +1,154 @@
+"""Batched serving: a request's tokens under any concurrency, chunking and cache state equal its tokens alone."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from pcr_rag import ConfigError, EngineConfig, PCREngine, PromptTooLongError, RequestCancelledError
+from pcr_rag.requests import RagPrompt, SamplingParams
+from pcr_rag.testing import tiny_model
+
+DOCS = [
+    "Alpha centauri is the closest star system to the Sun at about four light years away. " * 4,
+    "The mitochondrion is the powerhouse of the cell and makes ATP for everything else. " * 3,
+    "TCP retransmits lost segments and delivers bytes in order to the application layer. " * 5,
+    "Merge sort splits a list in two halves, sorts both of them and merges the results. " * 2,
+]
+QUESTIONS = [("Which star is closest?", (0, 1)), ("What makes ATP?", (1, 2)), ("Is TCP ordered?", (2, 3, 0)),
+             ("How does merge sort work?", (3,)), ("Closest star again?", (0, 1)), ("And the cell?", (1,))]
+
+
+def _engine(model, tok, path, **kw) -> PCREngine:
+    cfg = dict(cache_dir=path, chunk_size=16, dram_capacity="32MiB", ssd_capacity="64MiB", max_new_tokens=10,
+               device="cpu", prefill_chunk_tokens=24)
+    cfg.update(kw)
+    return PCREngine(model=model, tokenizer=tok, config=EngineConfig(**cfg))
+
+
+def _alone(model, tok, path, **kw):
+    """Each request alone: no cache, one row, run one after the other."""
+    with _engine(model, tok, path, enable_cache=False, max_active=kw.pop("max_active", 4), **kw) as eng:
+        return [eng.generate(q, [DOCS[i] for i in d]) for q, d in QUESTIONS]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_tokens_under_concurrency_equal_tokens_alone(arch, dtype, tmp_path):
+    model, tok = tiny_model(arch, dtype=dtype)
+    ref = _alone(model, tok, tmp_path / "alone", dtype=dtype)
+    generated = 0
+    with _engine(model, tok, tmp_path / "busy", dtype=dtype, max_active=4) as eng:
+        for _ in range(2):  # cold, then everything cached
+            handles = [eng.submit(RagPrompt(q, tuple(DOCS[i] for i in d))) for q, d in QUESTIONS]
+            got = [h.result(timeout=300) for h in handles]
+            generated += sum(len(r.token_ids) for r in got)
+            for a, b in zip(ref, got):
+                assert a.token_ids == b.token_ids
+                assert torch.equal(a.first_token_logits, b.first_token_logits)
+        assert eng.executor.decode_steps < 0.7 * generated, "decode must be batched"
+        assert eng.stats().cache.pinned_chunks == 0
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 64, 4096])
+def test_prefill_chunking_never_changes_the_answer(chunk_tokens, tmp_path):
+    model, tok = tiny_model("gemma3", dtype=torch.bfloat16)
+    ref = _alone(model, tok, tmp_path / "ref", dtype=torch.bfloat16)
+    with _engine(model, tok, tmp_path / "c", dtype=torch.bfloat16, prefill_chunk_tokens=chunk_tokens) as eng:
+        got = [eng.generate(q, [DOCS[i] for i in d]) for q, d in QUESTIONS]
+    for a, b in zip(ref, got):
+        assert a.token_ids == b.token_ids and torch.equal(a.first_token_logits, b.first_token_logits)
+
+
+def test_cancel_mid_decode_frees_the_row_and_spares_the_others(tmp_path):
+    model, tok = tiny_model("llama")
+    ref = _alone(model, tok, tmp_path / "ref")
+    with _engine(model, tok, tmp_path / "c", max_active=3) as eng:
+        eng.executor.eos_ids = frozenset()  # the long request must still be decoding when cancelled
+        long = eng.submit(RagPrompt("talk at length", (DOCS[0],)), SamplingParams(max_new_tokens=400))
+        for chunk in long:
+            if chunk.index >= 3:
+                break
+        others = [eng.submit(RagPrompt(q, tuple(DOCS[i] for i in d))) for q, d in QUESTIONS[:3]]
+        assert long.cancel()
+        with pytest.raises(RequestCancelledError):
+            long.result(timeout=60)
+        got = [h.result(timeout=120) for h in others]
+        deadline = time.monotonic() + 10
+        while eng.executor.active and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert eng.executor.free_rows == 3
+        assert eng.stats().cache.pinned_chunks == 0
+    for a, b in zip(ref[:3], got):
+        assert a.token_ids == b.token_ids
+
+
+def test_a_failing_request_fails_alone(tmp_path):
+    model, tok = tiny_model("llama")
+    ref = _alone(model, tok, tmp_path / "ref")
+    with _engine(model, tok, tmp_path / "c") as eng:
+        good = [eng.stream(q, [DOCS[i] for i in d]) for q, d in QUESTIONS[:3]]
+        bad = eng.stream("this one's consumer explodes", [DOCS[3]])
+        bad._request.on_token = lambda *_: (_ for _ in ()).throw(RuntimeError("consumer exploded"))
+        with pytest.raises(RuntimeError, match="consumer exploded"):
+            bad.result(timeout=120)
+        got = [h.result(timeout=120) for h in good]
+        assert eng.stats().cache.pinned_chunks == 0
+    for a, b in zip(ref[:3], got):
+        assert a.token_ids == b.token_ids
+
+
+def test_long_prefill_does_not_freeze_streaming(tmp_path):
+    """While a long cold prompt prefills, a decoding request keeps getting a token every engine step."""
+    model, tok = tiny_model("llama")
+    with _engine(model, tok, tmp_path / "c", prefill_chunk_tokens=16, max_active=2) as eng:
+        eng.executor.eos_ids = frozenset()
+        streaming = eng.submit(RagPrompt("stream please", (DOCS[3],)), SamplingParams(max_new_tokens=60))
+        it = iter(streaming)
+        next(it)
+        steps_before = eng.executor.prefill_steps
+        long = eng.submit(RagPrompt("long cold prompt", tuple(DOCS) * 3), SamplingParams(max_new_tokens=2))
+        stamps = [time.perf_counter() for _ in it]
+        long.result(timeout=120)
+        assert eng.executor.prefill_steps - steps_before >= 10, "the long prompt must span many prefill steps"
+    assert len(stamps) >= 50
+    assert eng.executor.decode_steps >= 59
+
+
+def test_bad_config_and_oversized_requests(tmp_path):
+    model, tok = tiny_model("llama")
+    with pytest.raises(ConfigError, match="max_active"):
+        EngineConfig(max_active=0)
+    with pytest.raises(ConfigError, match="schedule"):
+        EngineConfig(schedule="lifo")
+    with pytest.raises(ConfigError, match=r"weights.*int8"):
+        EngineConfig(weights="fp4")
+    with _engine(model, tok, tmp_path / "c", max_model_len=64) as eng:
+        with pytest.raises(PromptTooLongError, match="max_model_len"):
+            eng.generate("q", [DOCS[2]])
+        assert eng.executor.free_rows == eng.config.max_active
+
+
+def test_sixty_four_concurrent_requests_are_exact_and_release_everything(tmp_path):
+    model, tok = tiny_model("qwen2")
+    ref = _alone(model, tok, tmp_path / "ref")
+    dram = 256 * 1024
+    with _engine(model, tok, tmp_path / "c", dram_capacity=dram, max_active=8) as eng:
+        results: dict[int, list[int]] = {}
+
+        def worker(i: int) -> None:
+            q, d = QUESTIONS[i % len(QUESTIONS)]
+            results[i] = eng.generate(q, [DOCS[j] for j in d]).token_ids
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(64)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=600)
+        stats = eng.stats().cache
+    assert len(results) == 64
+    assert all(results[i] == ref[i % len(QUESTIONS)].token_ids for i in range(64))
+    assert stats.bytes_high_water["dram"] <= dram and stats.pinned_chunks == 0
