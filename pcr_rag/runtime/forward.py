@@ -63,19 +63,42 @@ class LayerHooks(Protocol):
 
 
 @dataclass(frozen=True, eq=False)
+class RMSNorm:
+    """The model's RMSNorm with PyTorch's fused kernel, bit-identical to the transformers modules: Llama style
+    ``weight * norm(x).to(dtype)`` (``offset_weight`` None), or Gemma style ``(norm(x) * (1 + weight)).to(dtype)``
+    computed in float32 (``offset_weight`` = 1 + weight, float32)."""
+
+    weight: torch.Tensor | None
+    offset_weight: torch.Tensor | None
+    eps: float
+
+    @classmethod
+    def of(cls, module: Any, gemma: bool) -> RMSNorm:
+        eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
+        w = module.weight.detach()
+        return cls(None, 1.0 + w.float(), eps) if gemma else cls(w, None, eps)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = (x.shape[-1],)
+        if self.offset_weight is not None:
+            return F.rms_norm(x.float(), shape, self.offset_weight, self.eps).to(x.dtype)
+        return F.rms_norm(x.float(), shape, None, self.eps).to(x.dtype) * self.weight
+
+
+@dataclass(frozen=True, eq=False)
 class LayerWeights:
-    """One decoder layer: fused projections plus the transformers norm modules (per-row ops, reused as is)."""
+    """One decoder layer: fused projections, norms, activation, attention window and rotary table."""
 
     qkv: Linear            # [q | k | v] outputs
     o: Linear
     gate_up: Linear        # [gate | up] outputs
     down: Linear
-    input_norm: Any
-    post_attn_norm: Any    # Llama/Qwen: before the MLP; Gemma 3: on the attention output
-    pre_ff_norm: Any       # Gemma 3 only (None otherwise)
-    post_ff_norm: Any      # Gemma 3 only
-    q_norm: Any            # Qwen3 / Gemma 3 per-head norms (None otherwise)
-    k_norm: Any
+    input_norm: RMSNorm
+    post_attn_norm: RMSNorm          # Llama/Qwen: before the MLP; Gemma 3: on the attention output
+    pre_ff_norm: RMSNorm | None      # Gemma 3 only
+    post_ff_norm: RMSNorm | None     # Gemma 3 only
+    q_norm: RMSNorm | None           # Qwen3 / Gemma 3 per-head norms
+    k_norm: RMSNorm | None
     act: Any
     window: int | None     # sliding window (keys q - window < k <= q), None for full attention
     rope: str              # which rotary table this layer uses
@@ -132,7 +155,7 @@ class FastForward:
         self.attention_block = attention_block
         base = _text_model(model)
         self._embed = base.embed_tokens
-        self._final_norm = base.norm
+        self._final_norm = RMSNorm.of(base.norm, config.model_type == "gemma3_text")
         self._lm_head = make_linear(weights, model.lm_head.weight.detach(),
                                     None if model.lm_head.bias is None else model.lm_head.bias.detach())
         self._softcap = getattr(config, "final_logit_softcapping", None)
@@ -140,6 +163,10 @@ class FastForward:
         self.num_kv_heads = loaded.kv.num_kv_heads
         self.head_dim = loaded.kv.head_dim
         gemma = config.model_type == "gemma3_text"
+
+        def norm(module: Any) -> RMSNorm:
+            return RMSNorm.of(module, gemma)
+
         layers = []
         for i, layer in enumerate(base.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -153,10 +180,11 @@ class FastForward:
                               None if attn.o_proj.bias is None else attn.o_proj.bias.detach()),
                 gate_up=_fuse([mlp.gate_proj, mlp.up_proj], weights),
                 down=make_linear(weights, mlp.down_proj.weight.detach(), None),
-                input_norm=layer.input_layernorm, post_attn_norm=layer.post_attention_layernorm,
-                pre_ff_norm=layer.pre_feedforward_layernorm if gemma else None,
-                post_ff_norm=layer.post_feedforward_layernorm if gemma else None,
-                q_norm=getattr(attn, "q_norm", None), k_norm=getattr(attn, "k_norm", None),
+                input_norm=norm(layer.input_layernorm), post_attn_norm=norm(layer.post_attention_layernorm),
+                pre_ff_norm=norm(layer.pre_feedforward_layernorm) if gemma else None,
+                post_ff_norm=norm(layer.post_feedforward_layernorm) if gemma else None,
+                q_norm=norm(attn.q_norm) if hasattr(attn, "q_norm") else None,
+                k_norm=norm(attn.k_norm) if hasattr(attn, "k_norm") else None,
                 act=mlp.act_fn, window=int(window) if window else None,
                 rope=layer_type if gemma else "default",
             ))
@@ -304,12 +332,14 @@ class FastForward:
         m, d = x.shape[0], self.head_dim
         qkv = lw.qkv(lw.input_norm(x))
         nq, nk = self.num_heads * d, self.num_kv_heads * d
-        q = qkv[:, :nq].view(m, self.num_heads, d)
-        k = qkv[:, nq: nq + nk].view(m, self.num_kv_heads, d)
         v = qkv[:, nq + nk:].view(m, self.num_kv_heads, d)
-        if lw.q_norm is not None:
-            q, k = lw.q_norm(q), lw.k_norm(k)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        if lw.q_norm is None:  # rotate q and k in one go: they are adjacent in the fused output
+            qk = qkv[:, : nq + nk].view(m, self.num_heads + self.num_kv_heads, d)
+            qk = qk * cos + _rotate_half(qk) * sin
+            return qk[:, : self.num_heads], qk[:, self.num_heads:], v
+        q = lw.q_norm(qkv[:, :nq].view(m, self.num_heads, d))
+        k = lw.k_norm(qkv[:, nq: nq + nk].view(m, self.num_kv_heads, d))
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
     def _mlp_block(self, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
