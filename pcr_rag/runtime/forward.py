@@ -113,7 +113,7 @@ def _text_model(model: Any) -> Any:
     return base
 
 
-def _fuse(mods: Sequence[Any], fmt: str) -> Linear:
+def _fuse(mods: Sequence[Any], fmt: str, decode_rows: int) -> Linear:
     """One `Linear` over the concatenated outputs of ``mods``. Dense: the modules' weights become views of the
     fused tensor (no second copy of the weights)."""
     weight = torch.cat([m.weight.detach() for m in mods]).contiguous()
@@ -129,7 +129,7 @@ def _fuse(mods: Sequence[Any], fmt: str) -> Linear:
             rows = m.weight.shape[0]
             m.weight.data = weight[offset: offset + rows]
             offset += rows
-    return make_linear(fmt, weight, bias)
+    return make_linear(fmt, weight, bias, decode_rows=decode_rows)
 
 
 class FastForward:
@@ -157,7 +157,8 @@ class FastForward:
         self._embed = base.embed_tokens
         self._final_norm = RMSNorm.of(base.norm, config.model_type == "gemma3_text")
         self._lm_head = make_linear(weights, model.lm_head.weight.detach(),
-                                    None if model.lm_head.bias is None else model.lm_head.bias.detach())
+                                    None if model.lm_head.bias is None else model.lm_head.bias.detach(),
+                                    decode_rows=batch_rows)
         self._softcap = getattr(config, "final_logit_softcapping", None)
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = loaded.kv.num_kv_heads
@@ -175,11 +176,12 @@ class FastForward:
                 window = getattr(config, "sliding_window", None)
             layer_type = (getattr(config, "layer_types", None) or ["full_attention"] * len(base.layers))[i]
             layers.append(LayerWeights(
-                qkv=_fuse([attn.q_proj, attn.k_proj, attn.v_proj], weights),
+                qkv=_fuse([attn.q_proj, attn.k_proj, attn.v_proj], weights, batch_rows),
                 o=make_linear(weights, attn.o_proj.weight.detach(),
-                              None if attn.o_proj.bias is None else attn.o_proj.bias.detach()),
-                gate_up=_fuse([mlp.gate_proj, mlp.up_proj], weights),
-                down=make_linear(weights, mlp.down_proj.weight.detach(), None),
+                              None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
+                              decode_rows=batch_rows),
+                gate_up=_fuse([mlp.gate_proj, mlp.up_proj], weights, batch_rows),
+                down=make_linear(weights, mlp.down_proj.weight.detach(), None, decode_rows=batch_rows),
                 input_norm=norm(layer.input_layernorm), post_attn_norm=norm(layer.post_attention_layernorm),
                 pre_ff_norm=norm(layer.pre_feedforward_layernorm) if gemma else None,
                 post_ff_norm=norm(layer.post_feedforward_layernorm) if gemma else None,
