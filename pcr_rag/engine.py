@@ -403,6 +403,7 @@ class PCREngine:
             return False
         req.cancel()
         if self.scheduler.remove_waiting(req) and not req.future.done():
+            req.state = RequestState.CANCELLED
             req.future.set_exception(RequestCancelledError("request cancelled while waiting"))
         return True
 
