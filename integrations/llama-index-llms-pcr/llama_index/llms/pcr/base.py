@@ -6,6 +6,7 @@ import functools
 import inspect
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import aclosing, closing
 from typing import Any, TypeVar
 
 from llama_index.core.base.llms.types import (
@@ -26,7 +27,15 @@ from llama_index.core.llms.llm import default_completion_to_prompt
 from llama_index.llms.pcr.hook import install_retrieval_hook, retrieval_hook
 
 from pcr_rag.errors import InvalidRequestError
-from pcr_rag.requests import ChatPrompt, FlatPrompt, GenerationResult, Prompt, RequestHandle, SamplingParams
+from pcr_rag.requests import (
+    ChatPrompt,
+    FlatPrompt,
+    GenerationResult,
+    Prompt,
+    RequestHandle,
+    SamplingParams,
+    StreamChunk,
+)
 from pcr_rag.shared import shared_engine
 
 logger = logging.getLogger(__name__)
@@ -241,33 +250,19 @@ class PCRLLM(CustomLLM):
         return make(result.text, None, self._raw(result))
 
     def _responses(self, handle: RequestHandle, make: _MakeResponse) -> Iterator[Any]:
-        """The one sync stream loop: a response per token that added text (cumulative ``text``, new ``delta``),
-        then a closing one whose ``raw`` holds the request's metrics."""
-        text = ""
-        try:
-            for piece in handle:
-                if piece.is_final:
-                    yield make(text, "", self._raw(piece.result))
-                    return
-                if piece.text:
-                    text += piece.text
-                    yield make(text, piece.text, None)
-        finally:
-            handle.close()  # no-op when finished; cancels the request when the consumer stopped early
+        """The one sync stream loop (see `_StreamResponses`). Closing the handle is a no-op once finished and
+        cancels the request when the consumer stopped early."""
+        convert = _StreamResponses(make, self._raw)
+        with closing(handle):
+            yield from (response for response in map(convert, handle) if response is not None)
 
     async def _aresponses(self, handle: RequestHandle, make: _MakeResponse) -> AsyncIterator[Any]:
         """The one async stream loop (as `_responses`)."""
-        text = ""
-        try:
+        convert = _StreamResponses(make, self._raw)
+        async with aclosing(handle):
             async for piece in handle:
-                if piece.is_final:
-                    yield make(text, "", self._raw(piece.result))
-                    return
-                if piece.text:
-                    text += piece.text
-                    yield make(text, piece.text, None)
-        finally:
-            await handle.aclose()
+                if (response := convert(piece)) is not None:
+                    yield response
 
     # ------------------------------------------------------------------------------------------ completion
     # Requests are resolved and submitted when the method is called, not on the stream's first item: the query's
@@ -316,6 +311,24 @@ class PCRLLM(CustomLLM):
 
 
 _MakeResponse = Callable[[str, "str | None", "dict[str, Any] | None"], Any]
+
+
+class _StreamResponses:
+    """Engine `StreamChunk`s -> LlamaIndex responses: cumulative ``text`` and the new ``delta`` per token that
+    added text (None for one that did not), then a closing response whose ``raw`` holds the request's metrics."""
+
+    def __init__(self, make: _MakeResponse, raw: Callable[[GenerationResult], dict[str, Any]]) -> None:
+        self.make = make
+        self.raw = raw
+        self.text = ""
+
+    def __call__(self, piece: StreamChunk) -> Any:
+        if piece.is_final:
+            return self.make(self.text, "", self.raw(piece.result))
+        if not piece.text:
+            return None
+        self.text += piece.text
+        return self.make(self.text, piece.text, None)
 
 
 def _completion_response(text: str, delta: str | None, raw: dict[str, Any] | None) -> CompletionResponse:

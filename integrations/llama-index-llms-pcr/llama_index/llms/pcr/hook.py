@@ -42,7 +42,7 @@ from llama_index.core.instrumentation.span import active_span_id
 from llama_index.core.instrumentation.span.base import BaseSpan
 from llama_index.core.instrumentation.span_handlers import BaseSpanHandler
 from llama_index.core.schema import MetadataMode, QueryBundle
-from pydantic import PrivateAttr
+from pydantic import Field, PrivateAttr
 
 from pcr_rag.handoff import Announcement, documents_in_prompt
 
@@ -270,9 +270,13 @@ class _SpanTracker(BaseSpanHandler[BaseSpan]):
 
     _hook: PCRRetrievalHook = PrivateAttr()
 
-    def __init__(self, hook: PCRRetrievalHook) -> None:
+    def __init__(self, hook: PCRRetrievalHook) -> None:  # BaseSpanHandler.__init__ takes no extra fields
         super().__init__()
         self._hook = hook
+
+    @property
+    def hook(self) -> PCRRetrievalHook:
+        return self._hook
 
     @classmethod
     def class_name(cls) -> str:
@@ -280,15 +284,15 @@ class _SpanTracker(BaseSpanHandler[BaseSpan]):
 
     def span_enter(self, id_: str, bound_args: inspect.BoundArguments, instance: Any = None,
                    parent_id: str | None = None, tags: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        self._hook.span_enter(id_, parent_id, instance)
+        self.hook.span_enter(id_, parent_id, instance)
 
     def span_exit(self, id_: str, bound_args: inspect.BoundArguments, instance: Any = None, result: Any = None,
                   **kwargs: Any) -> None:
-        self._hook.span_end(id_)
+        self.hook.span_end(id_)
 
     def span_drop(self, id_: str, bound_args: inspect.BoundArguments, instance: Any = None,
                   err: BaseException | None = None, **kwargs: Any) -> None:
-        self._hook.span_end(id_)
+        self.hook.span_end(id_)
 
     def new_span(self, id_: str, bound_args: inspect.BoundArguments, instance: Any = None,
                  parent_span_id: str | None = None, tags: dict[str, Any] | None = None,
@@ -305,11 +309,9 @@ class _SpanTracker(BaseSpanHandler[BaseSpan]):
 
 
 class _RetrievalEndHandler(BaseEventHandler):
-    _hook: PCRRetrievalHook = PrivateAttr()
+    """Feeds `RetrievalEndEvent`s to the hook."""
 
-    def __init__(self, hook: PCRRetrievalHook) -> None:
-        super().__init__()
-        self._hook = hook
+    hook: Any = Field(exclude=True)
 
     @classmethod
     def class_name(cls) -> str:
@@ -317,7 +319,7 @@ class _RetrievalEndHandler(BaseEventHandler):
 
     def handle(self, event: Any, **kwargs: Any) -> None:
         if isinstance(event, RetrievalEndEvent):
-            self._hook.on_retrieval_end(event)
+            self.hook.on_retrieval_end(event)
 
 
 _HOOK = PCRRetrievalHook()
