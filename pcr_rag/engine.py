@@ -5,6 +5,9 @@
         result = engine.generate("What does pathlib do?", documents=[doc1, doc2])
         print(result.text, result.metrics.ttft_s, result.metrics.reused_tokens)
 
+Every request goes through `PCREngine.submit(prompt, params) -> RequestHandle` (`pcr_rag.requests`); the
+generate/stream/agenerate/astream methods are one-line wrappers over it.
+
 Flow of a request: validate -> render + segment (one token run per document) -> chunk plan -> waiting queue
 (the prefetcher protects and prefetches its chunks) -> executor: match + lease, layer-wise load of the prefix,
 one forward per unmatched chunk with layer-wise offload, insert new chunks -> decode, streaming tokens out.
@@ -79,7 +82,8 @@ class EngineStats:
 
 
 class PCREngine:
-    """KV-cache reuse runtime for RAG. Thread-safe; also usable from asyncio (`agenerate`, `astream`).
+    """KV-cache reuse runtime for RAG. Thread-safe; also usable from asyncio (`agenerate`, `astream`, `await`
+    on a `RequestHandle`).
 
     Args:
         model: None (the default model), a known alias ("smollm2-135m-instruct", "gemma3-270m"), a local HF model

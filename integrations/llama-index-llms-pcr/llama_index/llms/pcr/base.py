@@ -158,13 +158,12 @@ class PCRLLM(CustomLLM):
 
     @property
     def metadata(self) -> LLMMetadata:
-        loaded = getattr(self._engine, "loaded", None)
         return LLMMetadata(
             context_window=int(self._engine.context_window),
             num_output=int(self.max_new_tokens or self._engine.config.max_new_tokens),
             is_chat_model=self.is_chat_model,
             is_function_calling_model=False,
-            model_name=str(getattr(loaded, "name", None) or self.model or "pcr"),
+            model_name=self._engine.loaded.name,
             system_role=MessageRole.SYSTEM,
         )
 
