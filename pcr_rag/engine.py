@@ -5,6 +5,9 @@
         result = engine.generate("What does pathlib do?", documents=[doc1, doc2])
         print(result.text, result.metrics.ttft_s, result.metrics.reused_tokens)
 
+Every request goes through `PCREngine.submit(prompt, params) -> RequestHandle` (`pcr_rag.requests`); the
+generate/stream/agenerate/astream methods are one-line wrappers over it.
+
 Flow of a request: validate -> render + segment (one token run per document) -> chunk plan -> waiting queue
 (the prefetcher protects and prefetches its chunks, in the schedule's order) -> admitted into a KV row: match +
 lease, layer-wise load of the prefix -> prefill of the rest in chunks between decode steps, new chunks offloaded
@@ -83,7 +86,8 @@ class EngineStats:
 
 
 class PCREngine:
-    """KV-cache reuse runtime for RAG. Thread-safe; also usable from asyncio (`agenerate`, `astream`).
+    """KV-cache reuse runtime for RAG. Thread-safe; also usable from asyncio (`agenerate`, `astream`, `await`
+    on a `RequestHandle`).
 
     Args:
         model: None (the default model), a known alias ("smollm2-135m-instruct", "gemma3-270m"), a local HF model
@@ -408,6 +412,7 @@ class PCREngine:
             return False
         req.cancel()
         if self.scheduler.remove_waiting(req) and not req.future.done():
+            req.state = RequestState.CANCELLED
             req.future.set_exception(RequestCancelledError("request cancelled while waiting"))
         return True
 

@@ -16,13 +16,11 @@ import dataclasses
 import logging
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pcr_rag.config import EngineConfig
+from pcr_rag.engine import PCREngine
 from pcr_rag.errors import ConfigError
-
-if TYPE_CHECKING:
-    from pcr_rag.config import EngineConfig
-    from pcr_rag.engine import PCREngine
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +59,6 @@ def _config_key(config: EngineConfig) -> str:
 
 def engine_key(model: Any = None, tokenizer: Any = None, config: EngineConfig | None = None) -> tuple[str, str, str]:
     """The registry key: model identity (alias, resolved path or object id), tokenizer identity, config fields."""
-    from pcr_rag.config import EngineConfig
-
     return (_object_key(model), _object_key(tokenizer), _config_key(config or EngineConfig()))
 
 
@@ -75,9 +71,6 @@ def shared_engine(model: Any = None, tokenizer: Any = None, config: EngineConfig
     Raises:
         SharedEngineConflictError: another shared engine with a different model/config uses the same cache_dir.
     """
-    from pcr_rag.config import EngineConfig
-    from pcr_rag.engine import PCREngine
-
     config = config or EngineConfig()
     key = engine_key(model, tokenizer, config)
     with _lock:
@@ -116,10 +109,8 @@ def close_shared_engines() -> None:
             logger.exception("closing a shared PCREngine failed")
 
 
-def _cache_dir_of(engine: PCREngine) -> Path | None:
-    config = getattr(engine, "config", None)
-    cache_dir = getattr(config, "cache_dir", None)
-    return Path(str(cache_dir)).resolve() if cache_dir is not None else None
+def _cache_dir_of(engine: PCREngine) -> Path:
+    return Path(str(engine.config.cache_dir)).resolve()
 
 
 def _is_closed(engine: PCREngine) -> bool:

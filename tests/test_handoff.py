@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from pcr_rag.handoff import documents_in_prompt, release_ticket, request_documents
+from types import SimpleNamespace
+
+import pytest
+
+from pcr_rag.errors import InvalidRequestError
+from pcr_rag.handoff import Announcement, documents_in_prompt, release_ticket, request_documents
 
 
 def test_documents_are_returned_in_prompt_order() -> None:
@@ -38,3 +43,51 @@ def test_release_ticket_withdraws_only_live_unclaimed_tickets(tmp_path) -> None:
         assert live.expired and engine.stats().prefetch["pending_announcements"] == 0
         release_ticket(engine, live)  # idempotent
         assert engine.window_snapshot() == []
+
+
+class _RecordingEngine:
+    """An engine double for the announcement unit tests: records announce / cancel_announcement calls."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.announced: list[tuple[list[str], str | None]] = []
+        self.withdrawn: list[object] = []
+
+    def announce(self, documents, query=None):
+        if self.fail:
+            raise OSError("engine unreachable")
+        self.announced.append((documents, query))
+        return SimpleNamespace(claimed=False, expired=False, id=len(self.announced))
+
+    def cancel_announcement(self, ticket) -> bool:
+        self.withdrawn.append(ticket)
+        return True
+
+
+def test_announcement_hands_each_engine_its_ticket_once() -> None:
+    good, broken = _RecordingEngine(), _RecordingEngine(fail=True)
+    ann = Announcement(documents=("D1", "D2"), query="q?", origin="span-1", ancestors=("query-span",))
+    ann.announce_to([good, broken])  # a failing engine costs its prefetch only
+    assert good.announced == [(["D1", "D2"], "q?")] and set(ann.tickets) == {id(good)}
+    assert ann.documents_for(good, "ctx D1 D2 question") == ("D1", "D2")  # exact: the engine claims it
+    assert good.withdrawn == [] and ann.fully_claimed
+    assert ann.take_ticket(good) is None  # a later call on the same engine (e.g. refine) gets no ticket
+
+
+def test_announcement_withdraws_tickets_it_cannot_hand_over() -> None:
+    engine, other = _RecordingEngine(), _RecordingEngine()
+    ann = Announcement(documents=("D1", "D2"), query="q?", origin="run", ancestors=())
+    ann.announce_to([engine, other])
+    assert ann.documents_for(engine, "only D2 made it") == ("D2",)  # not exact: withdrawn, present docs passed
+    assert len(engine.withdrawn) == 1 and not ann.fully_claimed
+    ann.release_unclaimed()
+    assert len(other.withdrawn) == 1 and len(engine.withdrawn) == 1
+
+
+def test_announcement_of_an_empty_query_is_rejected_and_withdrawn() -> None:
+    engine = _RecordingEngine()
+    ann = Announcement(documents=("D1",), query="  ", origin="run", ancestors=())
+    ann.announce_to([engine])
+    with pytest.raises(InvalidRequestError, match="empty query"):
+        ann.documents_for(engine, "D1")
+    assert len(engine.withdrawn) == 1

@@ -144,6 +144,7 @@ class Scheduler:
             self._cond.notify_all()
         for req in pending:
             if not req.future.done():
+                req.state = RequestState.FAILED
                 req.future.set_exception(EngineClosedError("the engine was closed before this request ran"))
         self._thread.join(timeout=timeout)
         if self._thread.is_alive():

@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
 from pcr_rag import (
+    ChatPrompt,
     ConfigError,
     EngineConfig,
+    FlatPrompt,
     InvalidRequestError,
     PCREngine,
     PromptTooLongError,
+    RagPrompt,
     RequestCancelledError,
+    RequestHandle,
+    SamplingParams,
 )
+from pcr_rag.cache import CacheStats
+from pcr_rag.requests import RequestState
 from pcr_rag.testing import tiny_model
 
 DOCS = [
@@ -155,3 +163,156 @@ def test_newcomer_waits_for_prefills_not_whole_answers(tiny, tmp_path, max_activ
     assert len(short.token_ids) == 2 and rest[-1].result.metrics.generated_tokens == 150
     # interleaved decode: the short request finished while the long one was still decoding
     assert long_done_first == (max_active == 1)
+
+
+# ------------------------------------------------------------------------------------------------ submit / handle
+def _wait_until(cond, timeout: float = 30.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+def test_submit_result_iteration_and_await_agree_with_the_wrappers(tiny, tmp_path):
+    with _engine(tiny, tmp_path / "c", max_new_tokens=8) as eng:
+        params = SamplingParams(max_new_tokens=8)
+        ref = eng.generate("tell me", DOCS[:2])
+        handle = eng.submit(RagPrompt("tell me", DOCS[:2]), params)
+        assert isinstance(handle, RequestHandle) and handle.result(timeout=60).token_ids == ref.token_ids
+        assert handle.done() and handle.state is RequestState.FINISHED
+        chunks = list(eng.submit(RagPrompt("tell me", DOCS[:2]), params))
+        assert [c.token_id for c in chunks[:-1]] == ref.token_ids[: len(chunks) - 1]
+        assert chunks[-1].is_final and chunks[-1].index == len(chunks) - 1
+        assert chunks[-1].result.token_ids == ref.token_ids and "".join(c.text for c in chunks) == ref.text
+
+        flat = "Context: " + DOCS[0] + "\nQuestion: what?"
+        messages = [{"role": "user", "content": flat}]
+        assert eng.submit(FlatPrompt(flat, DOCS[:1]), params).result().token_ids == \
+            eng.generate_prompt(flat, DOCS[:1]).token_ids
+        assert eng.submit(ChatPrompt(messages, DOCS[:1]), params).result().token_ids == \
+            eng.generate_messages(messages, DOCS[:1]).token_ids
+
+        async def main():
+            awaited = await eng.submit(RagPrompt("tell me", DOCS[:2]), params)
+            via_method = await eng.submit(RagPrompt("tell me", DOCS[:2]), params).aresult()
+            streamed = [c async for c in eng.astream("tell me", DOCS[:2], max_new_tokens=8)]
+            return awaited, via_method, streamed
+
+        awaited, via_method, streamed = asyncio.run(main())
+        assert awaited.token_ids == via_method.token_ids == ref.token_ids
+        assert streamed[-1].result.token_ids == ref.token_ids
+        assert [c.token_id for c in streamed[:-1]] == [c.token_id for c in chunks[:-1]]
+
+
+def test_cancel_a_running_and_a_waiting_request_frees_everything(tiny, tmp_path):
+    with _engine(tiny, tmp_path / "c", max_active=1) as eng:
+        eng.runner._eos = set()  # the random tiny model must not stop the long answer early
+        running = eng.submit(RagPrompt("a long answer", DOCS[:2]), SamplingParams(max_new_tokens=2000))
+        next(iter(running))  # decoding now
+        waiting = eng.submit(RagPrompt("queued behind it", DOCS[2:]), SamplingParams(max_new_tokens=4))
+        assert waiting.cancel() and waiting.state is RequestState.CANCELLED
+        with pytest.raises(RequestCancelledError, match="while waiting"):
+            waiting.result(timeout=5)
+        assert running.cancel()
+        with pytest.raises(RequestCancelledError):
+            running.result(timeout=30)
+        with pytest.raises(RequestCancelledError):
+            list(running)  # the rest of the stream ends with the request's error
+        assert not running.cancel()  # already finished
+        assert eng.stats().cache.pinned_chunks == 0
+        assert eng.stats().requests["requests_cancelled"] == 2
+        assert len(eng.generate("after", DOCS[:1], max_new_tokens=2).token_ids) == 2  # the executor is healthy
+
+
+def test_dropping_an_unfinished_handle_cancels_its_request(tiny, tmp_path):
+    with _engine(tiny, tmp_path / "c") as eng:
+        eng.runner._eos = set()
+        handle = eng.submit(RagPrompt("a long answer", DOCS[:1]), SamplingParams(max_new_tokens=2000))
+        next(handle)
+        request = handle._request
+        del handle
+        assert request.future.exception(timeout=30).__class__ is RequestCancelledError
+        assert eng.stats().cache.pinned_chunks == 0
+
+
+def test_stream_timeouts_cancel_the_request(tiny, tmp_path):
+    with _engine(tiny, tmp_path / "c") as eng:
+        eng.runner._eos = set()
+        stream = eng.stream("a long answer", DOCS[:2], max_new_tokens=2000, timeout=0.3)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="timeout of 0.3 s"):
+            for _ in stream:
+                pass
+        assert time.monotonic() - started < 10
+        assert _wait_until(stream.done) and stream.state is RequestState.CANCELLED
+
+        async def consume():
+            async for _ in eng.astream_prompt("Context: " + DOCS[0], DOCS[:1], max_new_tokens=2000, timeout=0.3):
+                pass
+
+        with pytest.raises(TimeoutError):
+            asyncio.run(consume())
+        with pytest.raises(TimeoutError):
+            asyncio.run(eng.agenerate_messages([{"role": "user", "content": "hi"}], max_new_tokens=2000,
+                                               timeout=0.3))
+        with pytest.raises(TimeoutError):
+            eng.generate("hi", max_new_tokens=2000, timeout=0.3)
+        assert _wait_until(lambda: eng.stats().requests["requests_cancelled"] == 4)
+        assert eng.stats().cache.pinned_chunks == 0
+        # a deadline that is not reached changes nothing
+        assert eng.stream("hi", max_new_tokens=3, timeout=60).result().metrics.generated_tokens == 3
+
+
+def test_sampling_params_validation():
+    assert SamplingParams.from_kwargs(max_tokens=5, stop="###").max_new_tokens == 5
+    assert SamplingParams.from_kwargs(stop="###").stop == ("###",)
+    base = SamplingParams(7, 0.5, 0.9, ["a"], 3)
+    assert base.stop == ("a",) and SamplingParams.from_kwargs(base, temperature=None, seed=4) == \
+        SamplingParams(7, 0.5, 0.9, ("a",), 4)
+    assert SamplingParams.from_kwargs(base) is base
+    with pytest.raises(TypeError, match=r"\['bogus', 'top_k'\].*max_new_tokens"):
+        SamplingParams.from_kwargs(bogus=1, top_k=3, temperature=0.2)
+    with pytest.raises(InvalidRequestError, match="disagree"):
+        SamplingParams.from_kwargs(max_tokens=3, max_new_tokens=4)
+    for bad, match in [(dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=True), "max_new_tokens"),
+                       (dict(temperature=-1), "temperature"), (dict(temperature=float("nan")), "temperature"),
+                       (dict(top_p=0), "top_p"), (dict(top_p="1"), "top_p"), (dict(stop=[1]), "stop"),
+                       (dict(seed=1.5), "seed")]:
+        with pytest.raises(InvalidRequestError, match=match):
+            SamplingParams.from_kwargs(**bad)
+        with pytest.raises(InvalidRequestError, match=match):
+            SamplingParams(**bad)
+
+
+def test_prompt_kinds_and_submit_reject_bad_input(tiny, tmp_path):
+    with pytest.raises(InvalidRequestError, match="empty prompt"):
+        FlatPrompt("  ")
+    with pytest.raises(InvalidRequestError, match="message #0"):
+        ChatPrompt([{"content": "no role"}])
+    with pytest.raises(InvalidRequestError, match="system must be a str"):
+        RagPrompt("q", system=3)
+    assert RagPrompt("q", ["d1", "d2"]).documents == ("d1", "d2")
+    with _engine(tiny, tmp_path / "c") as eng:
+        with pytest.raises(InvalidRequestError, match="RagPrompt, FlatPrompt or ChatPrompt"):
+            eng.submit("a bare string")
+        with pytest.raises(InvalidRequestError, match="timeout"):
+            eng.submit(RagPrompt("q"), timeout=0)
+        with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['bogus'\]"):
+            eng.stream("q", bogus=1)
+        with pytest.raises(TypeError):
+            asyncio.run(eng.agenerate("q", top_k=3))
+        assert eng.stats().requests["requests_finished"] == 0 and eng.scheduler.depth == 0
+
+
+def test_engine_stats_carry_typed_cache_stats(tiny, tmp_path):
+    with _engine(tiny, tmp_path / "c") as eng:
+        eng.generate("q", DOCS[:1], max_new_tokens=2)
+        stats = eng.stats()
+        assert isinstance(stats.cache, CacheStats) and stats.cache.inserts > 0
+        assert stats.as_dict()["cache"]["inserts"] == stats.cache.inserts
+        assert "pcr_rag_cache_pinned_chunks 0" in stats.prometheus()
+    with _engine(tiny, tmp_path / "off", enable_cache=False) as eng:
+        eng.generate("q", DOCS[:1], max_new_tokens=2)
+        assert eng.stats().cache == CacheStats()

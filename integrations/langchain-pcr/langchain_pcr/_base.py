@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import aclosing, closing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
+from langchain_core.language_models import LangSmithParams
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from langchain_pcr._common import EngineHolder, RequestDocuments, model_display_name
+from langchain_pcr._common import PROVIDER, EngineHolder, RequestDocuments, model_display_name
 from langchain_pcr.callbacks import resolve_documents
-from pcr_rag.requests import GenerationResult, Prompt, RequestHandle, SamplingParams
+from pcr_rag.requests import GenerationResult, Prompt, RequestHandle, SamplingParams, StreamChunk
 
 if TYPE_CHECKING:
     from pcr_rag.engine import PCREngine
@@ -66,6 +68,34 @@ class PCRModelParams(BaseModel):
         """The `PCREngine` behind this model (loads the model on first call)."""
         return self._holder.get()
 
+    # ------------------------------------------------------------------------------------------ metadata
+    _ls_model_type: ClassVar[str]  # "chat" or "llm"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {
+            "model_name": self.model_name,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop": self.stop,
+        }
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(
+            ls_provider=PROVIDER,
+            ls_model_name=kwargs["model"] if isinstance(kwargs.get("model"), str) else self.model_name,
+            ls_model_type=self._ls_model_type,
+            ls_temperature=kwargs.get("temperature", self.temperature),
+        )
+        max_tokens = kwargs.get("max_tokens", self.max_tokens)
+        if isinstance(max_tokens, int):
+            params["ls_max_tokens"] = max_tokens
+        if stop or self.stop:
+            params["ls_stop"] = list(stop or self.stop or [])
+        return params
+
     # ------------------------------------------------------------------------------------------ requests
     def _submit(self, make_prompt: Callable[[tuple[str, ...]], Prompt], text: str, stop: list[str] | None,
                 run_manager: Any, kwargs: dict[str, Any]) -> ModelCall:
@@ -86,32 +116,30 @@ class PCRModelParams(BaseModel):
     def _final_chunk(self, result: GenerationResult, call: ModelCall) -> Any:
         raise NotImplementedError
 
+    def _chunk(self, piece: StreamChunk, call: ModelCall) -> Any:
+        """The LangChain chunk for one engine `StreamChunk`: a text chunk, the closing chunk with the usage, or
+        None for a token that added no text yet."""
+        if piece.is_final:
+            return self._final_chunk(piece.result, call)
+        return self._text_chunk(piece.text) if piece.text else None
+
     def _stream_call(self, call: ModelCall, run_manager: Any) -> Iterator[Any]:
-        """The one sync stream loop: a chunk per token that added text, then the closing chunk with the usage."""
-        try:
+        """The one sync stream loop. Closing the handle is a no-op once finished and cancels the request when the
+        consumer stopped early."""
+        with closing(call.handle):
             for piece in call.handle:
-                if piece.is_final:
-                    yield self._final_chunk(piece.result, call)
-                    return
-                if piece.text:
-                    chunk = self._text_chunk(piece.text)
-                    if run_manager is not None:
-                        run_manager.on_llm_new_token(piece.text, chunk=chunk)
+                chunk = self._chunk(piece, call)
+                if chunk is not None and run_manager is not None and not piece.is_final:
+                    run_manager.on_llm_new_token(piece.text, chunk=chunk)
+                if chunk is not None:
                     yield chunk
-        finally:
-            call.handle.close()  # no-op when finished; cancels the request when the consumer stopped early
 
     async def _astream_call(self, call: ModelCall, run_manager: Any) -> AsyncIterator[Any]:
         """The one async stream loop (as `_stream_call`)."""
-        try:
+        async with aclosing(call.handle):
             async for piece in call.handle:
-                if piece.is_final:
-                    yield self._final_chunk(piece.result, call)
-                    return
-                if piece.text:
-                    chunk = self._text_chunk(piece.text)
-                    if run_manager is not None:
-                        await run_manager.on_llm_new_token(piece.text, chunk=chunk)
+                chunk = self._chunk(piece, call)
+                if chunk is not None and run_manager is not None and not piece.is_final:
+                    await run_manager.on_llm_new_token(piece.text, chunk=chunk)
+                if chunk is not None:
                     yield chunk
-        finally:
-            await call.handle.aclose()

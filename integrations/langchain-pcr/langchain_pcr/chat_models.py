@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
@@ -20,7 +20,7 @@ from langchain_core.messages import (
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 
 from langchain_pcr._base import ModelCall, PCRModelParams
-from langchain_pcr._common import PROVIDER, generation_info, model_display_name, usage_metadata
+from langchain_pcr._common import generation_info, model_display_name, usage_metadata
 from pcr_rag.requests import ChatPrompt, GenerationResult
 
 logger = logging.getLogger(__name__)
@@ -63,36 +63,11 @@ class ChatPCR(PCRModelParams, BaseChatModel):
     """
 
     streaming: bool = False
+    _ls_model_type: ClassVar[str] = "chat"
 
-    # ------------------------------------------------------------------------------------------ metadata
     @property
     def _llm_type(self) -> str:
         return "pcr-chat"
-
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return {
-            "model_name": self.model_name,
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "seed": self.seed,
-            "stop": self.stop,
-        }
-
-    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = LangSmithParams(
-            ls_provider=PROVIDER,
-            ls_model_name=kwargs["model"] if isinstance(kwargs.get("model"), str) else self.model_name,
-            ls_model_type="chat",
-            ls_temperature=kwargs.get("temperature", self.temperature),
-        )
-        max_tokens = kwargs.get("max_tokens", self.max_tokens)
-        if isinstance(max_tokens, int):
-            params["ls_max_tokens"] = max_tokens
-        if stop or self.stop:
-            params["ls_stop"] = list(stop or self.stop or [])
-        return params
 
     # ------------------------------------------------------------------------------------------ requests
     def _request(self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any,

@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import LLM, LangSmithParams
+from langchain_core.language_models import LLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 
 from langchain_pcr._base import ModelCall, PCRModelParams
-from langchain_pcr._common import PROVIDER, generation_info, model_display_name, usage_metadata
+from langchain_pcr._common import generation_info, model_display_name, usage_metadata
 from pcr_rag.requests import FlatPrompt, GenerationResult
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,7 @@ class PCRLLM(PCRModelParams, LLM):
     chat_template: bool = True
     system: str | None = None
     streaming: bool = False
+    _ls_model_type: ClassVar[str] = "llm"
 
     @property
     def _llm_type(self) -> str:
@@ -44,25 +45,7 @@ class PCRLLM(PCRModelParams, LLM):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {
-            "model_name": self.model_name,
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "seed": self.seed,
-            "stop": self.stop,
-            "chat_template": self.chat_template,
-        }
-
-    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = LangSmithParams(ls_provider=PROVIDER, ls_model_name=self.model_name, ls_model_type="llm",
-                                 ls_temperature=kwargs.get("temperature", self.temperature))
-        max_tokens = kwargs.get("max_tokens", self.max_tokens)
-        if isinstance(max_tokens, int):
-            params["ls_max_tokens"] = max_tokens
-        if stop or self.stop:
-            params["ls_stop"] = list(stop or self.stop or [])
-        return params
+        return {**super()._identifying_params, "chat_template": self.chat_template}
 
     # ------------------------------------------------------------------------------------------ requests
     def _request(self, prompt: str, stop: list[str] | None, run_manager: Any, kwargs: dict[str, Any]) -> ModelCall:

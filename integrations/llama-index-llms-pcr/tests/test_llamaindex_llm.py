@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
@@ -133,3 +134,26 @@ def test_llamaindex_instrumentation_events_fire(engine) -> None:
     finally:
         root.event_handlers = [h for h in root.event_handlers if h is not handler]
     assert len(seen) == 3 and all(n > 0 for n in seen)
+
+
+def test_timeout_bounds_streams_and_cancels_the_request(engine) -> None:
+    engine.runner._eos = set()  # the random tiny model must not stop the long answer early
+    llm = PCRLLM(engine=engine, max_new_tokens=2000, timeout=0.3)
+    with pytest.raises(TimeoutError):
+        for _ in llm.stream_complete("hello"):
+            pass
+
+    async def consume():
+        gen = await PCRLLM(engine=engine, max_new_tokens=2000).astream_chat(
+            [ChatMessage(role=MessageRole.USER, content="hello")], timeout=0.3)
+        async for _ in gen:
+            pass
+
+    with pytest.raises(TimeoutError):
+        asyncio.run(consume())
+    with pytest.raises(TimeoutError):
+        llm.complete("hello")
+    deadline = time.monotonic() + 30
+    while engine.stats().requests["requests_cancelled"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.stats().requests["requests_cancelled"] == 3 and engine.stats().cache.pinned_chunks == 0

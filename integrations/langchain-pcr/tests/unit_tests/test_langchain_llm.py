@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
@@ -104,3 +105,24 @@ def test_unknown_kwargs_and_unsupported_messages() -> None:
         {"role": "system", "content": "s"}, {"role": "user", "content": "ab"}]
     with pytest.raises(NotImplementedError):
         llm.bind_tools([])
+
+
+def test_timeout_bounds_streams_and_cancels_the_request(engine) -> None:
+    engine.runner._eos = set()  # the random tiny model must not stop the long answer early
+    chat = ChatPCR(engine=engine, max_tokens=2000, timeout=0.3)
+    with pytest.raises(TimeoutError):
+        for _ in chat.stream("hello"):
+            pass
+
+    async def consume():
+        async for _ in PCRLLM(engine=engine, max_tokens=2000).astream("hello", timeout=0.3):
+            pass
+
+    with pytest.raises(TimeoutError):
+        asyncio.run(consume())
+    with pytest.raises(TimeoutError):
+        chat.invoke("hello")
+    deadline = time.monotonic() + 30
+    while engine.stats().requests["requests_cancelled"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.stats().requests["requests_cancelled"] == 3 and engine.stats().cache.pinned_chunks == 0

@@ -5,9 +5,8 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import threading
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import aclosing, closing
 from typing import Any, TypeVar
 
 from llama_index.core.base.llms.types import (
@@ -28,12 +27,20 @@ from llama_index.core.llms.llm import default_completion_to_prompt
 from llama_index.llms.pcr.hook import install_retrieval_hook, retrieval_hook
 
 from pcr_rag.errors import InvalidRequestError
-from pcr_rag.handoff import release_ticket, request_documents
+from pcr_rag.requests import (
+    ChatPrompt,
+    FlatPrompt,
+    GenerationResult,
+    Prompt,
+    RequestHandle,
+    SamplingParams,
+    StreamChunk,
+)
 from pcr_rag.shared import shared_engine
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PCRLLM", "PCRRequestError", "live_engines"]
+__all__ = ["PCRLLM", "PCRRequestError"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -71,10 +78,6 @@ def _translate_errors(func: F) -> F:
     del wrapper.__wrapped__
     return wrapper  # type: ignore[return-value]
 
-# id -> live PCRLLM (weakly; pydantic models are unhashable, so no WeakSet)
-_LIVE: weakref.WeakValueDictionary[int, PCRLLM] = weakref.WeakValueDictionary()
-_LIVE_LOCK = threading.Lock()
-
 _ROLES = {
     MessageRole.SYSTEM: "system",
     MessageRole.DEVELOPER: "system",
@@ -83,18 +86,6 @@ _ROLES = {
     MessageRole.CHATBOT: "assistant",
     MessageRole.MODEL: "assistant",
 }
-
-
-def live_engines() -> list[Any]:
-    """The distinct engines of every live `PCRLLM` (where a retrieval that names no LLM is announced)."""
-    with _LIVE_LOCK:
-        llms = list(_LIVE.values())
-    engines: dict[int, Any] = {}
-    for llm in llms:
-        engine = llm.engine_or_none()
-        if engine is not None and not engine.closed:
-            engines.setdefault(id(engine), engine)
-    return list(engines.values())
 
 
 class PCRLLM(CustomLLM):
@@ -122,6 +113,11 @@ class PCRLLM(CustomLLM):
         config: `pcr_rag.EngineConfig` for the shared engine.
         max_new_tokens: tokens generated at most (also LlamaIndex's ``num_output``); None = the engine's default.
         temperature / top_p / seed: sampling (temperature 0 = greedy). stop: stop strings.
+        timeout: seconds a call may take (streams included); the request is then cancelled and `TimeoutError`
+            raised.
+
+    Per call: ``documents=[...]``, ``timeout=`` and the sampling keywords of `pcr_rag.SamplingParams`
+    (``max_new_tokens``/``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``).
     """
 
     model: Any = Field(default=None, description="model alias, HF directory or model object (None = default)")
@@ -133,6 +129,7 @@ class PCRLLM(CustomLLM):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = Field(default=None)
     stop: list[str] | None = Field(default=None, description="stop strings")
+    timeout: float | None = Field(default=None, gt=0, description="seconds a call may take (None: no limit)")
     chat_template: bool = Field(default=True, description="wrap complete() prompts in the chat template")
     is_chat_model: bool = Field(default=True, description="synthesizers use chat() (the model's chat template)")
     retrieval_hook: bool = Field(default=True, description="install the retrieval -> prefetch hook")
@@ -146,8 +143,7 @@ class PCRLLM(CustomLLM):
                 raise ValueError(f"pass either engine= or {clash} (they configure the engine), not both")
         super().__init__(**kwargs)
         self._engine = engine if engine is not None else shared_engine(self.model, self.tokenizer, self.config)
-        with _LIVE_LOCK:
-            _LIVE[id(self)] = self
+        retrieval_hook().register_llm(self)
         if self.retrieval_hook:
             install_retrieval_hook()
 
@@ -160,18 +156,14 @@ class PCRLLM(CustomLLM):
         """The `PCREngine` serving this LLM."""
         return self._engine
 
-    def engine_or_none(self) -> Any:
-        return self._engine
-
     @property
     def metadata(self) -> LLMMetadata:
-        loaded = getattr(self._engine, "loaded", None)
         return LLMMetadata(
             context_window=int(self._engine.context_window),
             num_output=int(self.max_new_tokens or self._engine.config.max_new_tokens),
             is_chat_model=self.is_chat_model,
             is_function_calling_model=False,
-            model_name=str(getattr(loaded, "name", None) or self.model or "pcr"),
+            model_name=self._engine.loaded.name,
             system_role=MessageRole.SYSTEM,
         )
 
@@ -185,80 +177,57 @@ class PCRLLM(CustomLLM):
         return list(self._engine.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     # ------------------------------------------------------------------------------------------ requests
-    def _sampling(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        allowed = {"max_new_tokens", "max_tokens", "temperature", "top_p", "seed", "stop", "documents"}
-        unknown = set(kwargs) - allowed
-        if unknown:
-            raise TypeError(f"PCRLLM got unexpected keyword argument(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
-        return {
-            "max_new_tokens": kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens)),
-            "temperature": kwargs.get("temperature", self.temperature),
-            "top_p": kwargs.get("top_p", self.top_p),
-            "seed": kwargs.get("seed", self.seed),
-            "stop": kwargs.get("stop", self.stop),
-        }
+    def _submit(self, make_prompt: Callable[[tuple[str, ...]], Prompt], text: str,
+                kwargs: dict[str, Any]) -> RequestHandle:
+        """Validate the per-call ``kwargs`` (sampling keywords, ``documents``, ``timeout``), find the documents in
+        ``text`` and submit ``make_prompt(documents)`` with this LLM's sampling defaults."""
+        kwargs = dict(kwargs)
+        explicit = kwargs.pop("documents", None)
+        timeout = kwargs.pop("timeout", None) or self.timeout
+        defaults = SamplingParams(self.max_new_tokens, self.temperature, self.top_p, self.stop or (), self.seed)
+        params = SamplingParams.from_kwargs(defaults, **kwargs)
+        return self._engine.submit(make_prompt(self._documents(text, explicit)), params, timeout=timeout)
 
-    def _documents(self, text: str, explicit: Sequence[str] | None) -> tuple[tuple[str, ...], bool]:
-        """(documents to pass, announced?) for a call whose prompt/messages text is ``text``."""
+    def _documents(self, text: str, explicit: Sequence[str] | None) -> tuple[str, ...]:
+        """The documents to pass with a call whose prompt/messages text is ``text``: explicit ones, else the
+        retrieval announcement's that occur in ``text`` (`Announcement.documents_for`)."""
         if explicit is not None:
             if isinstance(explicit, str):
                 raise PCRRequestError("documents= must be a list of strings, not a single string; wrap it: [doc]")
-            return tuple(explicit), False
+            return tuple(explicit)
         ann = retrieval_hook().lookup(text=text)
-        if ann is None:
-            return (), False
-        if ann.query is not None and not ann.query.strip():
-            release_ticket(self._engine, ann.take_ticket(self._engine))
-            raise PCRRequestError("empty query: the retriever was asked an empty string; pass a non-empty question")
-        present, exact = request_documents(text, ann.documents)
-        ticket = ann.take_ticket(self._engine)
-        if ticket is not None and not exact:
-            release_ticket(self._engine, ticket)
-        return present, True
+        return () if ann is None else ann.documents_for(self._engine, text)
 
-    def _prompt_args(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    def _submit_completion(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> RequestHandle:
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
         if not prompt.strip():
             raise PCRRequestError("PCRLLM received an empty prompt; pass a non-empty query")
-        args = self._sampling(kwargs)
         if not self.chat_template:
-            args.update(chat=False, system=None)
+            chat, system = False, None
             if not formatted:
                 prompt = self.completion_to_prompt(prompt)
         elif formatted:
             # LlamaIndex already ran completion_to_prompt and prepended system_prompt; wrap it in the chat
             # template unless a custom completion_to_prompt did the formatting itself
-            args.update(chat=self.completion_to_prompt is default_completion_to_prompt, system=None)
+            chat, system = self.completion_to_prompt is default_completion_to_prompt, None
         else:
-            args.update(chat=True, system=self.system_prompt)
-        docs, announced = self._documents(prompt, kwargs.get("documents"))
-        args["documents"] = docs
-        return prompt, args
+            chat, system = True, self.system_prompt
+        return self._submit(lambda docs: FlatPrompt(prompt, docs, chat, system), prompt, kwargs)
 
-    def _chat_args(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> tuple[list[dict], dict]:
+    def _submit_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> RequestHandle:
         turns = to_chat_turns(messages)
         if self.system_prompt and not any(t["role"] == "system" for t in turns):
             turns.insert(0, {"role": "system", "content": self.system_prompt})
         if not any(t["content"].strip() for t in turns):
             raise PCRRequestError("PCRLLM received only empty messages; pass a non-empty query")
-        args = self._sampling(kwargs)
-        docs, _ = self._documents("\n".join(t["content"] for t in turns), kwargs.get("documents"))
-        args["documents"] = docs
-        return turns, args
+        text = "\n".join(t["content"] for t in turns)
+        return self._submit(lambda docs: ChatPrompt(turns, docs), text, kwargs)
 
-    def _stream_step(self, piece: Any, text: str, make: Any) -> tuple[Any, str, bool]:
-        """One engine `StreamChunk` -> (the response to yield or None, the text so far, finished). The closing
-        chunk carries the request's metrics as ``raw`` (and ``additional_kwargs["pcr"]``)."""
-        if piece.is_final:
-            return make(text, "", self._raw(piece.result)), text, True
-        if piece.text:
-            text += piece.text
-            return make(text, piece.text, None), text, False
-        return None, text, False
-
+    # ------------------------------------------------------------------------------------------ responses
     @staticmethod
-    def _raw(result: Any) -> dict[str, Any]:
+    def _raw(result: GenerationResult) -> dict[str, Any]:
+        """The request's metrics as a response's ``raw`` (and ``additional_kwargs["pcr"]``)."""
         m = result.metrics
         return {
             "finish_reason": result.finish_reason,
@@ -270,156 +239,106 @@ class PCRLLM(CustomLLM):
             "ttft_s": m.ttft_s,
             "e2e_s": m.e2e_s,
             "queue_s": m.queue_s,
-            "prefill_s": getattr(m, "prefill_s", None),
-            "prefetch_hit_chunks": getattr(m, "prefetch_hit_chunks", 0),
-            "announcement_claimed": bool(getattr(m, "announced", False)),
-            "documents_found": getattr(result, "documents_found", None),
+            "prefill_s": m.prefill_s,
+            "prefetch_hit_chunks": m.prefetch_hit_chunks,
+            "announcement_claimed": m.announced,
+            "documents_found": result.documents_found,
         }
 
-    def _completion(self, result: Any) -> CompletionResponse:
-        raw = self._raw(result)
-        return CompletionResponse(text=result.text, raw=raw, additional_kwargs={"pcr": raw})
+    def _final(self, result: GenerationResult, make: _MakeResponse) -> Any:
+        return make(result.text, None, self._raw(result))
+
+    def _responses(self, handle: RequestHandle, make: _MakeResponse) -> Iterator[Any]:
+        """The one sync stream loop (see `_StreamResponses`). Closing the handle is a no-op once finished and
+        cancels the request when the consumer stopped early."""
+        convert = _StreamResponses(make, self._raw)
+        with closing(handle):
+            yield from (response for response in map(convert, handle) if response is not None)
+
+    async def _aresponses(self, handle: RequestHandle, make: _MakeResponse) -> AsyncIterator[Any]:
+        """The one async stream loop (as `_responses`)."""
+        convert = _StreamResponses(make, self._raw)
+        async with aclosing(handle):
+            async for piece in handle:
+                if (response := convert(piece)) is not None:
+                    yield response
 
     # ------------------------------------------------------------------------------------------ completion
+    # Requests are resolved and submitted when the method is called, not on the stream's first item: the query's
+    # span (and its announcement) is open now.
     @llm_completion_callback()
     @_translate_errors
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        prompt, args = self._prompt_args(prompt, formatted, kwargs)
-        docs = args.pop("documents")
-        return self._completion(self._engine.generate_prompt(prompt, docs, **args))
+        return self._final(self._submit_completion(prompt, formatted, kwargs).result(), _completion_response)
 
     @llm_completion_callback()
     @_translate_errors
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        # Resolved and submitted now, not on first next(): the query's span (and its announcement) is open now.
-        prompt, args = self._prompt_args(prompt, formatted, kwargs)
-        docs = args.pop("documents")
-        stream = self._engine.stream_prompt(prompt, docs, **args)
-        return self._completion_gen(stream)
-
-    def _completion_gen(self, stream: Any) -> CompletionResponseGen:
-        text = ""
-        try:
-            for piece in stream:
-                resp, text, done = self._stream_step(piece, text, _completion_chunk)
-                if resp is not None:
-                    yield resp
-                if done:
-                    return
-        finally:
-            stream.close()
+        return self._responses(self._submit_completion(prompt, formatted, kwargs), _completion_response)
 
     @llm_completion_callback()
     @_translate_errors
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        prompt, args = self._prompt_args(prompt, formatted, kwargs)
-        docs = args.pop("documents")
-        return self._completion(await self._engine.agenerate_prompt(prompt, docs, **args))
+        return self._final(await self._submit_completion(prompt, formatted, kwargs), _completion_response)
 
     @llm_completion_callback()
     @_translate_errors
     async def astream_complete(self, prompt: str, formatted: bool = False,
                                **kwargs: Any) -> CompletionResponseAsyncGen:
-        prompt, args = self._prompt_args(prompt, formatted, kwargs)
-        docs = args.pop("documents")
-        agen = self._engine.astream_prompt(prompt, docs, **args)
-
-        async def gen() -> CompletionResponseAsyncGen:
-            text = ""
-            try:
-                async for piece in _translated(agen):
-                    resp, text, done = self._stream_step(piece, text, _completion_chunk)
-                    if resp is not None:
-                        yield resp
-                    if done:
-                        return
-            finally:
-                await agen.aclose()
-
-        return gen()
+        return self._aresponses(self._submit_completion(prompt, formatted, kwargs), _completion_response)
 
     # ------------------------------------------------------------------------------------------ chat
-    @staticmethod
-    def _chat_response(result: Any) -> ChatResponse:
-        raw = PCRLLM._raw(result)
-        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text), raw=raw,
-                            additional_kwargs={"pcr": raw})
-
     @llm_chat_callback()
     @_translate_errors
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        turns, args = self._chat_args(messages, kwargs)
-        docs = args.pop("documents")
-        return self._chat_response(self._engine.generate_messages(turns, docs, **args))
+        return self._final(self._submit_chat(messages, kwargs).result(), _chat_response)
 
     @llm_chat_callback()
     @_translate_errors
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        turns, args = self._chat_args(messages, kwargs)
-        docs = args.pop("documents")
-        stream = self._engine.stream_messages(turns, docs, **args)
-
-        def gen() -> ChatResponseGen:
-            text = ""
-            try:
-                for piece in stream:
-                    resp, text, done = self._stream_step(piece, text, _chat_chunk)
-                    if resp is not None:
-                        yield resp
-                    if done:
-                        return
-            finally:
-                stream.close()
-
-        return gen()
+        return self._responses(self._submit_chat(messages, kwargs), _chat_response)
 
     @llm_chat_callback()
     @_translate_errors
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        turns, args = self._chat_args(messages, kwargs)
-        docs = args.pop("documents")
-        return self._chat_response(await self._engine.agenerate_messages(turns, docs, **args))
+        return self._final(await self._submit_chat(messages, kwargs), _chat_response)
 
     @llm_chat_callback()
     @_translate_errors
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        turns, args = self._chat_args(messages, kwargs)
-        docs = args.pop("documents")
-        agen = self._engine.astream_messages(turns, docs, **args)
-
-        async def gen() -> ChatResponseAsyncGen:
-            text = ""
-            try:
-                async for piece in _translated(agen):
-                    resp, text, done = self._stream_step(piece, text, _chat_chunk)
-                    if resp is not None:
-                        yield resp
-                    if done:
-                        return
-            finally:
-                await agen.aclose()
-
-        return gen()
+        return self._aresponses(self._submit_chat(messages, kwargs), _chat_response)
 
 
-def _completion_chunk(text: str, delta: str, raw: dict[str, Any] | None) -> CompletionResponse:
+_MakeResponse = Callable[[str, "str | None", "dict[str, Any] | None"], Any]
+
+
+class _StreamResponses:
+    """Engine `StreamChunk`s -> LlamaIndex responses: cumulative ``text`` and the new ``delta`` per token that
+    added text (None for one that did not), then a closing response whose ``raw`` holds the request's metrics."""
+
+    def __init__(self, make: _MakeResponse, raw: Callable[[GenerationResult], dict[str, Any]]) -> None:
+        self.make = make
+        self.raw = raw
+        self.text = ""
+
+    def __call__(self, piece: StreamChunk) -> Any:
+        if piece.is_final:
+            return self.make(self.text, "", self.raw(piece.result))
+        if not piece.text:
+            return None
+        self.text += piece.text
+        return self.make(self.text, piece.text, None)
+
+
+def _completion_response(text: str, delta: str | None, raw: dict[str, Any] | None) -> CompletionResponse:
     extra = {"pcr": raw} if raw is not None else {}
     return CompletionResponse(text=text, delta=delta, raw=raw, additional_kwargs=extra)
 
 
-def _chat_chunk(text: str, delta: str, raw: dict[str, Any] | None) -> ChatResponse:
+def _chat_response(text: str, delta: str | None, raw: dict[str, Any] | None) -> ChatResponse:
     extra = {"pcr": raw} if raw is not None else {}
     return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta, raw=raw,
                         additional_kwargs=extra)
-
-
-async def _translated(agen: Any) -> Any:
-    """The engine's async stream submits on first iteration: translate its request errors there too."""
-    try:
-        async for item in agen:
-            yield item
-    except InvalidRequestError as exc:
-        raise PCRRequestError(str(exc)) from exc
 
 
 def to_chat_turns(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:

@@ -3,7 +3,7 @@
 Two handlers on the root dispatcher:
 
 * a span handler that records, for every open span, its parent span and (when the span's instance holds a
-  `PCRLLM`, e.g. a query engine's response synthesizer) that LLM;
+  registered `PCRLLM`, e.g. a query engine's response synthesizer) that LLM;
 * an event handler for `RetrievalEndEvent` that renders each node exactly as the response synthesizer will
   (``node.get_content(metadata_mode=MetadataMode.LLM).strip()``: `PromptHelper.repack` strips chunks before
   joining them) and calls ``engine.announce(texts, query)`` on the engine of the `PCRLLM` found above the
@@ -19,8 +19,9 @@ newest one whose documents all occur verbatim in the prompt (else the one with m
 Memory: only open spans are tracked; announcements move to the bounded, short-lived orphan list when their root
 span ends, and unclaimed tickets are withdrawn when they leave it; every map is bounded.
 
-`PCRLLM` installs the hook when constructed (``retrieval_hook=True``, the default); `install_retrieval_hook()`
-does it explicitly, `uninstall_retrieval_hook()` removes it.
+Every `PCRLLM` registers itself with the hook (`PCRRetrievalHook.register_llm`) when constructed, so the hook
+knows the LLMs without importing their class; it installs the hook too (``retrieval_hook=True``, the default).
+`install_retrieval_hook()` does it explicitly, `uninstall_retrieval_hook()` removes it.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from llama_index.core.instrumentation import get_dispatcher
@@ -41,14 +42,13 @@ from llama_index.core.instrumentation.span import active_span_id
 from llama_index.core.instrumentation.span.base import BaseSpan
 from llama_index.core.instrumentation.span_handlers import BaseSpanHandler
 from llama_index.core.schema import MetadataMode, QueryBundle
-from pydantic import PrivateAttr
+from pydantic import Field, PrivateAttr
 
-from pcr_rag.handoff import documents_in_prompt, release_ticket
+from pcr_rag.handoff import Announcement, documents_in_prompt
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "Announcement",
     "PCRRetrievalHook",
     "install_retrieval_hook",
     "node_texts",
@@ -77,54 +77,9 @@ def node_texts(nodes: Any) -> tuple[str, ...]:
 
 
 @dataclass
-class Announcement:
-    """What one retrieval returned, rendered as the prompt will show it, and the tickets it produced."""
-
-    documents: tuple[str, ...]
-    query: str | None
-    span_id: str
-    ancestors: tuple[str, ...]
-    tickets: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # id(engine) -> (engine, ticket)
-    claimed: set[int] = field(default_factory=set)
-    created_s: float = field(default_factory=time.monotonic)
-
-    def take_ticket(self, engine: Any) -> Any:
-        """The ticket for ``engine`` the first time it is asked for (later LLM calls, e.g. refine, get None)."""
-        key = id(engine)
-        entry = self.tickets.get(key)
-        if entry is None or key in self.claimed:
-            return None
-        self.claimed.add(key)
-        return entry[1]
-
-    def release_unclaimed(self) -> None:
-        for key, (engine, ticket) in self.tickets.items():
-            if key not in self.claimed:
-                release_ticket(engine, ticket)
-
-
-@dataclass
 class _Span:
     parent: str | None
     llm: weakref.ref | None
-
-
-def _pcr_llm_of(instance: Any) -> Any:
-    """The `PCRLLM` a span's instance will answer with, if it shows one (query/chat engines, synthesizers)."""
-    from llama_index.llms.pcr.base import PCRLLM
-
-    if instance is None:
-        return None
-    candidates = (
-        instance,
-        getattr(instance, "_llm", None),
-        getattr(instance, "llm", None),
-        getattr(getattr(instance, "_response_synthesizer", None), "_llm", None),
-    )
-    for c in candidates:
-        if isinstance(c, PCRLLM):
-            return c
-    return None
 
 
 class PCRRetrievalHook:
@@ -142,14 +97,48 @@ class PCRRetrievalHook:
         self._spans: OrderedDict[str, _Span] = OrderedDict()
         self._trees: OrderedDict[str, list[Announcement]] = OrderedDict()
         self._orphans: OrderedDict[int, tuple[float, Announcement]] = OrderedDict()  # id(ann) -> (ended, ann)
+        # id -> live PCRLLM, weakly (pydantic models are unhashable, so no WeakSet)
+        self._llms: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self.announced = 0
         self.installed = False
         self._span_handler = _SpanTracker(hook=self)
         self._event_handler = _RetrievalEndHandler(hook=self)
 
+    # ------------------------------------------------------------------------------------------ LLMs
+    def register_llm(self, llm: Any) -> None:
+        """Make ``llm`` (a `PCRLLM`: anything with an ``engine``) known: spans holding it announce to its engine,
+        and a retrieval that shows no LLM announces to every registered one's engine. Held weakly."""
+        with self._lock:
+            self._llms[id(llm)] = llm
+
+    def live_engines(self) -> list[Any]:
+        """The distinct open engines of every live registered LLM."""
+        with self._lock:
+            llms = list(self._llms.values())
+        engines: dict[int, Any] = {}
+        for llm in llms:
+            engine = llm.engine
+            if engine is not None and not engine.closed:
+                engines.setdefault(id(engine), engine)
+        return list(engines.values())
+
+    def _llm_of(self, instance: Any) -> Any:
+        """The registered LLM a span's instance will answer with, if it shows one (query/chat engines,
+        synthesizers)."""
+        if instance is None:
+            return None
+        candidates = (
+            instance,
+            getattr(instance, "_llm", None),
+            getattr(instance, "llm", None),
+            getattr(getattr(instance, "_response_synthesizer", None), "_llm", None),
+        )
+        with self._lock:
+            return next((c for c in candidates if c is not None and self._llms.get(id(c)) is c), None)
+
     # ------------------------------------------------------------------------------------------ spans
     def span_enter(self, span_id: str, parent_id: str | None, instance: Any) -> None:
-        llm = _pcr_llm_of(instance)
+        llm = self._llm_of(instance)
         with self._lock:
             self._spans[span_id] = _Span(parent_id, weakref.ref(llm) if llm is not None else None)
             while len(self._spans) > self.max_open_spans:
@@ -167,7 +156,7 @@ class PCRRetrievalHook:
         dropped: list[Announcement] = []
         with self._lock:
             for ann in anns:
-                if len(ann.claimed) < len(ann.tickets) or not ann.tickets:
+                if not ann.fully_claimed:
                     self._orphans[id(ann)] = (now, ann)
             while self._orphans:
                 key, (ended, ann) = next(iter(self._orphans.items()))
@@ -189,8 +178,6 @@ class PCRRetrievalHook:
 
     # ------------------------------------------------------------------------------------------ retrieval
     def on_retrieval_end(self, event: RetrievalEndEvent) -> None:
-        from llama_index.llms.pcr.base import live_engines
-
         texts = node_texts(event.nodes)
         if not texts:
             return
@@ -200,15 +187,8 @@ class PCRRetrievalHook:
             chain = self._chain(event.span_id)
             llms = [s.llm() for s in (self._spans.get(sid) for sid in chain) if s is not None and s.llm is not None]
         llm = next((x for x in llms if x is not None), None)
-        engines = [llm.engine_or_none()] if llm is not None else live_engines()
-        ann = Announcement(documents=texts, query=query_str, span_id=str(event.span_id), ancestors=tuple(chain[1:]))
-        for engine in engines:
-            if engine is None:
-                continue
-            try:
-                ann.tickets[id(engine)] = (engine, engine.announce(list(texts), query=query_str or None))
-            except Exception:  # a failed announce costs the prefetch only, never the query
-                logger.exception("announcing retrieved nodes to the PCR engine failed")
+        ann = Announcement(documents=texts, query=query_str, origin=str(event.span_id), ancestors=tuple(chain[1:]))
+        ann.announce_to([llm.engine] if llm is not None else self.live_engines())
         root = chain[-1] if chain else str(event.span_id)
         evicted: list[Announcement] = []
         with self._lock:
@@ -290,9 +270,13 @@ class _SpanTracker(BaseSpanHandler[BaseSpan]):
 
     _hook: PCRRetrievalHook = PrivateAttr()
 
-    def __init__(self, hook: PCRRetrievalHook) -> None:
+    def __init__(self, hook: PCRRetrievalHook) -> None:  # BaseSpanHandler.__init__ takes no extra fields
         super().__init__()
         self._hook = hook
+
+    @property
+    def hook(self) -> PCRRetrievalHook:
+        return self._hook
 
     @classmethod
     def class_name(cls) -> str:
@@ -300,15 +284,15 @@ class _SpanTracker(BaseSpanHandler[BaseSpan]):
 
     def span_enter(self, id_: str, bound_args: inspect.BoundArguments, instance: Any = None,
                    parent_id: str | None = None, tags: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        self._hook.span_enter(id_, parent_id, instance)
+        self.hook.span_enter(id_, parent_id, instance)
 
     def span_exit(self, id_: str, bound_args: inspect.BoundArguments, instance: Any = None, result: Any = None,
                   **kwargs: Any) -> None:
-        self._hook.span_end(id_)
+        self.hook.span_end(id_)
 
     def span_drop(self, id_: str, bound_args: inspect.BoundArguments, instance: Any = None,
                   err: BaseException | None = None, **kwargs: Any) -> None:
-        self._hook.span_end(id_)
+        self.hook.span_end(id_)
 
     def new_span(self, id_: str, bound_args: inspect.BoundArguments, instance: Any = None,
                  parent_span_id: str | None = None, tags: dict[str, Any] | None = None,
@@ -325,11 +309,9 @@ class _SpanTracker(BaseSpanHandler[BaseSpan]):
 
 
 class _RetrievalEndHandler(BaseEventHandler):
-    _hook: PCRRetrievalHook = PrivateAttr()
+    """Feeds `RetrievalEndEvent`s to the hook."""
 
-    def __init__(self, hook: PCRRetrievalHook) -> None:
-        super().__init__()
-        self._hook = hook
+    hook: Any = Field(exclude=True)
 
     @classmethod
     def class_name(cls) -> str:
@@ -337,7 +319,7 @@ class _RetrievalEndHandler(BaseEventHandler):
 
     def handle(self, event: Any, **kwargs: Any) -> None:
         if isinstance(event, RetrievalEndEvent):
-            self._hook.on_retrieval_end(event)
+            self.hook.on_retrieval_end(event)
 
 
 _HOOK = PCRRetrievalHook()
