@@ -25,7 +25,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pcr_rag.bench.systems import DEFAULT_SYSTEMS, SYSTEMS
+from pcr_rag.bench.config import BenchConfig, BenchError, quick_config
+from pcr_rag.bench.report import markdown_report, write_report
+from pcr_rag.bench.serving import run_bench
+from pcr_rag.bench.systems import DEFAULT_SYSTEMS, SYSTEMS, UnknownSystemError
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +112,8 @@ _FIELDS = {
 }
 
 
-def config_from_args(args: argparse.Namespace) -> Any:
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """A `BenchConfig` from parsed arguments (preset first, then every option given)."""
-    from pcr_rag.bench.runner import BenchConfig, quick_config
-
     cfg = quick_config() if args.quick else BenchConfig()
     changes: dict[str, Any] = {}
     for arg, fld in _FIELDS.items():
@@ -142,10 +143,6 @@ def output_paths(args: argparse.Namespace) -> tuple[Path | None, Path | None, Pa
 
 
 def run(args: argparse.Namespace) -> int:
-    from pcr_rag.bench.report import markdown_report, write_report
-    from pcr_rag.bench.runner import BenchError, run_bench
-    from pcr_rag.bench.systems import UnknownSystemError
-
     try:
         cfg = config_from_args(args)
         cfg.validate()

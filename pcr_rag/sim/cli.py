@@ -16,7 +16,8 @@ import sys
 import time
 from typing import Any
 
-from pcr_rag.bench.report import RatioTarget, build_report, markdown_report, write_report
+from pcr_rag.bench.report import build_report, markdown_report, write_report
+from pcr_rag.bench.targets import PAPER_TARGETS
 from pcr_rag.sim.experiment import (
     SimSettings,
     SimWorkload,
@@ -28,16 +29,9 @@ from pcr_rag.sim.experiment import (
 )
 from pcr_rag.sim.profiles import ProfileError, get_profile, shipped_profile_names
 from pcr_rag.sim.systems import DEFAULT_SYSTEMS, UnknownSystemError, get_system, parse_systems
+from pcr_rag.sim.validate import run_validation
 
 log = logging.getLogger(__name__)
-
-#: The paper's claims (PCR, Llama2-7B, mid rate) as report targets: stat(pcr) / stat(baseline) <= max_ratio.
-PAPER_TARGETS = (
-    RatioTarget("pcr vs ssd-on-demand: >= 36% lower mean TTFT (paper: 36.4%)", "pcr", "ssd-on-demand",
-                max_ratio=0.64),
-    RatioTarget("pcr vs no-reuse: >= 2.13x faster mean TTFT (paper)", "pcr", "no-reuse", max_ratio=1 / 2.13),
-)
-
 
 def _floats(text: str) -> list[float]:
     return [math.inf if x.strip() in ("inf", "all") else float(x) for x in text.split(",") if x.strip()]
@@ -113,8 +107,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.validate:
-        from pcr_rag.sim.validate import run_validation
-
         return run_validation(args, profile, say)
     max_batch = args.max_batch if args.max_batch is not None else (1 if profile.device_is_host else 256)
     settings = SimSettings(max_batch=max_batch, prefill_steps=args.prefill_steps)
