@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from pcr_rag.cache import StorageBackend
+from pcr_rag.cache.storage import _DelegatingBackend  # the storage wrappers' base (delegates every call)
 
 __all__ = ["CountingBackend", "drop_page_cache", "evict_from_page_cache"]
 
@@ -76,11 +77,11 @@ class _CountingReader:
         self._inner.close()
 
 
-class CountingBackend:
+class CountingBackend(_DelegatingBackend):
     """Wraps a `StorageBackend` and counts the bytes actually read from and written to it (thread-safe)."""
 
     def __init__(self, inner: StorageBackend) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.bytes_read = 0
         self.bytes_written = 0
         self._lock = threading.Lock()
@@ -97,18 +98,6 @@ class CountingBackend:
 
     def open(self, name: str) -> _CountingReader:
         return _CountingReader(self.inner.open(name), self)
-
-    def delete(self, name: str) -> bool:
-        return self.inner.delete(name)
-
-    def names(self) -> Iterator[str]:
-        return self.inner.names()
-
-    def lock(self) -> None:
-        self.inner.lock()
-
-    def unlock(self) -> None:
-        self.inner.unlock()
 
     def describe(self) -> str:
         return f"counting({self.inner.describe()})"

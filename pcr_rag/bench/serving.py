@@ -125,8 +125,8 @@ class BenchRunner:
         try:
             self.loaded = load_model(self._model_arg, self._tokenizer_arg, dtype=cfg.dtype,
                                      device="auto" if cfg.device == "auto" else cfg.device)
-            prep = build_traces(cfg, self.loaded.tokenizer, self.loaded.kv.bytes_per_token)
-            dram, ssd = tier_capacities(prep.ws_bytes, dram_fraction=cfg.dram_fraction,
+            traces = build_traces(cfg, self.loaded.tokenizer, self.loaded.kv.bytes_per_token)
+            dram, ssd = tier_capacities(traces.ws_bytes, dram_fraction=cfg.dram_fraction,
                                         ssd_fraction=cfg.ssd_fraction,
                                         min_bytes=cfg.chunk_size * self.loaded.kv.bytes_per_token)
             self.capacities = {"dram": dram, "ssd": ssd}
@@ -134,17 +134,17 @@ class BenchRunner:
             sweep_specs = parse_systems([], windows=sweep) if sweep else []
             n_slots = len(cfg.rate_slots)
             sweep_slots = 1 if cfg.sweep_rates == "mid" else n_slots
-            warm = sum(min(len(prep.warmup), _CALIBRATION_REQUESTS) if s.name == "no-reuse" else len(prep.warmup)
+            warm = sum(min(len(traces.warmup), _CALIBRATION_REQUESTS) if s.name == "no-reuse" else len(traces.warmup)
                        for s in self.systems + sweep_specs)
             total = (warm + cfg.repeats * cfg.num_requests * (n_slots * len(self.systems) + sweep_slots * len(sweep_specs)))
             self._bar = tqdm(total=total, unit="req", dynamic_ncols=True, leave=True, disable=not self.progress)
             try:
-                capacity_rps = self._warm_up(self.systems + sweep_specs, prep, work)
+                capacity_rps = self._warm_up(self.systems + sweep_specs, traces, work)
                 rates = self._resolve_rates(capacity_rps)
-                records = self._measure(prep, rates, sweep_specs)
+                records = self._measure(traces, rates, sweep_specs)
             finally:
                 self._bar.close()
-            limit = self._limit_ratio(prep, work) if cfg.limit_ratio else None
+            limit = self._limit_ratio(traces, work) if cfg.limit_ratio else None
             load_end = os.getloadavg() if hasattr(os, "getloadavg") else None
             elapsed = time.perf_counter() - t0
         finally:
@@ -162,7 +162,7 @@ class BenchRunner:
             model_name=self.loaded.name, kv_bytes_per_token=self.loaded.kv.bytes_per_token,
             torch_threads=threads, rates=[r if not math.isinf(r) else "inf" for r in rates],
             capacity_rps=capacity_rps, dram_capacity=self.capacities["dram"], ssd_capacity=self.capacities["ssd"],
-            working_set=prep.ws_info, elapsed_s=elapsed, **cfg.extra,
+            working_set=traces.ws_info, elapsed_s=elapsed, **cfg.extra,
         )
         environment = {
             "cpus": os.cpu_count(), "load_avg_start": load_start, "load_avg_end": load_end,
@@ -209,7 +209,7 @@ class BenchRunner:
         self.cache_dirs[spec.name] = cache_dir
         return engine
 
-    def _warm_up(self, specs: Sequence[SystemSpec], prep: BenchTraces, work: Path) -> float | None:
+    def _warm_up(self, specs: Sequence[SystemSpec], traces: BenchTraces, work: Path) -> float | None:
         """Create every engine and run the warm-up trace on it; returns the no-reuse capacity (req/s)."""
         capacity: float | None = None
         fallback: float | None = None
@@ -217,11 +217,11 @@ class BenchRunner:
             self._bar.set_description_str(f"warm-up {spec.name}")
             engine = self._engine(spec, work)
             self.engines[spec.name] = engine
-            if not prep.warmup:
+            if not traces.warmup:
                 continue
             # no-reuse has nothing to warm: a few requests calibrate its service time (and warm the kernels)
-            trace = prep.warmup[-_CALIBRATION_REQUESTS:] if spec.name == "no-reuse" else prep.warmup
-            outcome = self._run_trace(engine, trace, prep)
+            trace = traces.warmup[-_CALIBRATION_REQUESTS:] if spec.name == "no-reuse" else traces.warmup
+            outcome = self._run_trace(engine, trace, traces)
             engine.flush()
             service = [r.metrics.e2e_s - r.metrics.queue_s for r in outcome.results]
             if spec.name == "no-reuse":
@@ -235,7 +235,7 @@ class BenchRunner:
         return capacity
 
     # ------------------------------------------------------------------------------------------ measuring
-    def _measure(self, prep: BenchTraces, rates: Sequence[float], sweep: Sequence[SystemSpec]) -> list[RunRecord]:
+    def _measure(self, traces: BenchTraces, rates: Sequence[float], sweep: Sequence[SystemSpec]) -> list[RunRecord]:
         cfg = self.config
         records: list[RunRecord] = []
         names = [s.name for s in self.systems]
@@ -248,11 +248,11 @@ class BenchRunner:
                 k = step % len(order)
                 step += 1
                 for name in order[k:] + order[:k]:
-                    trace = with_rate(prep.unit_traces[(rep, i)], rate)
-                    records.append(self._measured_run(name, rate, trace, prep))
+                    trace = with_rate(traces.unit_traces[(rep, i)], rate)
+                    records.append(self._measured_run(name, rate, trace, traces))
         return records
 
-    def _measured_run(self, name: str, rate: float, trace: list[Request], prep: BenchTraces) -> RunRecord:
+    def _measured_run(self, name: str, rate: float, trace: list[Request], traces: BenchTraces) -> RunRecord:
         engine = self.engines[name]
         self._bar.set_description_str(f"{name} @ {rate:.3g} req/s")
         if engine.cache is not None:
@@ -262,7 +262,7 @@ class BenchRunner:
         io_before = storage.snapshot() if storage else (0, 0)
         cache_b = _cache_stats(engine)
         load_before = _loadavg()
-        outcome = self._run_trace(engine, trace, prep)
+        outcome = self._run_trace(engine, trace, traces)
         load_after = _loadavg()
         engine.flush()
         io_after = storage.snapshot() if storage else (0, 0)
@@ -305,7 +305,7 @@ class BenchRunner:
         return RunRecord(name, rate, samples, outcome.duration_s, 1, sum(s.prefetch_hit_chunks for s in samples),
                          byte_counts, extra)
 
-    def _run_trace(self, engine: PCREngine, trace: Sequence[Request], prep: BenchTraces) -> _Outcome:
+    def _run_trace(self, engine: PCREngine, trace: Sequence[Request], traces: BenchTraces) -> _Outcome:
         """Submit each request from its own thread at its arrival time (open loop); wait for all."""
         cfg = self.config
         results: list[GenerationResult | None] = [None] * len(trace)
@@ -319,7 +319,7 @@ class BenchRunner:
             if delay > 0:
                 time.sleep(delay)
             try:
-                res = engine.generate(req.question, documents=prep.documents(req),
+                res = engine.generate(req.question, documents=traces.documents(req),
                                       system=SYSTEM_PROMPT, max_new_tokens=cfg.max_new_tokens, temperature=0.0)
                 results[i] = res
             except Exception as exc:  # noqa: BLE001 - a failed request is counted and reported, not fatal
@@ -343,12 +343,12 @@ class BenchRunner:
         return _Outcome(ok, (max(done_at) - start) if trace else 0.0, len(errors))
 
     # ------------------------------------------------------------------------------------------ limit ratio
-    def _limit_ratio(self, prep: BenchTraces, work: Path) -> dict[str, Any] | None:
+    def _limit_ratio(self, traces: BenchTraces, work: Path) -> dict[str, Any] | None:
         cfg = self.config
         docs: list[str] = []
         total = 0
-        for d, n in sorted(prep.doc_tokens.items()):
-            docs.append(prep.passages[d].text)
+        for d, n in sorted(traces.doc_tokens.items()):
+            docs.append(traces.passages[d].text)
             total += n
             if total >= cfg.limit_tokens:
                 break
