@@ -78,24 +78,24 @@ def bench_scenario(report: Mapping[str, Any], *, model: Any = None, tokenizer: A
     bcfg = BenchConfig(**kwargs)
     bcfg.validate()
     loaded = load_model(model if model is not None else bcfg.model, tokenizer, dtype=bcfg.dtype, device="cpu")
-    traces = build_traces(bcfg, loaded.tokenizer, loaded.kv.bytes_per_token)
+    bench = build_traces(bcfg, loaded.tokenizer, loaded.kv.bytes_per_token)
     builder = PromptBuilder(loaded.tokenizer)
     root = namespace_key("validation", "float32", bcfg.chunk_size)
 
     def sim(reqs: Sequence[Any], output_tokens: int) -> list[SimRequest]:
         out = []
         for r in reqs:
-            seg = builder.build_rag(r.question, traces.documents(r), SYSTEM_PROMPT)
+            seg = builder.build_rag(r.question, bench.documents(r), SYSTEM_PROMPT)
             plan = plan_chunks(root, seg.segments, bcfg.chunk_size)
             out.append(SimRequest(r.request_id, r.arrival_s, tuple(plan), output_tokens, tuple(r.doc_ids)))
         return out
 
     rates = [_rate(r) for r in cfg_in["rates"]]
     outputs = _mean_outputs(report, rates, default=bcfg.max_new_tokens)
-    warm = sim(traces.warmup, bcfg.max_new_tokens)
-    traces = [sim(traces.unit_traces[(0, i)], outputs[i]) for i in range(len(rates))]
-    scenario = Scenario(warm, traces, int(cfg_in["dram_capacity"]), int(cfg_in["ssd_capacity"]), traces.ws_bytes,
-                        float(traces.ws_info.get("reuse_upper_bound", 0.0)), {"bench_config": cfg_in})
+    warm = sim(bench.warmup, bcfg.max_new_tokens)
+    traces = [sim(bench.unit_traces[(0, i)], outputs[i]) for i in range(len(rates))]
+    scenario = Scenario(warm, traces, int(cfg_in["dram_capacity"]), int(cfg_in["ssd_capacity"]), bench.ws_bytes,
+                        float(bench.ws_info["reuse_upper_bound"]), {"bench_config": cfg_in})
     return scenario, rates, bcfg.chunk_size
 
 
