@@ -16,7 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("pcr_rag.generate_cli", "answer one question over documents with the PCR engine"),
     "bench": ("pcr_rag.bench.cli", "RAG serving benchmark: baselines, ablations, percentiles, plots"),
     "simulate": ("pcr_rag.sim.cli", "trace-driven simulation of the GPU regime on the real cache engine"),
-    "profile": ("pcr_rag.sim.profile", "measure a cost-model profile on this machine"),
+    "profile": ("pcr_rag.sim.measure_profile", "measure a cost-model profile on this machine"),
     "cache-bench": ("pcr_rag.bench.cache_bench", "micro-benchmarks of the cache engine (match, SSD store)"),
 }
 

@@ -19,6 +19,7 @@ import hashlib
 import importlib
 import json
 import logging
+import pydoc
 import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -151,8 +152,6 @@ def stdlib_corpus(
 
 
 def _render_module(name: str) -> str:
-    import pydoc
-
     try:
         module = importlib.import_module(name)
     except ImportError as exc:

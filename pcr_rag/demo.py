@@ -28,6 +28,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pcr_rag.config import EngineConfig
+from pcr_rag.corpus import CorpusDocument, load_corpus, split_passages, stdlib_corpus
+from pcr_rag.embeddings import chroma_client, chroma_embedding_function
+from pcr_rag.engine import PCREngine
+
 logger = logging.getLogger(__name__)
 
 #: (question, module the answer lives in). Three pairs (questions 1/5, 2/6, 3/7) retrieve the same leading passages,
@@ -126,9 +131,7 @@ def _load_questions(path: str | None) -> list[str]:
     return questions
 
 
-def _passages(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
-    from pcr_rag.corpus import load_corpus, split_passages, stdlib_corpus
-
+def _passages(args: argparse.Namespace, tokenizer: Any) -> list[CorpusDocument]:
     t0 = time.perf_counter()
     if args.corpus is None and not args.full_corpus:
         docs = stdlib_corpus(DEMO_MODULES, max_docs=args.max_docs, cache_dir=CORPUS_CACHE_DIR)
@@ -141,13 +144,12 @@ def _passages(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
     return passages
 
 
-def _build_index(passages: list[Any], index_dir: str | None) -> Any:
+def _build_index(passages: list[CorpusDocument], index_dir: str | None) -> Any:
+    # LlamaIndex, Chroma and the integration package are the optional ``rag`` extra
     from llama_index.core import StorageContext, VectorStoreIndex
     from llama_index.core.schema import TextNode
     from llama_index.llms.pcr import MiniLMEmbedding
     from llama_index.vector_stores.chroma import ChromaVectorStore
-
-    from pcr_rag.embeddings import chroma_client, chroma_embedding_function
 
     embed = MiniLMEmbedding()
     digest = hashlib.blake2b(digest_size=8)
@@ -308,8 +310,6 @@ def _print_comparison(on: RunRecord, off: RunRecord | None) -> int:
 
 # ------------------------------------------------------------------------------------------------- main
 def run(args: argparse.Namespace) -> int:
-    from pcr_rag import EngineConfig, PCREngine
-
     questions = _load_questions(args.questions)
     own_cache_dir = args.cache_dir is None
     cache_dir = Path(args.cache_dir) if args.cache_dir else Path(tempfile.mkdtemp(prefix="pcr-demo-kv-"))

@@ -18,7 +18,9 @@ from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from transformers import AutoModel, AutoTokenizer
 
 from pcr_rag.errors import PCRError
 
@@ -74,8 +76,6 @@ class MiniLMEncoder:
         return MINILM_DIM
 
     def _load(self) -> None:
-        from transformers import AutoModel, AutoTokenizer
-
         path = self._model_dir or minilm_model_dir()
         logger.info("loading MiniLM embedding model from %s", path)
         self._tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -120,6 +120,7 @@ def shared_encoder(device: str = "cpu") -> MiniLMEncoder:
 
 @lru_cache(maxsize=1)
 def _chroma_function_class() -> type:
+    # Chroma is the optional ``rag`` extra; the class is built on first use
     from chromadb.api.types import Documents, EmbeddingFunction, Embeddings
     from chromadb.utils.embedding_functions import register_embedding_function
 
@@ -131,8 +132,6 @@ def _chroma_function_class() -> type:
             self._device = device
 
         def __call__(self, input: Documents) -> Embeddings:
-            import numpy as np
-
             vectors = shared_encoder(self._device).encode(list(input))
             return [np.asarray(v, dtype=np.float32) for v in vectors]
 
@@ -160,7 +159,7 @@ def chroma_embedding_function(device: str = "cpu") -> Any:
 
 def chroma_client(path: str | Path | None = None) -> Any:
     """An in-process Chroma client (ephemeral when ``path`` is None or "", else persistent at ``path``), telemetry
-    off.
+    off. Chroma is the optional ``rag`` extra.
 
     Chroma caches one client system per location and refuses a second one with different settings, so every
     Chroma client in pcr-rag, its examples and tests is made here, always with the same settings."""

@@ -7,6 +7,9 @@ import json
 import sys
 from pathlib import Path
 
+from pcr_rag.config import EngineConfig
+from pcr_rag.engine import PCREngine
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("query", help="the question")
@@ -24,8 +27,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pcr_rag import EngineConfig, PCREngine
-
     docs = list(args.documents) if args.inline else [Path(p).read_text(encoding="utf-8") for p in args.documents]
     cfg = EngineConfig(cache_dir=args.cache_dir, chunk_size=args.chunk_size, dram_capacity=args.dram,
                        ssd_capacity=args.ssd, enable_cache=not args.no_cache, max_new_tokens=args.max_new_tokens)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from pcr_rag.bench.disk import drop_page_cache
 from pcr_rag.cache import (
     CacheConfig,
     CacheEngine,
@@ -34,6 +35,7 @@ from pcr_rag.cache import (
     namespace_key,
 )
 from pcr_rag.cache.ssd import ChunkMeta, SSDStore
+from pcr_rag.metrics import percentile
 from pcr_rag.units import format_bytes
 
 # SmolLM2-135M: 30 layers, 3 kv heads, head_dim 64, bf16
@@ -55,11 +57,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def bench_match(nodes: int, prompt_chunks: int, iters: int) -> dict[str, float]:
@@ -105,7 +102,7 @@ def bench_match(nodes: int, prompt_chunks: int, iters: int) -> dict[str, float]:
         "build_s": build_s,
         "insert_us_per_node": build_s / built * 1e6,
         "match_p50_us": statistics.median(lat),
-        "match_p99_us": _percentile(lat, 0.99),
+        "match_p99_us": percentile(lat, 99),
         "acquire_release_p50_us": statistics.median(acq),
         "rss_delta_bytes": rss_delta,
         "bytes_per_node": rss_delta / built,
@@ -122,14 +119,6 @@ def _dd(args: list[str]) -> tuple[float, str]:
     return (float(m.group(1)) if m else wall), proc.stderr.strip().splitlines()[-1]
 
 
-def _drop_file_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def bench_dd(directory: Path, chunk_bytes: int, count: int) -> dict[str, object]:
     target = directory / "dd.bin"
     try:
@@ -140,12 +129,12 @@ def bench_dd(directory: Path, chunk_bytes: int, count: int) -> dict[str, object]
             [f"of={target}", "if=/dev/zero", f"bs={chunk_bytes}", f"count={count}", "conv=fdatasync"]
         )
         write_mode = "conv=fdatasync"
-    _drop_file_cache(target)
+    drop_page_cache(target)
     try:
         read_s, read_line = _dd([f"if={target}", "of=/dev/null", f"bs={chunk_bytes}", "iflag=direct"])
         read_mode = "iflag=direct"
     except subprocess.CalledProcessError:
-        _drop_file_cache(target)
+        drop_page_cache(target)
         read_s, read_line = _dd([f"if={target}", "of=/dev/null", f"bs={chunk_bytes}"])
         read_mode = "page cache dropped"
     target.unlink()

@@ -25,19 +25,25 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pcr_rag.bench.systems import DEFAULT_SYSTEMS, SYSTEMS
+from pcr_rag.bench.config import BenchConfig, BenchError, quick_config
+from pcr_rag.bench.report import markdown_report, write_report
+from pcr_rag.bench.serving import run_bench
+from pcr_rag.bench.systems import DEFAULT_SYSTEMS, SYSTEMS, UnknownSystemError
 
 log = logging.getLogger(__name__)
 
 
-def _floats(text: str) -> tuple[float, ...]:
+def parse_floats(text: str) -> tuple[float, ...]:
+    """``"0.5,1,inf"`` -> ``(0.5, 1.0, inf)`` (``all`` is ``inf`` too: all at once); an argparse ``type``."""
     try:
-        return tuple(math.inf if x.strip().lower() == "inf" else float(x) for x in text.split(",") if x.strip())
+        return tuple(math.inf if x.strip().lower() in ("inf", "all") else float(x)
+                     for x in text.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers (or 'inf'), got {text!r}") from None
 
 
-def _ints(text: str) -> tuple[int, ...]:
+def parse_ints(text: str) -> tuple[int, ...]:
+    """``"2,4,8"`` -> ``(2, 4, 8)``; ``""`` -> ``()``; an argparse ``type``."""
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
@@ -79,9 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--zipf", type=float, help="Zipf exponent of popularity (default 1.0)")
     w.add_argument("--requests", type=int, help="measured requests per system and rate (default 32; quick 12)")
     w.add_argument("--warmup", type=int, help="warm-up requests per cached system, not measured: the most popular topics (default 16; quick 8)")
-    w.add_argument("--loads", type=_floats,
+    w.add_argument("--loads", type=parse_floats,
                    help="rates as multiples of the measured no-reuse capacity (default 0.4,0.7,1.0; quick 0.7,1.0)")
-    w.add_argument("--rates", type=_floats, help="absolute request rates in req/s ('inf' = all at once); "
+    w.add_argument("--rates", type=parse_floats, help="absolute request rates in req/s ('inf' = all at once); "
                                                  "overrides --loads")
     w.add_argument("--burstiness", type=float, help="gamma shape of inter-arrivals (1.0 = Poisson)")
     w.add_argument("--repeats", type=int, help="repeat every (system, rate) run this many times (default 1)")
@@ -90,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s = parser.add_argument_group("systems and cache")
     s.add_argument("--systems", help=f"comma-separated, from: {', '.join(SYSTEMS)} (default: all of "
                                      f"{','.join(DEFAULT_SYSTEMS)})")
-    s.add_argument("--windows", type=_ints,
+    s.add_argument("--windows", type=parse_ints,
                    help="prefetch windows to sweep besides pcr's own (default 2,4,8,10; quick 2; '' = none)")
     s.add_argument("--sweep-rates", choices=("mid", "all"), help="rates of the window sweep (default mid)")
     s.add_argument("--chunk-size", type=int, help="tokens per cached chunk (default 256)")
@@ -109,10 +115,8 @@ _FIELDS = {
 }
 
 
-def config_from_args(args: argparse.Namespace) -> Any:
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """A `BenchConfig` from parsed arguments (preset first, then every option given)."""
-    from pcr_rag.bench.runner import BenchConfig, quick_config
-
     cfg = quick_config() if args.quick else BenchConfig()
     changes: dict[str, Any] = {}
     for arg, fld in _FIELDS.items():
@@ -142,10 +146,6 @@ def output_paths(args: argparse.Namespace) -> tuple[Path | None, Path | None, Pa
 
 
 def run(args: argparse.Namespace) -> int:
-    from pcr_rag.bench.report import markdown_report, write_report
-    from pcr_rag.bench.runner import BenchError, run_bench
-    from pcr_rag.bench.systems import UnknownSystemError
-
     try:
         cfg = config_from_args(args)
         cfg.validate()

@@ -21,13 +21,22 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from transformers import DynamicCache
+
+from pcr_rag.bench.disk import drop_page_cache
+from pcr_rag.bench.targets import LIMIT_RATIO_DRAM_MAX, LIMIT_RATIO_SSD_MAX, LIMIT_RATIO_TARGETS
+from pcr_rag.config import EngineConfig
+from pcr_rag.corpus import load_corpus, split_passages
+from pcr_rag.engine import PCREngine
+from pcr_rag.runtime.model import load_model
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LimitRatioResult:
     """Medians in seconds; ratios are medians of per-try ratios (A/B interleaved)."""
 
@@ -54,22 +63,25 @@ class LimitRatioResult:
     def speedup_ssd(self) -> float:
         return self.ttft_uncached_s / self.ttft_ssd_s
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def passed(self) -> dict[str, bool]:
+        """Each limit-ratio target (`pcr_rag.bench.targets.LIMIT_RATIO_TARGETS`) -> whether it is met."""
+        return {name: getattr(self, name) <= bound for name, bound in LIMIT_RATIO_TARGETS.items()}
 
     def summary(self) -> str:
         return (f"limit ratio (prefix {self.prefix_tokens} tok, suffix {self.suffix_tokens} tok, "
                 f"raw forward {self.raw_forward_s * 1000:.1f} ms): DRAM {self.ratio_dram:.2f} "
-                f"(target <= 1.10; no overlap {self.ratio_dram_no_overlap:.2f}), SSD {self.ratio_ssd:.2f} "
-                f"(target <= 1.25; no overlap {self.ratio_ssd_no_overlap:.2f}); TTFT uncached "
+                f"(target <= {LIMIT_RATIO_DRAM_MAX:.2f}; no overlap {self.ratio_dram_no_overlap:.2f}), SSD "
+                f"{self.ratio_ssd:.2f} (target <= {LIMIT_RATIO_SSD_MAX:.2f}; no overlap "
+                f"{self.ratio_ssd_no_overlap:.2f}); TTFT uncached "
                 f"{self.ttft_uncached_s * 1000:.0f} ms vs cached DRAM {self.ttft_dram_s * 1000:.0f} ms "
                 f"(x{self.speedup_dram:.1f}), SSD {self.ttft_ssd_s * 1000:.0f} ms (x{self.speedup_ssd:.1f})")
 
 
 def _raw_suffix_forward(model, prefix_ids: list[int], suffix_ids: list[int], device) -> float:
     """Seconds for one forward of the suffix over a resident DynamicCache of the prefix, plus argmax."""
-    from transformers import DynamicCache
-
     with torch.inference_mode():
         cache = DynamicCache()
         model(input_ids=torch.tensor([prefix_ids], device=device), cache=cache, use_cache=True, logits_to_keep=1)
@@ -86,10 +98,6 @@ def measure_limit_ratio(model=None, tokenizer=None, *, documents: Sequence[str],
                         reps: int = 5, chunk_size: int = 256, workdir: str | Path | None = None,
                         dtype="auto") -> LimitRatioResult:
     """Measure the limit ratios with ``documents`` as the cached prefix (see the module docstring)."""
-    from pcr_rag import EngineConfig, PCREngine
-    from pcr_rag.bench.runner import drop_page_cache
-    from pcr_rag.runtime.model import load_model
-
     loaded = load_model(model, tokenizer, dtype=dtype, device="cpu")
     work = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="pcr-limit-"))
     queries = [f"{query} (variant {i})" for i in range(reps + 1)]
@@ -150,7 +158,7 @@ def measure_limit_ratio(model=None, tokenizer=None, *, documents: Sequence[str],
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class ChunkStepCost:
     """Prefill time of one prompt in chunk-aligned steps vs one shot (seconds, medians of interleaved tries)."""
 
@@ -167,8 +175,6 @@ class ChunkStepCost:
 def measure_chunk_step_cost(model, token_ids: Sequence[int], chunk_size: int = 256, reps: int = 3,
                             device="cpu") -> ChunkStepCost:
     """What the fidelity invariant costs: prefill in ``chunk_size`` steps vs a single forward (A/B interleaved)."""
-    from transformers import DynamicCache
-
     ids = torch.tensor([list(token_ids)], device=device)
     n = ids.shape[1]
     one, chunked = [], []
@@ -189,8 +195,6 @@ def measure_chunk_step_cost(model, token_ids: Sequence[int], chunk_size: int = 2
 
 def default_documents(target_tokens: int = 1536, tokenizer=None) -> list[str]:
     """Passages of the offline corpus adding up to about ``target_tokens`` tokens (whitespace estimate)."""
-    from pcr_rag.corpus import load_corpus, split_passages
-
     passages = split_passages(load_corpus(max_docs=40), tokens_per_passage=300)
     docs, total = [], 0
     for p in passages:
@@ -210,8 +214,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    from pcr_rag.runtime.model import load_model
-
     loaded = load_model(args.model, dtype=args.dtype)
     docs = default_documents(args.tokens, loaded.tokenizer)
     res = measure_limit_ratio(loaded.model, loaded.tokenizer, documents=docs, reps=args.reps, dtype=args.dtype)

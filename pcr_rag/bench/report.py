@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -29,11 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from matplotlib.figure import Figure
+
+from pcr_rag.bench.targets import RatioTarget
 from pcr_rag.metrics import TIERS, percentile, summarize
 
 __all__ = [
     "SCHEMA",
-    "RatioTarget",
     "RequestSample",
     "RunRecord",
     "TargetResult",
@@ -252,17 +255,6 @@ def _fmt_rate(rate: float) -> str:
 
 
 @dataclass(frozen=True)
-class RatioTarget:
-    """``stat(system) / stat(baseline) <= max_ratio`` at one rate (default: the sweep's middle rate)."""
-
-    name: str
-    system: str
-    baseline: str
-    stat: str = "ttft.mean"
-    max_ratio: float = 1.0
-
-
-@dataclass(frozen=True)
 class TargetResult:
     """How a target fared: ``ratio`` is None (and ``passed`` False) when a needed run is missing."""
 
@@ -408,8 +400,6 @@ def _ordered(merged: Mapping[tuple[str, float], RunRecord]) -> list[RunRecord]:
 
 
 def default_environment() -> dict[str, Any]:
-    import os
-
     return {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
             "machine": platform.machine()}
 
@@ -505,17 +495,13 @@ def write_markdown(report: Mapping[str, Any], path: str | Path, *, title: str | 
 
 
 def write_plots(report: Mapping[str, Any], out_dir: str | Path, *, prefix: str = "") -> list[Path]:
-    """PNG plots (matplotlib, Agg backend) into ``out_dir``; returns the files written.
+    """PNG plots (matplotlib figures without pyplot: no global state, no GUI backend) into ``out_dir``; returns
+    the files written.
 
     ``ttft_vs_rate.png`` (mean and P99 TTFT per system over the rate sweep, like the paper's Fig. 14),
     ``latency_percentiles.png`` (TTFT / E2EL P50-P95-P99 per system at the middle rate),
     ``hit_ratio.png`` (reused prompt tokens by tier), ``breakdown.png`` (pcr and its ablations) and,
     when windows were swept, ``prefetch_window.png``."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
@@ -525,15 +511,18 @@ def write_plots(report: Mapping[str, Any], out_dir: str | Path, *, prefix: str =
     finite = [r for r in rates(report) if not math.isinf(r)]
     at = mid_rate(report)
 
-    def save(fig: Any, name: str) -> None:
+    def figure(ncols: int, size: tuple[float, float]) -> tuple[Figure, Any]:
+        fig = Figure(figsize=size)
+        return fig, fig.subplots(1, ncols)
+
+    def save(fig: Figure, name: str) -> None:
         path = out / f"{prefix}{name}"
         fig.tight_layout()
         fig.savefig(path, dpi=110)
-        plt.close(fig)
         written.append(path)
 
     # 1. TTFT vs rate.
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = figure(2, (11, 4))
     for ax, stat in zip(axes, ("mean", "p99"), strict=True):
         for s in systems:
             xs, ys = [], []
@@ -553,7 +542,7 @@ def write_plots(report: Mapping[str, Any], out_dir: str | Path, *, prefix: str =
 
     # 2. Latency percentiles at the middle rate.
     at_runs = [r for r in report["runs"] if _rate_from_json(r["rate"]) == at and not _is_window_variant(r)]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = figure(2, (11, 4))
     width = 0.8 / 3
     for ax, metric in zip(axes, ("ttft", "e2el"), strict=True):
         for i, stat in enumerate(("p50", "p95", "p99")):
@@ -568,7 +557,7 @@ def write_plots(report: Mapping[str, Any], out_dir: str | Path, *, prefix: str =
     save(fig, "latency_percentiles.png")
 
     # 3. Hit ratio by tier at the middle rate.
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = figure(1, (7, 4))
     bottom = [0.0] * len(at_runs)
     for tier in TIERS:
         vals = [r["hit_ratio"][tier] for r in at_runs]
@@ -586,7 +575,7 @@ def write_plots(report: Mapping[str, Any], out_dir: str | Path, *, prefix: str =
     names = [n for n in ("ssd-on-demand", "pcr-no-overlap", "pcr-no-prefetch", "pcr-lru", "pcr") if n in systems]
     if "pcr" in names and len(names) > 1:
         rs = finite or rates(report)
-        fig, ax = plt.subplots(figsize=(8, 4))
+        fig, ax = figure(1, (8, 4))
         width = 0.8 / len(names)
         for i, n in enumerate(names):
             vals = [_stat(run_for(report, n, rate), "ttft.mean") or 0.0 for rate in rs]
@@ -610,7 +599,7 @@ def write_plots(report: Mapping[str, Any], out_dir: str | Path, *, prefix: str =
             sweep.setdefault(_rate_from_json(r["rate"]), []).append((int(w), v))
     sweep = {k: sorted(set(v)) for k, v in sweep.items() if len({w for w, _ in v}) > 1}
     if sweep:
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = figure(1, (6, 4))
         for rate, pts in sorted(sweep.items()):
             ax.plot([w for w, _ in pts], [v for _, v in pts], marker="o", label=_fmt_rate(rate))
         ax.set_xlabel("prefetch window (requests)")

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pcr_rag.corpus import CorpusDocument
+from pcr_rag.embeddings import chroma_client, chroma_embedding_function
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +85,6 @@ def retrieve_topics(
     """For each question, its ``top_k`` passages by cosine similarity (best first), via an in-memory Chroma
     collection embedded with the packaged MiniLM. Returns ``[(question, (doc_id, ...)), ...]`` in question
     order. Deterministic for the same passages and questions."""
-
-    from pcr_rag.embeddings import chroma_client, chroma_embedding_function
-
     if not passages:
         raise ValueError("no passages to retrieve from")
     if not 1 <= top_k <= len(passages):

@@ -1,10 +1,11 @@
 """Trace-driven simulation of PCR serving on the real cache engine (`pcr-rag simulate`, `pcr-rag profile`).
 
-- `profiles`: hardware + model profiles (shipped, derived from datasheets; or measured by `pcr-rag profile`).
+- `profiles`: the `Profile` format (hardware + model) and the shipped profiles derived from datasheets.
+- `measure_profile`: `pcr-rag profile`, measuring a `Profile` on this machine with a real model.
 - `costmodel`: prefill/decode/transfer times, the per-layer load/compute/offload pipeline.
 - `trace`: workload requests -> the runtime's chunk plans.
 - `simulator`: the discrete-event simulator (real `CacheEngine` on a virtual clock, real `plan_prefetch`).
 - `belady`: offline MIN eviction, the hit-ratio upper bound.
 - `experiment`: bench-shaped runs (warm-up, rates, window sweep, hit-ratio study, speed check).
-- `cli` / `profile` / `validate`: the commands.
+- `cli` / `validate`: `pcr-rag simulate` and its ``--validate`` mode.
 """

@@ -16,7 +16,9 @@ import sys
 import time
 from typing import Any
 
-from pcr_rag.bench.report import RatioTarget, build_report, markdown_report, write_report
+from pcr_rag.bench.cli import parse_floats, parse_ints
+from pcr_rag.bench.report import build_report, markdown_report, write_report
+from pcr_rag.bench.targets import PAPER_TARGETS
 from pcr_rag.sim.experiment import (
     SimSettings,
     SimWorkload,
@@ -28,24 +30,9 @@ from pcr_rag.sim.experiment import (
 )
 from pcr_rag.sim.profiles import ProfileError, get_profile, shipped_profile_names
 from pcr_rag.sim.systems import DEFAULT_SYSTEMS, UnknownSystemError, get_system, parse_systems
+from pcr_rag.sim.validate import run_validation
 
 log = logging.getLogger(__name__)
-
-#: The paper's claims (PCR, Llama2-7B, mid rate) as report targets: stat(pcr) / stat(baseline) <= max_ratio.
-PAPER_TARGETS = (
-    RatioTarget("pcr vs ssd-on-demand: >= 36% lower mean TTFT (paper: 36.4%)", "pcr", "ssd-on-demand",
-                max_ratio=0.64),
-    RatioTarget("pcr vs no-reuse: >= 2.13x faster mean TTFT (paper)", "pcr", "no-reuse", max_ratio=1 / 2.13),
-)
-
-
-def _floats(text: str) -> list[float]:
-    return [math.inf if x.strip() in ("inf", "all") else float(x) for x in text.split(",") if x.strip()]
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("set-up")
@@ -53,10 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"shipped profile ({', '.join(shipped_profile_names())}) or a JSON file from "
                         "`pcr-rag profile`")
     g.add_argument("--systems", default=None, help=f"comma-separated systems (default: {','.join(DEFAULT_SYSTEMS)})")
-    g.add_argument("--windows", default="2,4,8,10", help="prefetch windows to sweep besides pcr's ('' = none)")
+    g.add_argument("--windows", type=parse_ints, default=(2, 4, 8, 10), help="prefetch windows to sweep besides pcr's ('' = none)")
     g.add_argument("--sweep-rates", default="mid", choices=("mid", "all"), help="rates of the window sweep")
-    g.add_argument("--rates", default=None, help="request rates in req/s, comma-separated")
-    g.add_argument("--loads", default="0.3,0.5,0.7,0.9,1.1",
+    g.add_argument("--rates", type=parse_floats, default=None, help="request rates in req/s, comma-separated")
+    g.add_argument("--loads", type=parse_floats, default=(0.3, 0.5, 0.7, 0.9, 1.1),
                    help="rates as multiples of the no-reuse system's capacity on the same traces (unless --rates)")
     g.add_argument("--max-batch", type=int, default=None,
                    help="1 = the runtime's serial executor; >1 = vLLM-like batched decode (default: 1 for a "
@@ -108,21 +95,19 @@ def run(args: argparse.Namespace) -> int:
     try:
         profile = get_profile(args.profile)
         systems = parse_systems(args.systems)
-        windows = _ints(args.windows) if args.windows else []
     except (ProfileError, UnknownSystemError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.validate:
-        from pcr_rag.sim.validate import run_validation
-
         return run_validation(args, profile, say)
     max_batch = args.max_batch if args.max_batch is not None else (1 if profile.device_is_host else 256)
     settings = SimSettings(max_batch=max_batch, prefill_steps=args.prefill_steps)
     if profile.device_is_host and args.systems is None:
         systems = [s for s in systems if not s.device_cache]  # a CPU has no device KV pool to cache in
+    windows = list(args.windows)
     wl = workload_from_args(args)
     t0 = time.perf_counter()
-    slots = _floats(args.rates) if args.rates else _floats(args.loads)
+    slots = list(args.rates or args.loads)
     scenario = build_scenario(wl, profile, len(slots))
     capacity = no_reuse_capacity_rps(profile, scenario, settings, wl.chunk_size)
     if args.rates:

@@ -21,7 +21,7 @@ from typing import Any
 
 from pcr_rag.bench.report import RequestSample, RunRecord
 from pcr_rag.bench.workload import Request, make_requests, tier_capacities, working_set
-from pcr_rag.cache.keys import namespace_key
+from pcr_rag.cache import CacheStats, namespace_key
 from pcr_rag.sim.belady import HitResult, TraceChunk, belady_hits_per_request
 from pcr_rag.sim.profiles import Profile
 from pcr_rag.sim.simulator import SimConfig, SimResult, Simulator
@@ -184,7 +184,7 @@ def to_run_record(result: SimResult, system: SimSystem, rate: float, extra: Mapp
         stall_s_mean=statistics.fmean(o.stall_s for o in outs) if outs else 0.0,
         prefill_s_mean=statistics.fmean(o.prefill_s for o in outs) if outs else 0.0,
         sim_wall_s=result.wall_s,
-        engine=_engine_summary(result.engine_stats),
+        engine=_engine_summary(result.cache_stats),
     )
     return RunRecord(
         system=system.name, rate=rate, samples=samples, duration_s=dur,
@@ -195,10 +195,13 @@ def to_run_record(result: SimResult, system: SimSystem, rate: float, extra: Mapp
     )
 
 
-def _engine_summary(stats: Mapping[str, Any]) -> dict[str, Any]:
+def _engine_summary(stats: CacheStats | None) -> dict[str, Any]:
+    """The cache counters a report keeps per run (empty for a system without a cache)."""
+    if stats is None:
+        return {}
     keep = ("evictions", "demotions", "loads", "prefetch_loads", "inserts", "inserts_rejected", "writes_done",
             "writes_skipped", "bytes_high_water", "capacity_bytes", "nodes")
-    return {k: stats[k] for k in keep if k in stats}
+    return {k: getattr(stats, k) for k in keep}
 
 
 def run_system(profile: Profile, system: SimSystem, scenario: Scenario, rates: Sequence[float],
@@ -283,7 +286,7 @@ def hit_ratio_study(profile: Profile, scenario: Scenario, slot: int, rate: float
         sim.close()
         hit = sum(sum(o.reused.values()) for o in res.outcomes)
         tot = sum(o.prompt_tokens for o in res.outcomes)
-        hit_chunks = int(res.engine_stats["hit_chunks"]["dram"]) - int(before)
+        hit_chunks = res.cache_stats.hit_chunks["dram"] - before
         study.results.append(HitResult(name, hit, tot, hit_chunks, sum(len(t) for t in res.trace or [])))
         executed = [*(warm.trace or [] if warm else []), *(res.trace or [])]
         n_warm = len(warm.trace or []) if warm else 0

@@ -29,9 +29,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pcr_rag.cache.clock import ManualClock
-from pcr_rag.cache.config import CacheConfig
-from pcr_rag.cache.payload import VirtualPayload
+from pcr_rag.cache import (
+    CacheConfig,
+    CacheEngine,
+    CacheStats,
+    ManualClock,
+    MemoryBackend,
+    Tier,
+    VirtualPayload,
+)
+from pcr_rag.runtime.prefetcher import plan_prefetch
 from pcr_rag.sim.costmodel import CostModel, PrefillWork
 from pcr_rag.sim.profiles import Profile
 from pcr_rag.sim.systems import SimSystem
@@ -108,11 +115,15 @@ class RequestOutcome:
 
 @dataclass
 class SimResult:
+    """One trace served: per-request outcomes, the makespan (virtual seconds) and the wall time it took to
+    simulate, the cache engine's counters after the trace (None for a system without a cache), the simulator's
+    own counters (bytes, busy seconds, prefetch issue/skip counts), and the executed chunk trace when recorded."""
+
     system: str
     outcomes: list[RequestOutcome]
     duration_s: float
     wall_s: float
-    engine_stats: dict[str, Any]
+    cache_stats: CacheStats | None
     counters: dict[str, float]
     trace: list[list[tuple[bytes, int, int]]] | None = None
 
@@ -137,11 +148,7 @@ class Simulator:
         self.kv_bytes_per_token = config.profile.kv_bytes_per_token
         self.num_layers = config.profile.num_layers
         self.engine = self._make_engine() if self.sys.reuse else None
-        self._plan_prefetch = None
-        if self.engine is not None and self.sys.uses_window:
-            from pcr_rag.runtime.prefetcher import plan_prefetch
-
-            self._plan_prefetch = plan_prefetch
+        self._uses_window = self.engine is not None and self.sys.uses_window
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
         self.waiting: deque[SimRequest] = deque()
@@ -169,9 +176,7 @@ class Simulator:
         self._t_end = 0.0
 
     # ---------------------------------------------------------------------------------------------- set-up
-    def _make_engine(self):
-        from pcr_rag.cache import CacheEngine
-
+    def _make_engine(self) -> CacheEngine:
         cfg, sysm = self.cfg, self.sys
         if sysm.device_cache:
             dram, ssd = int(cfg.device_cache_bytes), 0
@@ -181,11 +186,7 @@ class Simulator:
             chunk_size=cfg.chunk_size, dram_bytes=dram, ssd_bytes=ssd, policy=sysm.policy, sync_io=True,
             pin_memory=False, fsync=False, drop_page_cache=False,
         )
-        storage = None
-        if ssd > 0:
-            from pcr_rag.cache.storage import MemoryBackend
-
-            storage = MemoryBackend()
+        storage = MemoryBackend() if ssd > 0 else None
         return CacheEngine(cache_cfg, clock=self.clock, storage=storage)
 
     def _push(self, t: float, kind: int, data: Any) -> None:
@@ -227,7 +228,7 @@ class Simulator:
                 self._exec_ready(t, self._next_arrival)
             elif kind == _PREFETCH_DONE:
                 self._on_prefetch_done(data, t)
-        stats = self.engine.stats().as_dict() if self.engine is not None else {}
+        stats = self.engine.stats() if self.engine is not None else None
         outs = [self.outcomes[r.rid] for r in reqs]
         end = max((o.done_s for o in outs), default=offset)
         self._t_end = max(end, self.clock.now())
@@ -247,7 +248,7 @@ class Simulator:
             self.counters["max_queue"] = len(self.waiting)
         if self.engine is not None and self.sys.ssd and self.sys.prefetch:
             m = self.engine.match(req.keys)
-            ssd = frozenset(k for k, t in zip(m.keys, m.tiers, strict=False) if _tier(t) == "ssd")
+            ssd = frozenset(k for k, t in zip(m.keys, m.tiers, strict=False) if t is Tier.SSD)
             if ssd:
                 self.ssd_at_entry[req.rid] = ssd
         if not self.exec_busy:
@@ -281,14 +282,14 @@ class Simulator:
         kb = self.kv_bytes_per_token
         lease = None
         matched = 0
-        tiers: list[str] = []
+        tiers: list[Tier] = []
         if self.engine is not None:
             for c in plan:
                 if c.key not in self.key_bytes:
                     self.key_bytes[c.key] = c.num_tokens * kb
             lease = self.engine.acquire(req.keys, max_chunks=len(plan) - 1)
             matched = lease.num_chunks
-            tiers = [_tier(t) for t in lease.tiers[:matched]]
+            tiers = list(lease.tiers[:matched])
         if self.trace is not None:
             self.trace.append([(c.key, c.num_tokens * kb, c.num_tokens) for c in plan])
         self._refresh_prefetch(now)  # the window slid past this request
@@ -298,9 +299,9 @@ class Simulator:
         ssd_read: list[int] = []
         for idx, (c, tier) in enumerate(zip(plan, tiers, strict=False)):
             if self.sys.device_cache:
-                tier = "device"
-            reused[tier] += c.num_tokens
-            if tier == "ssd":
+                tier = Tier.DEVICE
+            reused[tier.value] += c.num_tokens
+            if tier is Tier.SSD:
                 ssd_tokens += c.num_tokens
                 ssd_chunks += 1
                 ssd_read.append(idx)
@@ -396,8 +397,6 @@ class Simulator:
 
     def _trim_device_cache(self) -> None:
         """Keep cached prefixes + running requests' KV within the device pool (the cache gives way)."""
-        from pcr_rag.cache import Tier
-
         used = self.engine.stats().bytes_used["dram"]
         over = used + self.pool_used * self.kv_bytes_per_token - self.cfg.device_cache_bytes
         if over > 0:
@@ -442,10 +441,10 @@ class Simulator:
 
     # -------------------------------------------------------------------------------------------- prefetch
     def _refresh_prefetch(self, now: float) -> None:
-        if self._plan_prefetch is None:
+        if not self._uses_window:
             return
         window = [r.keys for r in itertools.islice(self.waiting, self.sys.window)]
-        plan = self._plan_prefetch(window, self.engine)
+        plan = plan_prefetch(window, self.engine)
         if self.sys.lookahead:
             self.engine.set_lookahead(plan.protect)
         if not self.sys.prefetch:
@@ -461,8 +460,6 @@ class Simulator:
         """Put the next queued prefetch read on the SSD (after any on-demand read). A chunk that reached memory
         meanwhile (e.g. its request read it on demand) or left the cache is skipped at no cost, as the engine's
         loader skips it."""
-        from pcr_rag.cache import Tier
-
         while self.pf_queue:
             key = self.pf_queue.popleft()
             tiers = self.engine.tiers_of(key)
@@ -491,6 +488,3 @@ class Simulator:
         self.pf_current = None
         self._next_prefetch(now)
 
-
-def _tier(t: Any) -> str:
-    return getattr(t, "value", str(t))

@@ -14,6 +14,7 @@ from typing import Any
 
 from pcr_rag.bench import systems as bench_systems
 from pcr_rag.bench.systems import UnknownSystemError
+from pcr_rag.config import EngineConfig
 
 __all__ = ["DEFAULT_SYSTEMS", "SIM_ONLY_SYSTEMS", "SimSystem", "UnknownSystemError", "get_system", "parse_systems"]
 
@@ -51,8 +52,6 @@ class SimSystem:
 
 
 def _engine_defaults() -> dict[str, Any]:
-    from pcr_rag.config import EngineConfig
-
     return {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.default is not dataclasses.MISSING}
 
 

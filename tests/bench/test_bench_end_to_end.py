@@ -99,7 +99,8 @@ def test_bench_cli_end_to_end(tmp_path, tiny_model_dir, corpus_file, capsys):
 
 
 def test_bench_with_real_retrieval_topics(tmp_path, corpus_file):
-    from pcr_rag.bench.runner import BenchConfig, run_bench
+    from pcr_rag.bench.config import BenchConfig
+    from pcr_rag.bench.serving import run_bench
 
     questions = tmp_path / "q.txt"
     questions.write_text("Which words are about the cache prefix tree?\nWhat about disk memory and tokens?\n")

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from pcr_rag.bench.report import (
-    RatioTarget,
     RequestSample,
     RunRecord,
     breakdown,
@@ -27,6 +26,7 @@ from pcr_rag.bench.report import (
     write_plots,
     write_report,
 )
+from pcr_rag.bench.targets import RatioTarget
 
 
 def sample(ttft: float, *, e2e: float | None = None, out: int = 3, prompt: int = 100, dram: int = 0,

@@ -98,7 +98,7 @@ def test_device_cache_gives_way_to_running_requests():
     reqs = _reqs([(f"d{i}",) for i in range(20)], [0.0] * 20, out=3)
     sim = _sim("device-only", max_batch=8, kv_pool_tokens=pool_tokens, profile=prof)
     res = sim.run(reqs)
-    hw = res.engine_stats["bytes_high_water"]["dram"]
+    hw = res.cache_stats.bytes_high_water["dram"]
     assert hw <= prof.device_kv_bytes
     assert sum(o.reused["device"] for o in res.outcomes) > 0  # the shared system chunk is reused on device
 

@@ -9,7 +9,7 @@ import pytest
 
 from pcr_rag.bench.report import load_report
 from pcr_rag.cli import main
-from pcr_rag.sim.profile import build_profile
+from pcr_rag.sim.measure_profile import build_profile
 from pcr_rag.sim.validate import bench_scenario, compare, simulate_bench
 from pcr_rag.testing import tiny_loaded_model, tiny_model
 

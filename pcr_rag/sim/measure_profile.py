@@ -33,7 +33,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
+from pcr_rag.bench.disk import evict_from_page_cache
+from pcr_rag.config import EngineConfig
+from pcr_rag.engine import PCREngine
+from pcr_rag.runtime.kv_cache import PCRKVCache
+from pcr_rag.runtime.model import load_model
 from pcr_rag.sim.profiles import Profile
 
 log = logging.getLogger(__name__)
@@ -76,10 +82,6 @@ class _LayerClock:
 def measure_prefill(loaded: Any, *, new_tokens: Sequence[int] = (64, 128, 256),
                     contexts: Sequence[int] = (0, 256, 768), reps: int = 3, seed: int = 0) -> list[StepSample]:
     """Time forward steps of ``c`` tokens after ``p`` cached tokens through a `PCRKVCache` (per-layer stamps)."""
-    import torch
-
-    from pcr_rag.runtime.kv_cache import PCRKVCache
-
     model, dev = loaded.model, loaded.device
     vocab = int(getattr(model.config, "vocab_size", 1000))
     gen = torch.Generator().manual_seed(seed)
@@ -126,10 +128,6 @@ def fit_prefill(samples: Sequence[StepSample], num_layers: int) -> dict[str, flo
 def measure_decode(loaded: Any, *, contexts: Sequence[int] = (128, 512, 1024), steps: int = 8,
                    seed: int = 0) -> dict[str, float]:
     """Decode steps as the runner runs them (forward of one token, argmax, detokenise); fit base + per context."""
-    import torch
-
-    from pcr_rag.runtime.kv_cache import PCRKVCache
-
     model, dev, tok = loaded.model, loaded.device, loaded.tokenizer
     vocab = int(getattr(model.config, "vocab_size", 1000))
     gen = torch.Generator().manual_seed(seed)
@@ -165,10 +163,6 @@ def measure_decode(loaded: Any, *, contexts: Sequence[int] = (128, 512, 1024), s
 def measure_copies(loaded: Any, *, tokens: int = 256, reps: int = 5) -> dict[str, float]:
     """Bytes/s of moving one chunk's KV into a request's cache (load) and out into a payload (offload), with the
     runtime's own tensors and copy ops."""
-    import torch
-
-    from pcr_rag.runtime.kv_cache import PCRKVCache
-
     g = loaded.kv
     kv = PCRKVCache(g, 2 * tokens, loaded.device)
     payload = torch.randn(g.payload_shape(tokens)).to(g.dtype)
@@ -185,13 +179,6 @@ def measure_copies(loaded: Any, *, tokens: int = 256, reps: int = 5) -> dict[str
     kv.set_length(tokens)
     d2h = nbytes / _median_time(lambda: kv.chunk_payload(0, tokens), reps)
     return {"h2d_bytes_per_s": h2d, "d2h_bytes_per_s": d2h}
-
-
-def _drop_cache(fd: int) -> None:
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    except (AttributeError, OSError):
-        pass
 
 
 def measure_disk(directory: str | Path, *, nbytes: int = 256 << 20, block: int = 8 << 20, small_reads: int = 64,
@@ -212,7 +199,7 @@ def measure_disk(directory: str | Path, *, nbytes: int = 256 << 20, block: int =
             written += os.write(fd, buf)
         os.fdatasync(fd)
         write_bw = written / (time.perf_counter() - t0)
-        _drop_cache(fd)
+        evict_from_page_cache(fd)
         t0 = time.perf_counter()
         got = 0
         while got < written:
@@ -221,7 +208,7 @@ def measure_disk(directory: str | Path, *, nbytes: int = 256 << 20, block: int =
                 break
             got += len(chunk)
         read_bw = got / (time.perf_counter() - t0)
-        _drop_cache(fd)
+        evict_from_page_cache(fd)
         lat = []
         for off in rng.integers(0, max(1, written - 65536), size=small_reads):
             aligned = int(off) & ~4095
@@ -244,12 +231,6 @@ def measure_request_overhead(loaded: Any, *, chunk_size: int = 256, reps: int = 
     """Per-request seconds outside the model: TTFT of a real no-cache `PCREngine` request minus the time of the
     same chunk-aligned forward steps run directly on the model right after it (so a busy machine slows both);
     median over ``reps``, floored at 0."""
-    import torch
-
-    from pcr_rag.config import EngineConfig
-    from pcr_rag.engine import PCREngine
-    from pcr_rag.runtime.kv_cache import PCRKVCache
-
     cfg = EngineConfig(enable_cache=False, chunk_size=chunk_size, device="cpu", max_new_tokens=1,
                        dtype=loaded.dtype, cache_dir=tempfile.mkdtemp(prefix="pcr-profile-engine-"))
     # default: three ~300-token passages, the bench's default prompt size
@@ -317,15 +298,9 @@ def build_profile(loaded: Any, *, name: str, disk_dir: str | Path, quick: bool =
         device_is_host=loaded.device.type == "cpu",
         prefill_steps="per_chunk",
         source="measured",
-        derivation={"prefill_samples": [s.__dict__ for s in samples], "torch_threads": _threads(),
+        derivation={"prefill_samples": [s.__dict__ for s in samples], "torch_threads": torch.get_num_threads(),
                     "cpus": os.cpu_count(), "fingerprint": getattr(loaded, "fingerprint", "")},
     )
-
-
-def _threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -340,10 +315,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from pcr_rag.runtime.model import load_model
-
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
     try:
         loaded = load_model(args.model, dtype=args.dtype, device="cpu")

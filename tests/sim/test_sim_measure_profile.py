@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pcr_rag.sim.costmodel import CostModel
-from pcr_rag.sim.profile import StepSample, build_profile, fit_prefill, measure_disk
+from pcr_rag.sim.measure_profile import StepSample, build_profile, fit_prefill, measure_disk
 from pcr_rag.sim.profiles import get_profile
 
 
@@ -48,7 +48,7 @@ def test_profile_of_a_tiny_model_loads_in_the_simulator(tmp_path):
 
 
 def test_request_overhead_with_a_real_engine():
-    from pcr_rag.sim.profile import measure_request_overhead
+    from pcr_rag.sim.measure_profile import measure_request_overhead
     from pcr_rag.testing import tiny_loaded_model
 
     overhead = measure_request_overhead(tiny_loaded_model("llama"), chunk_size=16, reps=2,
