@@ -2,11 +2,12 @@
 
 What is measured (medians of repeated timings, seconds and bytes/s):
 
-- prefill: forward steps of ``c`` new tokens after ``p`` cached ones through the runtime's own KV cache
-  (`PCRKVCache`, one step per chunk like the runner), timed per layer with the cache's layer hooks; a least-squares
+- prefill: forward steps of ``c`` new tokens after ``p`` cached ones through the runtime's own forward
+  (`FastForward.prefill` on a KV arena row, as the runner runs them), timed per layer with its layer hooks; a least-squares
   fit gives ``layer_s_fixed + layer_s_per_token * c + layer_s_per_token_ctx * (c p + c (c+1) / 2)`` per layer
   and ``step_s_fixed`` for what runs outside the layers (embeddings, norm, LM head);
-- decode: one-token steps at several context lengths (forward + argmax + detokenisation, as the runner does);
+- decode: one-token steps at several context lengths (the fixed-shape decode forward of one row, argmax,
+  detokenisation, as the runner does);
 - host copies: a chunk's KV copied into a request's cache and out again (``h2d``/``d2h``: on a CPU "device"
   both are memory copies);
 - disk: sequential write with fdatasync and reads with the page cache dropped (``posix_fadvise(DONTNEED)``), like
@@ -38,7 +39,7 @@ import torch
 from pcr_rag.bench.disk import evict_from_page_cache
 from pcr_rag.config import EngineConfig
 from pcr_rag.engine import PCREngine
-from pcr_rag.runtime.kv_cache import PCRKVCache
+from pcr_rag.runtime.forward import FastForward
 from pcr_rag.runtime.model import load_model
 from pcr_rag.sim.profiles import Profile
 
@@ -67,45 +68,41 @@ class StepSample:
 
 
 class _LayerClock:
-    """`LayerHooks` that stamp the time at each layer's cache update."""
+    """`LayerHooks` that stamp the time as each layer finishes."""
 
     def __init__(self) -> None:
         self.stamps: list[float] = []
 
-    def before_layer(self, layer_idx: int) -> None:
-        self.stamps.append(time.perf_counter())
-
-    def after_layer(self, layer_idx: int, start: int, end: int) -> None:
+    def before_attention(self, layer: int) -> None:
         return None
+
+    def after_layer(self, layer: int, start: int, end: int) -> None:
+        self.stamps.append(time.perf_counter())
 
 
 def measure_prefill(loaded: Any, *, new_tokens: Sequence[int] = (64, 128, 256),
                     contexts: Sequence[int] = (0, 256, 768), reps: int = 3, seed: int = 0) -> list[StepSample]:
-    """Time forward steps of ``c`` tokens after ``p`` cached tokens through a `PCRKVCache` (per-layer stamps)."""
-    model, dev = loaded.model, loaded.device
-    vocab = int(getattr(model.config, "vocab_size", 1000))
+    """Time `FastForward.prefill` steps of ``c`` tokens after ``p`` tokens already in the row (per-layer stamps)."""
+    forward = FastForward(loaded, batch_rows=1)
+    vocab = int(getattr(loaded.model.config, "vocab_size", 1000))
     gen = torch.Generator().manual_seed(seed)
     max_ctx = max(contexts) + max(new_tokens)
-    ids = torch.randint(0, vocab, (1, max_ctx), generator=gen).to(dev)
+    ids = torch.randint(0, vocab, (max_ctx,), generator=gen)
+    row = forward.new_arena(1, max_ctx).row(0)
     samples: list[StepSample] = []
-    with torch.inference_mode():
-        for p in contexts:
-            for c in new_tokens:
-                totals, layers = [], []
-                for _ in range(max(1, reps)):
-                    kv = PCRKVCache(loaded.kv, p + c, dev)
-                    if p:
-                        model(input_ids=ids[:, :p], position_ids=torch.arange(p, device=dev).unsqueeze(0), cache=kv,
-                              use_cache=True, logits_to_keep=1)
-                    clock = _LayerClock()
-                    kv.hooks = clock
-                    t0 = time.perf_counter()
-                    out = model(input_ids=ids[:, p:p + c], position_ids=torch.arange(p, p + c, device=dev).unsqueeze(0),
-                                cache=kv, use_cache=True, logits_to_keep=1)
-                    int(torch.argmax(out.logits[0, -1]).item())
-                    totals.append(time.perf_counter() - t0)
-                    layers.append(clock.stamps[-1] - clock.stamps[0] if len(clock.stamps) > 1 else 0.0)
-                samples.append(StepSample(c, p, statistics.median(totals), statistics.median(layers)))
+    for p in contexts:
+        if p:
+            forward.prefill(row, ids[:p], 0, want_logits=False)
+        for c in new_tokens:
+            totals, layers = [], []
+            for _ in range(max(1, reps)):
+                clock = _LayerClock()
+                t0 = time.perf_counter()
+                logits = forward.prefill(row, ids[p:p + c], p, hooks=clock)
+                int(torch.argmax(logits).item())
+                totals.append(time.perf_counter() - t0)
+                layers.append(clock.stamps[-1] - clock.stamps[0] if len(clock.stamps) > 1 else 0.0)
+            samples.append(StepSample(c, p, statistics.median(totals), statistics.median(layers)))
     return samples
 
 
@@ -127,30 +124,28 @@ def fit_prefill(samples: Sequence[StepSample], num_layers: int) -> dict[str, flo
 
 def measure_decode(loaded: Any, *, contexts: Sequence[int] = (128, 512, 1024), steps: int = 8,
                    seed: int = 0) -> dict[str, float]:
-    """Decode steps as the runner runs them (forward of one token, argmax, detokenise); fit base + per context."""
-    model, dev, tok = loaded.model, loaded.device, loaded.tokenizer
-    vocab = int(getattr(model.config, "vocab_size", 1000))
+    """Decode steps as the runner runs them (one fixed-shape decode forward, argmax, detokenise); fit base + per
+    context."""
+    tok = loaded.tokenizer
+    forward = FastForward(loaded, batch_rows=1)
+    vocab = int(getattr(loaded.model.config, "vocab_size", 1000))
     gen = torch.Generator().manual_seed(seed)
+    arena = forward.new_arena(1, max(contexts) + steps + 1)
     pts: list[tuple[int, float]] = []
-    with torch.inference_mode():
-        for ctx in contexts:
-            ids = torch.randint(0, vocab, (1, ctx), generator=gen).to(dev)
-            kv = PCRKVCache(loaded.kv, ctx + steps + 1, dev)
-            out = model(input_ids=ids, position_ids=torch.arange(ctx, device=dev).unsqueeze(0), cache=kv,
-                        use_cache=True, logits_to_keep=1)
-            tokens: list[int] = []
-            times = []
-            for i in range(steps):
-                t0 = time.perf_counter()
-                t = int(torch.argmax(out.logits[0, -1]).item())
-                tokens.append(t)
-                if tok is not None:
-                    tok.decode(tokens, skip_special_tokens=True)
-                out = model(input_ids=torch.tensor([[t]], device=dev),
-                            position_ids=torch.tensor([[ctx + i]], device=dev), cache=kv, use_cache=True,
-                            logits_to_keep=1)
-                times.append(time.perf_counter() - t0)
-            pts.append((ctx, statistics.median(times)))
+    for ctx in contexts:
+        ids = torch.randint(0, vocab, (ctx,), generator=gen)
+        logits = forward.prefill(arena.row(0), ids, 0)
+        tokens: list[int] = []
+        times = []
+        for i in range(steps):
+            t0 = time.perf_counter()
+            t = int(torch.argmax(logits).item())
+            tokens.append(t)
+            if tok is not None:
+                tok.decode(tokens, skip_special_tokens=True)
+            logits = forward.decode(arena, [0], torch.tensor([t]), torch.tensor([ctx + i]))[0]
+            times.append(time.perf_counter() - t0)
+        pts.append((ctx, statistics.median(times)))
     x = np.array([[1.0, c] for c, _ in pts])
     y = np.array([t for _, t in pts])
     coef, *_ = np.linalg.lstsq(x, y, rcond=None)
@@ -161,23 +156,20 @@ def measure_decode(loaded: Any, *, contexts: Sequence[int] = (128, 512, 1024), s
 
 
 def measure_copies(loaded: Any, *, tokens: int = 256, reps: int = 5) -> dict[str, float]:
-    """Bytes/s of moving one chunk's KV into a request's cache (load) and out into a payload (offload), with the
-    runtime's own tensors and copy ops."""
+    """Bytes/s of moving one chunk's KV into a request's arena row (load) and out into a payload (offload), with
+    the runtime's own tensors and copy ops."""
     g = loaded.kv
-    kv = PCRKVCache(g, 2 * tokens, loaded.device)
+    row = FastForward(loaded, batch_rows=1).new_arena(1, 2 * tokens).row(0)
     payload = torch.randn(g.payload_shape(tokens)).to(g.dtype)
     nbytes = g.payload_bytes(tokens)
 
     def load() -> None:
         for i in range(g.num_layers):
-            k, v = kv.layer(i).slot(0, tokens)
-            k.copy_(payload[i, 0].transpose(0, 1))
-            v.copy_(payload[i, 1].transpose(0, 1))
+            row.load_payload_layer(i, 0, tokens, payload[i])
 
     load()
     h2d = nbytes / _median_time(load, reps)
-    kv.set_length(tokens)
-    d2h = nbytes / _median_time(lambda: kv.chunk_payload(0, tokens), reps)
+    d2h = nbytes / _median_time(lambda: row.chunk_payload(0, tokens), reps)
     return {"h2d_bytes_per_s": h2d, "d2h_bytes_per_s": d2h}
 
 
@@ -229,29 +221,25 @@ def measure_disk(directory: str | Path, *, nbytes: int = 256 << 20, block: int =
 def measure_request_overhead(loaded: Any, *, chunk_size: int = 256, reps: int = 3,
                              documents: Sequence[str] | None = None) -> float:
     """Per-request seconds outside the model: TTFT of a real no-cache `PCREngine` request minus the time of the
-    same chunk-aligned forward steps run directly on the model right after it (so a busy machine slows both);
+    same prefill steps run directly on the engine's forward right after it (so a busy machine slows both);
     median over ``reps``, floored at 0."""
     cfg = EngineConfig(enable_cache=False, chunk_size=chunk_size, device="cpu", max_new_tokens=1,
                        dtype=loaded.dtype, cache_dir=tempfile.mkdtemp(prefix="pcr-profile-engine-"))
     # default: three ~300-token passages, the bench's default prompt size
     docs = list(documents) if documents is not None else [
         " ".join(f"{w}{i}" for i in range(100)) for w in ("alpha", "beta", "gamma")]
-    model, dev = loaded.model, loaded.device
     gaps = []
     try:
         with PCREngine(model=loaded.model, tokenizer=loaded.tokenizer, config=cfg) as eng:
+            forward, row = eng.forward, eng.arena.row(0)
             for i in range(reps + 1):
                 res = eng.generate(f"question {i}?", documents=docs, max_new_tokens=1)
-                ids = torch.tensor(res.prompt_token_ids, device=dev)
-                plan = eng.plan_for(f"question {i}?", documents=docs)
-                kv = PCRKVCache(loaded.kv, len(ids) + 1, dev)
+                ids = torch.tensor(res.prompt_token_ids)
                 t0 = time.perf_counter()
-                with torch.inference_mode():
-                    for c in plan:
-                        out = model(input_ids=ids[c.start:c.end].unsqueeze(0),
-                                    position_ids=torch.arange(c.start, c.end, device=dev).unsqueeze(0), cache=kv,
-                                    use_cache=True, logits_to_keep=1)
-                    int(torch.argmax(out.logits[0, -1]).item())
+                for start in range(0, len(ids), cfg.prefill_chunk_tokens):  # the engine's own steps, direct
+                    chunk = ids[start: start + cfg.prefill_chunk_tokens]
+                    logits = forward.prefill(row, chunk, start, want_logits=start + len(chunk) == len(ids))
+                int(torch.argmax(logits).item())
                 direct = time.perf_counter() - t0
                 if i > 0:  # the first request warms up
                     gaps.append(res.metrics.ttft_s - res.metrics.queue_s - direct)
