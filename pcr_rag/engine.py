@@ -37,6 +37,7 @@ from pcr_rag.requests import (
     RagPrompt,
     Request,
     RequestHandle,
+    RequestState,
     SamplingParams,
     StreamChunk,
     TokenChannel,

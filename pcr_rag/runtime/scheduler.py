@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from pcr_rag.errors import EngineClosedError, QueueFullError
-from pcr_rag.requests import Request
+from pcr_rag.requests import Request, RequestState
 from pcr_rag.runtime.admission import Candidate, order_by
 
 log = logging.getLogger(__name__)

@@ -208,7 +208,7 @@ def test_submit_result_iteration_and_await_agree_with_the_wrappers(tiny, tmp_pat
 
 def test_cancel_a_running_and_a_waiting_request_frees_everything(tiny, tmp_path):
     with _engine(tiny, tmp_path / "c", max_active=1) as eng:
-        eng.runner._eos = set()  # the random tiny model must not stop the long answer early
+        eng.executor.eos_ids = frozenset()  # the random tiny model must not stop the long answer early
         running = eng.submit(RagPrompt("a long answer", DOCS[:2]), SamplingParams(max_new_tokens=2000))
         next(iter(running))  # decoding now
         waiting = eng.submit(RagPrompt("queued behind it", DOCS[2:]), SamplingParams(max_new_tokens=4))
@@ -228,7 +228,7 @@ def test_cancel_a_running_and_a_waiting_request_frees_everything(tiny, tmp_path)
 
 def test_dropping_an_unfinished_handle_cancels_its_request(tiny, tmp_path):
     with _engine(tiny, tmp_path / "c") as eng:
-        eng.runner._eos = set()
+        eng.executor.eos_ids = frozenset()
         handle = eng.submit(RagPrompt("a long answer", DOCS[:1]), SamplingParams(max_new_tokens=2000))
         next(handle)
         request = handle._request
@@ -239,7 +239,7 @@ def test_dropping_an_unfinished_handle_cancels_its_request(tiny, tmp_path):
 
 def test_stream_timeouts_cancel_the_request(tiny, tmp_path):
     with _engine(tiny, tmp_path / "c") as eng:
-        eng.runner._eos = set()
+        eng.executor.eos_ids = frozenset()
         stream = eng.stream("a long answer", DOCS[:2], max_new_tokens=2000, timeout=0.3)
         started = time.monotonic()
         with pytest.raises(TimeoutError, match="timeout of 0.3 s"):

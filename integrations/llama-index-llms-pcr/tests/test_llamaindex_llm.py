@@ -56,7 +56,8 @@ def test_stream_and_async_give_the_same_tokens(engine) -> None:
 
 
 def test_acomplete_does_not_block_the_event_loop(engine) -> None:
-    llm = PCRLLM(engine=engine, max_new_tokens=6)
+    engine.executor.eos_ids = frozenset()  # long enough that a blocked loop would show
+    llm = PCRLLM(engine=engine, max_new_tokens=64)
 
     async def main():
         ticks = 0
@@ -137,7 +138,7 @@ def test_llamaindex_instrumentation_events_fire(engine) -> None:
 
 
 def test_timeout_bounds_streams_and_cancels_the_request(engine) -> None:
-    engine.runner._eos = set()  # the random tiny model must not stop the long answer early
+    engine.executor.eos_ids = frozenset()  # the random tiny model must not stop the long answer early
     llm = PCRLLM(engine=engine, max_new_tokens=2000, timeout=0.3)
     with pytest.raises(TimeoutError):
         for _ in llm.stream_complete("hello"):

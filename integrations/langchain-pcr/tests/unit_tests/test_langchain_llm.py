@@ -71,7 +71,8 @@ def test_chat_streaming_matches_invoke_and_ends_with_usage(engine) -> None:
 
 
 def test_async_invoke_does_not_block_the_event_loop(engine) -> None:
-    llm = ChatPCR(engine=engine, max_tokens=6)
+    engine.executor.eos_ids = frozenset()  # long enough that a blocked loop would show
+    llm = ChatPCR(engine=engine, max_tokens=64)
 
     async def main():
         ticks = 0
@@ -108,7 +109,7 @@ def test_unknown_kwargs_and_unsupported_messages() -> None:
 
 
 def test_timeout_bounds_streams_and_cancels_the_request(engine) -> None:
-    engine.runner._eos = set()  # the random tiny model must not stop the long answer early
+    engine.executor.eos_ids = frozenset()  # the random tiny model must not stop the long answer early
     chat = ChatPCR(engine=engine, max_tokens=2000, timeout=0.3)
     with pytest.raises(TimeoutError):
         for _ in chat.stream("hello"):
