@@ -105,3 +105,63 @@ def test_dram_ssd_dram_round_trip_and_restart(tmp_path):
         assert a.token_ids == b.token_ids == c.token_ids == d.token_ids
         assert torch.equal(a.first_token_logits, d.first_token_logits)
         assert torch.equal(a.first_token_logits, c.first_token_logits)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_cached_equals_uncached_equals_other_splits(arch, dtype, chunk_size, tmp_path):
+    """Cached == uncached == prefilled in other step sizes, bit for bit, with partial chunks (each document is
+    chunked on its own, so its last chunk is partial) and Gemma 3's sliding windows."""
+    model, tok = tiny_model(arch, dtype=dtype)
+    long = [(("d1", "d2", "d3"), "q a"), (("d1", "d2"), "q b"), (("d1", "d2", "d3"), "q c")]
+    reqs = [tuple(DOCS[d] * 3 for d in docs) for docs, _ in long]
+    outs = []
+    for enable, step in ((False, 4096), (True, 16), (True, 100), (False, 7)):
+        with _engine(model, tok, tmp_path, f"s{enable}{step}", chunk_size=chunk_size, enable_cache=enable,
+                     dtype=dtype, prefill_chunk_tokens=step) as eng:
+            runs = [eng.generate(q, list(d)) for d, (_, q) in zip(reqs, long)]
+            outs.append(runs + [eng.generate(q, list(d)) for d, (_, q) in zip(reqs, long)])
+    assert outs[1][1].metrics.reused_tokens > 0 and outs[1][3].metrics.reused_tokens > 0
+    assert any(c.partial for c in _plan_of(tok, model, tmp_path, chunk_size, reqs[0], long[0][1]))
+    for runs in outs[1:]:
+        for a, b in zip(outs[0], runs):
+            assert a.token_ids == b.token_ids
+            assert torch.equal(a.first_token_logits, b.first_token_logits)
+
+
+def _plan_of(tok, model, tmp_path, chunk_size, docs, q):
+    with _engine(model, tok, tmp_path, "plan", chunk_size=chunk_size, enable_cache=False) as eng:
+        return eng.plan_for(q, list(docs))
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantized_weights_cached_equals_uncached(weights, tmp_path):
+    model, tok = tiny_model("llama", dtype=torch.bfloat16)
+    with _engine(model, tok, tmp_path, "off", enable_cache=False, dtype=torch.bfloat16, weights=weights) as off:
+        ref = _run_all(off)
+        assert weights in off.forward.plan_id
+    with _engine(model, tok, tmp_path, "on", dtype=torch.bfloat16, weights=weights) as on:
+        got = _run_all(on) + _run_all(on)
+        assert got[-1].metrics.reused_tokens > 0
+        root = on.root_key
+    with _engine(model, tok, tmp_path, "dense", dtype=torch.bfloat16) as dense:
+        assert dense.root_key != root, "KV never crosses weight formats"
+    for a, b in zip(ref + ref, got):
+        assert a.token_ids == b.token_ids and torch.equal(a.first_token_logits, b.first_token_logits)
+
+
+def test_missing_quantized_kernel_falls_back_with_one_warning(tmp_path, monkeypatch, caplog):
+    from pcr_rag.runtime import weights as weights_mod
+
+    def broken(*_a, **_k):
+        raise RuntimeError("no int8 kernel in this build")
+
+    monkeypatch.setattr(weights_mod.torch, "_weight_int8pack_mm", broken)
+    model, tok = tiny_model("llama", dtype=torch.bfloat16)
+    with caplog.at_level("WARNING", logger="pcr_rag.runtime.weights"):
+        with _engine(model, tok, tmp_path, "fb", dtype=torch.bfloat16, weights="int8") as eng:
+            assert eng.forward.weights == "bf16"
+            eng.generate("q", [DOCS["d1"]])
+    warnings = [r for r in caplog.records if "int8" in r.getMessage()]
+    assert len(warnings) == 1 and "no int8 kernel" in warnings[0].getMessage()
