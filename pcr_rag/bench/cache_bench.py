@@ -33,7 +33,8 @@ from pcr_rag.cache import (
     chunk_key,
     namespace_key,
 )
-from pcr_rag.cache.ssd import ChunkMeta, SSDStore
+from pcr_rag.cache.tiers.chunk_file import ChunkMeta
+from pcr_rag.cache.tiers.ssd_store import SSDStore
 from pcr_rag.units import format_bytes
 
 # SmolLM2-135M: 30 layers, 3 kv heads, head_dim 64, bf16
