@@ -1,22 +1,11 @@
 """CacheEngine: the locked front of the cache. It wires the parts and owns the request-facing calls.
 
-Parts (each testable on its own): the prefix tree and ``ResidencyIndex`` (which tier holds what, budgets,
-eviction), the tiers (``tiers/``: device and DRAM memory, SSD files), ``WriteBack`` (memory -> storage),
-``Loader`` (storage -> DRAM, verified reads) and the lease objects (``lease``). One ``EngineLock`` guards all
-metadata; payload copies and I/O run outside it.
-
-Contract (see docs/DESIGN.md, "Cache engine"):
-- A chunk node is in the prefix tree iff its KV is in at least one tier; its parent is always in the tree.
-- Each tier has a byte budget that is never exceeded: bytes are reserved under the lock before any copy or write.
-- Only leaves of a tier are evicted from it, in the policy's order (look-ahead LRU offers protected chunks last);
-  pinned chunks never. A memory copy whose write-back is pending is kept; an insert that needs its room waits up
-  to ``writeback_wait_s``.
-- An insert lands in the memory tiers, queued for write-back to SSD. When no memory tier can make room (e.g. DRAM
-  full of chunks that running requests pin), the chunk is written through to SSD instead: it is rejected only
-  when SSD has no room either (or there is no SSD tier), so a small DRAM never switches caching off.
-- Every copy read from storage is verified; a bad one is dropped and counted, and the reader told to recompute.
-- Payloads are tensors ``[layers, 2, kv_heads, tokens, head_dim]`` or metadata-only ``VirtualPayload`` s (the
-  simulator's mode: same accounting and policy, no bytes).
+Parts, each testable on its own: ``ResidencyIndex`` (prefix tree, which tier holds what, budgets, eviction), the
+tiers behind ``tiers.base.KVTier`` (device and DRAM memory, SSD files), ``WriteBack`` (memory -> storage, and
+write-through), ``Loader`` (storage -> DRAM, verified reads) and the objects callers hold (``lease``). One
+``EngineLock`` guards all metadata; payload copies and I/O run outside it. The contract is in docs/DESIGN.md
+("Cache engine"); an insert that finds no memory room is written through to SSD, so a small DRAM never switches
+caching off.
 """
 
 from __future__ import annotations
@@ -37,29 +26,17 @@ from pcr_rag.cache.loader import Loader
 from pcr_rag.cache.node import CacheNode, fastest_tier
 from pcr_rag.cache.payload import Payload, VirtualPayload, payload_num_layers, validate_payload
 from pcr_rag.cache.policy import make_policy
-from pcr_rag.cache.residency import ResidencyIndex, Room
+from pcr_rag.cache.recovery import recover
+from pcr_rag.cache.residency import ResidencyIndex
 from pcr_rag.cache.stats import CacheStats
 from pcr_rag.cache.storage import StorageBackend
-from pcr_rag.cache.tiers.base import ChunkRecord, KVTier, PayloadLayers, Tier, TierKind, tier_bit
-from pcr_rag.cache.tiers.memory import MemoryTier
-from pcr_rag.cache.tiers.ssd import open_ssd_tier
+from pcr_rag.cache.tiers import build_tiers
+from pcr_rag.cache.tiers.base import ChunkRecord, PayloadLayers, Tier, TierKind, tier_bit
 from pcr_rag.cache.writeback import WriteBack
 
 __all__ = ["CacheEngine", "Lease", "MatchResult"]
 
 log = logging.getLogger(__name__)
-
-
-def _build_tiers(config: CacheConfig, storage: StorageBackend | None) -> list[KVTier]:
-    """The active tiers, fastest first: one line per tier."""
-    tiers: list[KVTier] = []
-    if config.has_device_tier:
-        tiers.append(MemoryTier(Tier.DEVICE, int(config.device_bytes), device=torch.device(config.device)))
-    tiers.append(MemoryTier(Tier.DRAM, int(config.dram_bytes), pin_memory=config.pin_dram))
-    ssd = open_ssd_tier(config, storage)
-    if ssd is not None:
-        tiers.append(ssd)
-    return tiers
 
 
 class CacheEngine:
@@ -73,13 +50,13 @@ class CacheEngine:
         self._sync = EngineLock()
         self._lock = self._sync.lock
         self._stats = CacheStats()
-        self._tiers = _build_tiers(config, storage)
+        self._tiers = build_tiers(config, storage)
         self._memory = [t for t in self._tiers if t.kind is TierKind.MEMORY]
         self._memory_bits = sum(tier_bit(t.tier) for t in self._memory)
         self._storage = next((t for t in self._tiers if t.kind is TierKind.STORAGE), None)
         self._index = ResidencyIndex(self._tiers, make_policy(config.policy), self.clock, self._stats)
         try:
-            self._recover()
+            recover(self._tiers, self._index, self._sync)
         except BaseException:
             for tier in self._tiers:
                 tier.close()
@@ -90,27 +67,6 @@ class CacheEngine:
         self._loader = Loader(
             self._sync, self._index, self._writeback, self._stats, workers=None if config.sync_io else config.io_workers
         )
-
-    def _recover(self) -> None:
-        """Rebuild the tree from what the persistent tiers still hold (drop bad copies and orphans, trim)."""
-        for tier in self._tiers:
-            found = tier.recover()
-            self._stats.corrupt_chunks_dropped += found.corrupt
-            with self._lock:
-                orphans = self._index.restore(tier.tier, found.chunks)
-                for chunk in orphans:
-                    tier.drop(chunk)
-                self._stats.orphans_dropped += len(orphans)
-                self._stats.recovered_chunks = len(self._index.tree)
-            if found.chunks or found.corrupt:
-                log.info(
-                    "%s cache %s: recovered %d chunks, dropped %d corrupt and %d orphan copies",
-                    tier.tier.value,
-                    tier.describe(),
-                    len(found.chunks) - len(orphans),
-                    found.corrupt,
-                    len(orphans),
-                )
 
     # ================================================================== queries
     @property
@@ -329,7 +285,7 @@ class CacheEngine:
                     return True
                 if written_elsewhere:
                     return True
-                if parent_gone or (not reserved and not self._reserve_write_through(chunk)):
+                if parent_gone or (not reserved and not self._writeback.reserve_through(chunk)):
                     self._stats.inserts_rejected += 1
                     return False
                 through = not reserved
@@ -338,53 +294,16 @@ class CacheEngine:
                     for t in reserved:
                         t.store(node, placed[t.tier])
                         index.mark_resident(node, t.tier)
-                    self._inserted(node, tokens)
+                    index.inserted(node, tokens)
                     if self._storage is not None and self._writeback.enqueue(node):
                         write_inline = node
             finally:
                 if parent is not None and not through:
                     parent.tree_holds -= 1
         if through:
-            return self._write_through(chunk, payload, parent, tokens)
+            return self._writeback.write_through(chunk, payload, parent, tokens)
         if write_inline is not None:
             self._writeback.write(write_inline)
-        return True
-
-    def _inserted(self, node: CacheNode, tokens: Sequence[int] | None) -> None:
-        self._stats.inserts += 1
-        if tokens is not None and not node.partial:
-            self._index.supersede_partial_siblings(node, tokens)
-
-    def _reserve_write_through(self, chunk: ChunkRecord) -> bool:
-        """Reserve storage room for a chunk no memory tier could take (lock held); it is then being written."""
-        target = self._storage
-        if target is None or self._index.make_room(target.tier, target.charge(chunk)) is not Room.RESERVED:
-            return False
-        self._writeback.writing_through.add(chunk.key)
-        return True
-
-    def _write_through(
-        self, chunk: ChunkRecord, payload: Payload, parent: CacheNode | None, tokens: Sequence[int] | None
-    ) -> bool:
-        """Write a reserved chunk straight to storage, then add its node there (``parent`` is held until now)."""
-        target = self._storage
-        assert target is not None
-        error = self._writeback.store_through(chunk, target.place(payload))
-        with self._lock:
-            self._writeback.writing_through.discard(chunk.key)
-            self._sync.cond.notify_all()
-            if parent is not None:
-                parent.tree_holds -= 1
-            if error is not None or (parent is not None and parent.removed):
-                self._index.release(target.tier, target.charge(chunk))
-                if error is None:
-                    target.drop(chunk)
-                self._stats.inserts_rejected += 1
-                return False
-            node = self._index.add_node(chunk)
-            self._index.mark_resident(node, target.tier)
-            self._stats.write_through += 1
-            self._inserted(node, tokens)
         return True
 
     def _refresh_existing(self, node: CacheNode, dram_copy: Payload) -> None:

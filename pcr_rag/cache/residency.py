@@ -18,9 +18,9 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from enum import Enum
 
+from pcr_rag.cache.budget import TierBudget
 from pcr_rag.cache.clock import Clock
 from pcr_rag.cache.keys import tokens_digest
 from pcr_rag.cache.node import CacheNode, WriteBackState
@@ -29,7 +29,7 @@ from pcr_rag.cache.prefix_tree import Node, PrefixTree
 from pcr_rag.cache.stats import CacheStats
 from pcr_rag.cache.tiers.base import TIER_ORDER, ChunkRecord, ChunkRef, KVTier, Tier, TierKind, tier_bit
 
-__all__ = ["Evictability", "ResidencyIndex", "Room", "TierBudget"]
+__all__ = ["Evictability", "ResidencyIndex", "Room"]
 
 log = logging.getLogger(__name__)
 
@@ -48,38 +48,6 @@ class Room(Enum):
     RESERVED = "reserved"  # the bytes are reserved: the caller now owns them
     NO_ROOM = "no-room"
     AFTER_WRITEBACK = "after-writeback"  # room could be made once pending write-backs finish
-
-
-@dataclass
-class TierBudget:
-    """Byte accounting of one tier: ``used`` counts bytes stored plus bytes reserved for transfers in flight and
-    never exceeds ``capacity`` (``reserve`` refuses instead); ``high_water`` is the maximum ``used`` reached."""
-
-    tier: Tier
-    capacity: int
-    used: int = 0
-    high_water: int = 0
-    chunks: int = 0
-
-    @property
-    def free(self) -> int:
-        return self.capacity - self.used
-
-    def reserve(self, nbytes: int) -> bool:
-        """Take ``nbytes`` if they fit; return False (and take nothing) otherwise."""
-        if nbytes < 0:
-            raise ValueError(f"cannot reserve {nbytes} bytes")
-        if self.used + nbytes > self.capacity:
-            return False
-        self.used += nbytes
-        if self.used > self.high_water:
-            self.high_water = self.used
-        return True
-
-    def release(self, nbytes: int) -> None:
-        if nbytes < 0 or nbytes > self.used:
-            raise AssertionError(f"{self.tier.value}: releasing {nbytes} bytes with only {self.used} used")
-        self.used -= nbytes
 
 
 class ResidencyIndex:
@@ -306,11 +274,17 @@ class ResidencyIndex:
             return Room.RESERVED
         return Room.AFTER_WRITEBACK if waits else Room.NO_ROOM
 
+    def inserted(self, node: CacheNode, tokens: Sequence[int] | None) -> None:
+        """Count a new chunk; a full one given its ``tokens`` supersedes partial siblings it extends."""
+        self.stats.inserts += 1
+        if tokens is not None and not node.partial:
+            self.supersede_partial_siblings(node, tokens)
+
     def release(self, tier: Tier, nbytes: int) -> None:
         """Give back bytes reserved by ``make_room`` and not used."""
         self.budgets[tier].release(nbytes)
 
-    # ------------------------------------------------------------------ supersede and recovery
+    # ------------------------------------------------------------------ inserts
     def supersede_partial_siblings(self, node: CacheNode, tokens: Sequence[int]) -> None:
         """A full chunk whose tokens start with a partial leaf sibling's tokens replaces it: the sibling is dropped,
         or, while in use, moved to the front of every eviction order."""
@@ -329,36 +303,6 @@ class ResidencyIndex:
                 sib.use_seq = next(self._seq)
                 for order in self.orders.values():
                     order.touched(sib)
-
-    def restore(self, tier: Tier, chunks: Sequence[ChunkRecord]) -> list[ChunkRecord]:
-        """Rebuild the nodes of the chunks a persistent ``tier`` recovered (oldest write first = least recently
-        used), parents before children, then trim the tier to its budget. Returns the orphans (parent missing):
-        the caller drops their copies."""
-        by_parent: dict[bytes, list[ChunkRecord]] = {}
-        for c in chunks:
-            by_parent.setdefault(c.parent_key, []).append(c)
-        budget = self.budgets[tier]
-        added: dict[bytes, CacheNode] = {}
-        frontier = [c for c in chunks if c.parent_is_root]
-        while frontier:
-            next_frontier: list[ChunkRecord] = []
-            for c in frontier:
-                if c.key in added:
-                    continue
-                node = self.add_node(c)
-                budget.used += c.charged_bytes  # trimmed below if the tier holds more than its budget
-                self.mark_resident(node, tier)
-                added[c.key] = node
-                next_frontier.extend(by_parent.get(c.key, ()))
-            frontier = next_frontier
-        for c in chunks:
-            node = added.get(c.key)
-            if node is not None:
-                self.touch(node)
-        if budget.used > budget.capacity:
-            self.evict(tier, budget.used - budget.capacity)
-        budget.high_water = budget.used
-        return [c for c in chunks if c.key not in added]
 
     # ------------------------------------------------------------------ checks
     def check(self, quiet: bool) -> None:

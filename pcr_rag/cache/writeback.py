@@ -8,8 +8,9 @@
   (``writes_failed``, logged once per errno); no storage room leaves it there too (``writes_skipped``).
 - ``make_room`` is the residency index's, plus backpressure: when the only candidates are memory copies still
   waiting for their write, the caller waits up to ``wait_s`` for the writer instead of losing them.
-- Write-through: a chunk that gets no memory room at all is written straight to storage by the inserting thread
-  (``store_through``); its key is in ``writing_through`` meanwhile, and ``flush`` waits for it too.
+- Write-through: a chunk that gets no memory room at all (e.g. DRAM full of chunks pinned by running requests) is
+  written straight to storage by the inserting thread (``reserve_through`` + ``write_through``), so a small DRAM
+  never switches caching off; its key is in ``writing_through`` meanwhile, and ``flush`` waits for it too.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 
 from pcr_rag.cache.engine_lock import EngineLock
 from pcr_rag.cache.node import CacheNode, WriteBackState
@@ -177,19 +179,48 @@ class WriteBack:
                     self._stats.writes_done += 1
             cond.notify_all()
 
-    def store_through(self, chunk: ChunkRecord, payload: Payload) -> BaseException | None:
-        """Write a chunk with no memory copy straight to the target tier (its bytes reserved by the caller).
-        Returns the error (counted and logged) or None."""
-        assert self.target is not None
+    def reserve_through(self, chunk: ChunkRecord) -> bool:
+        """Reserve storage room for a chunk no memory tier could take (lock held); its key is then in
+        ``writing_through`` until ``write_through`` ends."""
+        target = self.target
+        if target is None or self._index.make_room(target.tier, target.charge(chunk)) is not Room.RESERVED:
+            return False
+        self.writing_through.add(chunk.key)
+        return True
+
+    def write_through(
+        self, chunk: ChunkRecord, payload: Payload, parent: CacheNode | None, tokens: Sequence[int] | None
+    ) -> bool:
+        """Write a chunk reserved by ``reserve_through`` straight to storage (no lock held), then add its node
+        there. Releases ``parent``'s tree hold (taken by the caller). False, counted as a rejected insert, when
+        the write fails (counted and logged like a write-back) or the parent left the tree meanwhile."""
+        target = self.target
+        assert target is not None
+        error: BaseException | None = None
         try:
-            self.target.store(chunk, payload)
+            target.store(chunk, target.place(payload))
         except Exception as exc:  # as in write(): any failure is a counted miss, never raised
-            with self._sync.lock:
-                self._record_error(exc)
-            return exc
+            error = exc
         with self._sync.lock:
-            self._record_success()
-        return None
+            self.writing_through.discard(chunk.key)
+            self._sync.cond.notify_all()
+            if parent is not None:
+                parent.tree_holds -= 1
+            if error is not None:
+                self._record_error(error)
+            else:
+                self._record_success()
+            if error is not None or (parent is not None and parent.removed):
+                self._index.release(target.tier, target.charge(chunk))
+                if error is None:
+                    target.drop(chunk)
+                self._stats.inserts_rejected += 1
+                return False
+            node = self._index.add_node(chunk)
+            self._index.mark_resident(node, target.tier)
+            self._stats.write_through += 1
+            self._index.inserted(node, tokens)
+        return True
 
     def _run(self) -> None:
         cond = self._sync.cond
