@@ -3,8 +3,10 @@
 Fields (all mutated under the engine lock):
 - ``nbytes`` / ``num_layers``: the payload's size and layer count; ``virtual``: metadata-only (no bytes anywhere);
   ``partial``: fewer tokens than a full chunk; ``tokens_digest``: digest of a partial chunk's tokens (supersede).
-- ``resident_mask``: bit ``tier_bit(t)`` set while tier ``t`` holds a copy; ``resident_children[i]``: children
-  with a copy in tier ``TIER_ORDER[i]`` (0 there means the node is one of that tier's eviction leaves).
+- ``resident_mask``: bit ``tier_bit(t)`` set while tier ``t`` holds a copy; ``resident_children``: for each tier,
+  how many children have a copy there (0 means the node is one of that tier's eviction leaves), packed
+  ``CHILD_COUNT_BITS`` bits per tier into one int (``children_in`` reads one; a list per node would cost ~80
+  bytes at millions of nodes).
 - ``used_at`` (clock seconds) and ``use_seq`` (unique, increasing): the LRU stamp of the last use.
 - ``pins``: leases, loads and reads using the node now: no copy of it is dropped by eviction.
 - ``tree_holds``: internal holds that keep the node in the tree (its copies may still be demoted).
@@ -18,7 +20,10 @@ from enum import Enum
 from pcr_rag.cache.prefix_tree import Node
 from pcr_rag.cache.tiers.base import TIER_ORDER, Tier, tier_bit
 
-__all__ = ["CacheNode", "WriteBackState"]
+__all__ = ["CHILD_COUNT_BITS", "CHILD_COUNT_MASK", "CacheNode", "WriteBackState", "child_count_shift", "children_in", "fastest_tier"]
+
+CHILD_COUNT_BITS = 32
+CHILD_COUNT_MASK = (1 << CHILD_COUNT_BITS) - 1
 
 
 class WriteBackState(Enum):
@@ -34,6 +39,16 @@ class WriteBackState(Enum):
 _MASKS = range(1 << len(TIER_ORDER))
 _MASK_TIERS = [frozenset(t for t in TIER_ORDER if m & tier_bit(t)) for m in _MASKS]
 _MASK_FASTEST: list[Tier | None] = [next((t for t in TIER_ORDER if m & tier_bit(t)), None) for m in _MASKS]
+
+
+def child_count_shift(tier: Tier) -> int:
+    """Bit offset of ``tier``'s count in ``CacheNode.resident_children``."""
+    return CHILD_COUNT_BITS * tier.index
+
+
+def children_in(node: CacheNode, tier: Tier) -> int:
+    """How many children of ``node`` have a copy in ``tier``."""
+    return (node.resident_children >> child_count_shift(tier)) & CHILD_COUNT_MASK
 
 
 def fastest_tier(mask: int) -> Tier | None:
@@ -68,7 +83,7 @@ class CacheNode(Node):
         self.virtual = False
         self.tokens_digest: bytes | None = None
         self.resident_mask = 0
-        self.resident_children = [0] * len(TIER_ORDER)
+        self.resident_children = 0
         self.used_at = 0.0
         self.use_seq = 0
         self.pins = 0

@@ -23,7 +23,7 @@ from enum import Enum
 from pcr_rag.cache.budget import TierBudget
 from pcr_rag.cache.clock import Clock
 from pcr_rag.cache.keys import tokens_digest
-from pcr_rag.cache.node import CacheNode, WriteBackState
+from pcr_rag.cache.node import CHILD_COUNT_MASK, CacheNode, WriteBackState, child_count_shift, children_in
 from pcr_rag.cache.policy import EvictionPolicy, LeafOrder
 from pcr_rag.cache.prefix_tree import Node, PrefixTree
 from pcr_rag.cache.stats import CacheStats
@@ -55,6 +55,7 @@ class ResidencyIndex:
 
     def __init__(self, tiers: Sequence[KVTier], policy: EvictionPolicy, clock: Clock, stats: CacheStats) -> None:
         self.tree = PrefixTree(self._new_node)
+        self.get: Callable[[bytes], CacheNode | None] = self.tree.index.get  # type: ignore[assignment]  # key -> node
         self.policy = policy
         self.clock = clock
         self.stats = stats
@@ -76,9 +77,6 @@ class ResidencyIndex:
         node.used_at = self.clock.now()
         node.use_seq = next(self._seq)  # unique from birth: LRU heap entries never tie
         return node
-
-    def get(self, key: bytes) -> CacheNode | None:
-        return self.tree.get(key)  # type: ignore[return-value]
 
     def add_node(self, chunk: ChunkRef | ChunkRecord) -> CacheNode:
         """A new node for ``chunk`` in no tier yet (its parent must be a root or in the tree)."""
@@ -135,23 +133,23 @@ class ResidencyIndex:
         """Record that ``tier`` now holds a copy of ``node`` (its bytes were reserved by ``make_room``)."""
         bit = tier_bit(tier)
         assert not node.resident_mask & bit
-        i = tier.index
+        shift = child_count_shift(tier)
         node.resident_mask |= bit
         self.budgets[tier].chunks += 1
-        if node.resident_children[i] == 0:
+        if not (node.resident_children >> shift) & CHILD_COUNT_MASK:
             self.orders[tier].add(node)
         parent = node.parent
         if not parent.is_root:
             assert isinstance(parent, CacheNode)
-            parent.resident_children[i] += 1
-            if parent.resident_children[i] == 1:
+            parent.resident_children += 1 << shift
+            if (parent.resident_children >> shift) & CHILD_COUNT_MASK == 1:
                 self.orders[tier].discard(parent)
 
     def drop_copy(self, node: CacheNode, tier: Tier) -> None:
         """Drop ``tier``'s copy of ``node`` (through the tier) and release its bytes; the node stays in the tree."""
         bit = tier_bit(tier)
         assert node.resident_mask & bit
-        i = tier.index
+        shift = child_count_shift(tier)
         node.resident_mask &= ~bit
         budget = self.budgets[tier]
         store = self.tiers[tier]
@@ -162,8 +160,8 @@ class ResidencyIndex:
         parent = node.parent
         if not parent.is_root:
             assert isinstance(parent, CacheNode)
-            parent.resident_children[i] -= 1
-            if parent.resident_children[i] == 0 and parent.resident_mask & bit:
+            parent.resident_children -= 1 << shift
+            if not (parent.resident_children >> shift) & CHILD_COUNT_MASK and parent.resident_mask & bit:
                 self.orders[tier].add(parent)
 
     def _remove(self, node: CacheNode) -> None:
@@ -266,6 +264,8 @@ class ResidencyIndex:
     def make_room(self, tier: Tier, nbytes: int) -> Room:
         """Reserve ``nbytes`` in ``tier``, evicting by policy as needed (never waits)."""
         budget = self.budgets[tier]
+        if budget.reserve(nbytes):
+            return Room.RESERVED
         if nbytes > budget.capacity:
             return Room.NO_ROOM
         done, waits = self._evict_pass(tier, lambda: budget.free >= nbytes)
@@ -326,7 +326,7 @@ class ResidencyIndex:
                 if store is not None and not (node.virtual and store.kind is TierKind.STORAGE):
                     assert store.holds(node) == res, f"{t.value} copy of {node!r} disagrees with its residency"
                 n_child = sum(1 for c in node.children or () if c.resident_mask & bit)  # type: ignore[attr-defined]
-                assert node.resident_children[i] == n_child, f"child count of {node!r} in {t.value} is wrong"
+                assert children_in(node, t) == n_child, f"child count of {node!r} in {t.value} is wrong"
                 assert (node in self.orders[t]) == (res and n_child == 0), f"{t.value} leaf set wrong for {node!r}"
             assert node.pins >= 0
         pinned_live = sum(1 for n in self.tree.iter_nodes() if n.pins)  # type: ignore[attr-defined]
@@ -336,8 +336,7 @@ class ResidencyIndex:
             assert b.chunks == counts[i], f"{t.value} chunk count {b.chunks} != {counts[i]}"
             assert 0 <= b.used <= b.capacity, f"{t.value} over budget: {b.used} > {b.capacity}"
             assert b.high_water <= b.capacity
-            assert len(self.orders[t]) == sum(
-                1 for n in self.tree.iter_nodes() if n.resident_mask & tier_bit(t) and not n.resident_children[i]  # type: ignore[attr-defined]
-            )
+            leaves = [n for n in self.tree.iter_nodes() if n.resident_mask & tier_bit(t) and not children_in(n, t)]  # type: ignore[attr-defined,arg-type]
+            assert len(self.orders[t]) == len(leaves), f"{t.value} leaf set has {len(self.orders[t])} nodes"
             if quiet:
                 assert b.used == used[i], f"{t.value} bytes used {b.used} != stored {used[i]}"

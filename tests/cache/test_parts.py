@@ -24,7 +24,8 @@ from pcr_rag.cache.node import WriteBackState
 from pcr_rag.cache.policy import make_policy
 from pcr_rag.cache.residency import Evictability, ResidencyIndex, Room
 from pcr_rag.cache.stats import CacheStats
-from pcr_rag.cache.tiers import ChunkRecord, KVTier, MemoryTier, SsdTier, TierKind
+from pcr_rag.cache.tiers import KVTier, MemoryTier, SsdTier, TierKind
+from pcr_rag.cache.tiers.base import ChunkRecord
 from pcr_rag.cache.tiers.chunk_file import ChunkMeta, chunk_file_bytes, chunk_name
 from pcr_rag.cache.tiers.ssd_store import SSDStore
 from pcr_rag.cache.writeback import WriteBack

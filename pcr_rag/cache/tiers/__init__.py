@@ -2,41 +2,17 @@
 ``ssd`` (chunk files: ``chunk_file`` format, ``ssd_store`` on a storage backend). ``build_tiers`` wires the
 active ones for a config."""
 
+from __future__ import annotations
+
 import torch
 
 from pcr_rag.cache.config import CacheConfig
 from pcr_rag.cache.storage import StorageBackend
-from pcr_rag.cache.tiers.base import (
-    TIER_ORDER,
-    ChunkRecord,
-    ChunkRef,
-    KVTier,
-    LayerSource,
-    PayloadLayers,
-    Tier,
-    TierKind,
-    TierRecovery,
-    tier_bit,
-)
+from pcr_rag.cache.tiers.base import KVTier, Tier, TierKind
 from pcr_rag.cache.tiers.memory import MemoryTier
 from pcr_rag.cache.tiers.ssd import SsdTier, open_ssd_tier
 
-__all__ = [
-    "TIER_ORDER",
-    "ChunkRecord",
-    "ChunkRef",
-    "KVTier",
-    "LayerSource",
-    "MemoryTier",
-    "PayloadLayers",
-    "SsdTier",
-    "Tier",
-    "TierKind",
-    "TierRecovery",
-    "build_tiers",
-    "open_ssd_tier",
-    "tier_bit",
-]
+__all__ = ["KVTier", "MemoryTier", "SsdTier", "Tier", "TierKind", "build_tiers", "open_ssd_tier"]
 
 
 def build_tiers(config: CacheConfig, storage: StorageBackend | None) -> list[KVTier]:

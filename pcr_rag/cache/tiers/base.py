@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -97,10 +97,10 @@ class ChunkRef(Protocol):
     def parent_is_root(self) -> bool: ...
 
 
-@dataclass(frozen=True)
-class ChunkRecord:
-    """A chunk that has no cache node (yet): one being written through to storage, or one a tier recovered.
-    ``charged_bytes`` is what the recovering tier's budget is charged for it (0 when not from a tier)."""
+class ChunkRecord(NamedTuple):
+    """A chunk that has no cache node (yet): one being inserted or written through, or one a tier recovered.
+    ``charged_bytes`` is what the recovering tier's budget is charged for it (0 when not from a tier). A named
+    tuple: immutable and cheap to build on the insert path."""
 
     key: bytes
     parent_key: bytes
