@@ -282,8 +282,7 @@ class CacheEngine:
                         index.release(t.tier, chunk.nbytes)
                 if existing is not None:
                     index.touch(existing)
-                    return True
-                if written_elsewhere:
+                if existing is not None or written_elsewhere:
                     return True
                 if parent_gone or (not reserved and not self._writeback.reserve_through(chunk)):
                     self._stats.inserts_rejected += 1
