@@ -52,6 +52,7 @@ class CacheEngine:
         self._stats = CacheStats()
         self._tiers = build_tiers(config, storage)
         self._memory = [t for t in self._tiers if t.kind is TierKind.MEMORY]
+        self._dram = next(t for t in self._memory if t.tier is Tier.DRAM)
         self._memory_bits = sum(tier_bit(t.tier) for t in self._memory)
         self._storage = next((t for t in self._tiers if t.kind is TierKind.STORAGE), None)
         self._index = ResidencyIndex(self._tiers, make_policy(config.policy), self.clock, self._stats)
@@ -243,18 +244,13 @@ class CacheEngine:
         payload = validate_payload(payload, spec.num_tokens)
         if tokens is not None and len(tokens) != spec.num_tokens:
             raise ValueError(f"tokens has {len(tokens)} ids but the chunk spans {spec.num_tokens} tokens")
-        chunk = ChunkRecord(
-            key=spec.key,
-            parent_key=spec.parent,
-            parent_is_root=spec.start == 0,
-            num_tokens=spec.num_tokens,
-            partial=spec.partial,
-            tokens_digest=tokens_digest(tokens) if (tokens is not None and spec.partial) else None,
-            nbytes=int(payload.nbytes),
-            num_layers=payload_num_layers(payload),
-            virtual=isinstance(payload, VirtualPayload),
-        )
-        placed = {t.tier: t.place(payload) for t in self._memory}
+        digest = tokens_digest(tokens) if (tokens is not None and spec.partial) else None
+        virtual = isinstance(payload, VirtualPayload)
+        # positional (the insert hot path): key, parent_key, parent_is_root, num_tokens, partial, tokens_digest,
+        # nbytes, num_layers, virtual
+        chunk = ChunkRecord(spec.key, spec.parent, spec.start == 0, spec.num_tokens, spec.partial, digest,
+                            int(payload.nbytes), payload_num_layers(payload), virtual)
+        placed = [(t, t.place(payload)) for t in self._memory]
         index = self._index
         write_inline: CacheNode | None = None
         through = False
@@ -262,7 +258,7 @@ class CacheEngine:
             self._sync.check_open()
             existing = index.get(spec.key)
             if existing is not None:
-                self._refresh_existing(existing, placed[Tier.DRAM])
+                self._refresh_existing(existing, next(copy for t, copy in placed if t is self._dram))
                 return True
             if spec.key in self._writeback.writing_through:
                 return True  # another thread is storing this very chunk
@@ -273,12 +269,12 @@ class CacheEngine:
             if parent is not None:
                 parent.tree_holds += 1  # keep the parent in the tree while room is made (the lock may be released)
             try:
-                reserved = [t for t in self._memory if self._writeback.make_room(t.tier, chunk.nbytes)]
+                reserved = [(t, copy) for t, copy in placed if self._writeback.make_room(t.tier, chunk.nbytes)]
                 existing = index.get(spec.key)  # re-check: the lock may have been released for room
                 parent_gone = parent is not None and parent.removed
                 written_elsewhere = spec.key in self._writeback.writing_through
                 if existing is not None or written_elsewhere or parent_gone or not reserved:
-                    for t in reserved:
+                    for t, _ in reserved:
                         index.release(t.tier, chunk.nbytes)
                 if existing is not None:
                     index.touch(existing)
@@ -290,8 +286,8 @@ class CacheEngine:
                 through = not reserved
                 if reserved:
                     node = index.add_node(chunk)
-                    for t in reserved:
-                        t.store(node, placed[t.tier])
+                    for t, copy in reserved:
+                        t.store(node, copy)
                         index.mark_resident(node, t.tier)
                     index.inserted(node, tokens)
                     if self._storage is not None and self._writeback.enqueue(node):
@@ -316,7 +312,7 @@ class CacheEngine:
                 if node.removed or node.resident_mask & tier_bit(Tier.DRAM):
                     self._index.release(Tier.DRAM, node.nbytes)
                 else:
-                    self._index.tiers[Tier.DRAM].store(node, dram_copy)
+                    self._dram.store(node, dram_copy)
                     self._index.mark_resident(node, Tier.DRAM)
         finally:
             node.tree_holds -= 1

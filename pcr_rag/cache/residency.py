@@ -70,6 +70,7 @@ class ResidencyIndex:
         self._memory_bits = sum(tier_bit(t) for t in self._memory)
         self._storage_bits = sum(tier_bit(t.tier) for t in tiers if t.kind is TierKind.STORAGE)
         self._slower_bits = {t: sum(tier_bit(s) for s in TIER_ORDER[t.index + 1 :]) for t in TIER_ORDER}
+        self._child_shift = {t: child_count_shift(t) for t in TIER_ORDER}
 
     # ------------------------------------------------------------------ nodes
     def _new_node(self, key: bytes, parent: Node, num_tokens: int) -> CacheNode:
@@ -133,7 +134,7 @@ class ResidencyIndex:
         """Record that ``tier`` now holds a copy of ``node`` (its bytes were reserved by ``make_room``)."""
         bit = tier_bit(tier)
         assert not node.resident_mask & bit
-        shift = child_count_shift(tier)
+        shift = self._child_shift[tier]
         node.resident_mask |= bit
         self.budgets[tier].chunks += 1
         if not (node.resident_children >> shift) & CHILD_COUNT_MASK:
@@ -149,7 +150,7 @@ class ResidencyIndex:
         """Drop ``tier``'s copy of ``node`` (through the tier) and release its bytes; the node stays in the tree."""
         bit = tier_bit(tier)
         assert node.resident_mask & bit
-        shift = child_count_shift(tier)
+        shift = self._child_shift[tier]
         node.resident_mask &= ~bit
         budget = self.budgets[tier]
         store = self.tiers[tier]

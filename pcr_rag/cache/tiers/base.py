@@ -60,6 +60,10 @@ class Tier(str, Enum):
     DRAM = "dram"
     SSD = "ssd"
 
+    # the value's hash, in C: Enum's own __hash__ is Python code, and tiers key the dicts of every insert and
+    # eviction (consistent with equality: a member equals its value string)
+    __hash__ = str.__hash__
+
     @property
     def index(self) -> int:
         return _INDEX[self]
