@@ -19,7 +19,6 @@ import torch
 from pcr_rag.cache.clock import Clock, MonotonicClock
 from pcr_rag.cache.config import CacheConfig
 from pcr_rag.cache.engine_lock import EngineLock
-from pcr_rag.cache.errors import ChunkNotFoundError
 from pcr_rag.cache.keys import ChunkSpec, tokens_digest
 from pcr_rag.cache.lease import ChunkLayerReader, Lease, MatchResult
 from pcr_rag.cache.loader import Loader
@@ -31,7 +30,7 @@ from pcr_rag.cache.residency import ResidencyIndex
 from pcr_rag.cache.stats import CacheStats
 from pcr_rag.cache.storage import StorageBackend
 from pcr_rag.cache.tiers import build_tiers
-from pcr_rag.cache.tiers.base import ChunkRecord, PayloadLayers, Tier, TierKind, tier_bit
+from pcr_rag.cache.tiers.base import ChunkRecord, Tier, TierKind, tier_bit
 from pcr_rag.cache.writeback import WriteBack
 
 __all__ = ["CacheEngine", "Lease", "MatchResult"]
@@ -63,10 +62,19 @@ class CacheEngine:
                 tier.close()
             raise
         self._writeback = WriteBack(
-            self._sync, self._index, self._storage, self._stats, inline=config.sync_io, wait_s=config.writeback_wait_s
+            self._sync,
+            self._index,
+            self._storage,
+            self._stats,
+            inline=config.sync_io,
+            wait_s=config.writeback_wait_s,
         )
         self._loader = Loader(
-            self._sync, self._index, self._writeback, self._stats, workers=None if config.sync_io else config.io_workers
+            self._sync,
+            self._index,
+            self._writeback,
+            self._stats,
+            workers=None if config.sync_io else config.io_workers,
         )
 
     # ================================================================== queries
@@ -148,71 +156,24 @@ class CacheEngine:
                 st.miss_tokens += sum(k.num_tokens for k in keys[len(nodes) : limit])  # type: ignore[union-attr]
             elif total_tokens is not None:
                 st.miss_tokens += max(0, total_tokens - hit_tokens)
-        return Lease(nodes, tiers, self._release)  # type: ignore[arg-type]
-
-    def _release(self, nodes: list[CacheNode]) -> None:
-        with self._lock:
-            self._index.unpin(nodes)
-
-    def _memory_copy(self, node: CacheNode) -> tuple[Tier, Payload] | None:
-        """The fastest memory copy of ``node`` (lock held)."""
-        if node.resident_mask & self._memory_bits:
-            for tier in self._memory:
-                copy = tier.get(node)
-                if copy is not None:
-                    return tier.tier, copy
-        return None
-
-    def _pin_for_read(self, key: bytes) -> tuple[CacheNode, Tier, Payload | None]:
-        """Pin the node of ``key`` and say where to read it: a memory copy, or the fastest storage tier (lock
-        held). Raises ChunkNotFoundError."""
-        node = self._index.get(key)
-        if node is None:
-            raise ChunkNotFoundError(f"chunk {key.hex()} is not cached; recompute it")
-        self._index.pin(node)
-        found = self._memory_copy(node)
-        if found is not None:
-            return node, found[0], found[1]
-        return node, node.fastest(), None
+        return Lease(nodes, tiers, self._loader.release)  # type: ignore[arg-type]
 
     def get_payload(self, key: bytes) -> Payload | None:
         """The chunk's payload when it is in device memory or DRAM (device preferred), else None. Hold a Lease
         while using it; the caller must not modify it."""
-        with self._lock:
-            node = self._index.get(key)
-            found = self._memory_copy(node) if node is not None else None
-            return found[1] if found is not None else None
+        return self._loader.get_payload(key)
 
     def read_layer(self, key: bytes, layer: int) -> torch.Tensor | VirtualPayload:
         """Layer ``layer`` of a chunk, ``[2, kv_heads, tokens, head_dim]``, from the fastest tier holding it; from
         storage only that layer is read, and verified. Raises ChunkNotFoundError when not cached and
         CorruptChunkError (after dropping the copy) when the stored copy fails verification."""
-        with self._lock:
-            node, tier, copy = self._pin_for_read(key)
-        try:
-            if copy is not None:
-                return copy[layer]
-            store = self._index.tiers[tier]
-            return self._loader.read_verified(node, tier, lambda: store.read_layer(node, layer))
-        finally:
-            self._release([node])
+        return self._loader.read_layer(key, layer)
 
     def open_layer_reader(self, key: bytes) -> ChunkLayerReader:
         """A reader of one chunk's layers for a layer-wise load: from memory when resident (views, no copy),
         else from storage with the chunk opened and its header verified once. The chunk stays pinned until the
         reader is closed. A layer that fails verification raises CorruptChunkError and that copy is dropped."""
-        with self._lock:
-            node, tier, copy = self._pin_for_read(key)
-        try:
-            if copy is not None:
-                source = PayloadLayers(copy)
-            else:
-                store = self._index.tiers[tier]
-                source = self._loader.read_verified(node, tier, lambda: store.open_layers(node))
-        except BaseException:
-            self._release([node])
-            raise
-        return ChunkLayerReader(node, tier, source, self._loader.read_verified, self._release)
+        return self._loader.open_layer_reader(key)
 
     def pending_loads(self, keys: Iterable[bytes]) -> list[Future[None]]:
         """Futures of storage -> DRAM loads in flight for any of ``keys`` (e.g. a prefetch a request can wait for
@@ -248,8 +209,17 @@ class CacheEngine:
         virtual = isinstance(payload, VirtualPayload)
         # positional (the insert hot path): key, parent_key, parent_is_root, num_tokens, partial, tokens_digest,
         # nbytes, num_layers, virtual
-        chunk = ChunkRecord(spec.key, spec.parent, spec.start == 0, spec.num_tokens, spec.partial, digest,
-                            int(payload.nbytes), payload_num_layers(payload), virtual)
+        chunk = ChunkRecord(
+            spec.key,
+            spec.parent,
+            spec.start == 0,
+            spec.num_tokens,
+            spec.partial,
+            digest,
+            int(payload.nbytes),
+            payload_num_layers(payload),
+            virtual,
+        )
         placed = [(t, t.place(payload)) for t in self._memory]
         index = self._index
         write_inline: CacheNode | None = None
@@ -267,9 +237,13 @@ class CacheEngine:
                 self._stats.inserts_rejected += 1
                 return False
             if parent is not None:
-                parent.tree_holds += 1  # keep the parent in the tree while room is made (the lock may be released)
+                parent.tree_holds += (
+                    1  # keep the parent in the tree while room is made (the lock may be released)
+                )
             try:
-                reserved = [(t, copy) for t, copy in placed if self._writeback.make_room(t.tier, chunk.nbytes)]
+                reserved = [
+                    (t, copy) for t, copy in placed if self._writeback.make_room(t.tier, chunk.nbytes)
+                ]
                 existing = index.get(spec.key)  # re-check: the lock may have been released for room
                 parent_gone = parent is not None and parent.removed
                 written_elsewhere = spec.key in self._writeback.writing_through
@@ -356,7 +330,9 @@ class CacheEngine:
 
     def stats(self) -> CacheStats:
         with self._lock:
-            st = CacheStats(**{k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(self._stats).items()})
+            st = CacheStats(
+                **{k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(self._stats).items()}
+            )
             st.writeback_queue_depth = self._writeback.depth
             st.pinned_chunks = self._index.pinned
             st.nodes = len(self._index.tree)

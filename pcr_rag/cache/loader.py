@@ -1,5 +1,5 @@
-"""Loads: storage -> DRAM copies of chunks, in flight at most once per chunk, on an I/O pool; and the one
-verified-read helper every storage read goes through.
+"""Reads: chunks read in place (``get_payload``, ``read_layer``, layer readers) and loads (storage -> DRAM
+copies, in flight at most once per chunk, on an I/O pool), all through the one verified-read helper.
 
 - ``read_verified`` runs a read of a tier's copy; when it fails (``CorruptChunkError``, or an ``OSError`` such
   as a missing file or a timeout) the copy is dropped (a node left in no tier goes with its subtree), counted in
@@ -17,12 +17,16 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
+import torch
+
 from pcr_rag.cache.engine_lock import EngineLock
-from pcr_rag.cache.errors import CacheClosedError, CorruptChunkError
+from pcr_rag.cache.errors import CacheClosedError, ChunkNotFoundError, CorruptChunkError
+from pcr_rag.cache.lease import ChunkLayerReader
 from pcr_rag.cache.node import CacheNode, fastest_tier
+from pcr_rag.cache.payload import Payload, VirtualPayload
 from pcr_rag.cache.residency import ResidencyIndex
 from pcr_rag.cache.stats import CacheStats
-from pcr_rag.cache.tiers.base import Tier, TierKind, tier_bit
+from pcr_rag.cache.tiers.base import LayerSource, PayloadLayers, Tier, TierKind, tier_bit
 from pcr_rag.cache.writeback import WriteBack
 
 __all__ = ["Loader"]
@@ -70,7 +74,13 @@ class Loader:
     """Loads into DRAM for one engine (see the module docstring). ``workers`` None runs loads inline."""
 
     def __init__(
-        self, sync: EngineLock, index: ResidencyIndex, writeback: WriteBack, stats: CacheStats, *, workers: int | None
+        self,
+        sync: EngineLock,
+        index: ResidencyIndex,
+        writeback: WriteBack,
+        stats: CacheStats,
+        *,
+        workers: int | None,
     ) -> None:
         self._sync = sync
         self._index = index
@@ -78,10 +88,13 @@ class Loader:
         self._stats = stats
         self._dram = index.tiers[Tier.DRAM]
         self._dram_bit = tier_bit(Tier.DRAM)
-        self._memory_bits = sum(tier_bit(t) for t, s in index.tiers.items() if s.kind is TierKind.MEMORY)
+        self._memory = [t for t in index.tiers.values() if t.kind is TierKind.MEMORY]  # fastest first
+        self._memory_bits = sum(tier_bit(t.tier) for t in self._memory)
         self._storage_bits = sum(tier_bit(t) for t, s in index.tiers.items() if s.kind is TierKind.STORAGE)
         self._loading: dict[CacheNode, Future[None]] = {}
-        self._pool = None if workers is None else ThreadPoolExecutor(workers, thread_name_prefix="pcr-cache-io")
+        self._pool = (
+            None if workers is None else ThreadPoolExecutor(workers, thread_name_prefix="pcr-cache-io")
+        )
 
     @property
     def idle(self) -> bool:
@@ -100,6 +113,61 @@ class Loader:
                 f"chunk {node.key.hex()} failed to read from {tier.value} ({exc}); dropped: recompute it"
             ) from exc
 
+    # ------------------------------------------------------------------ reads in place
+    def release(self, nodes: list[CacheNode]) -> None:
+        """Unpin what a lease or reader held."""
+        with self._sync.lock:
+            self._index.unpin(nodes)
+
+    def _memory_copy(self, node: CacheNode) -> tuple[Tier, Payload] | None:
+        """The fastest memory copy of ``node`` (lock held)."""
+        if node.resident_mask & self._memory_bits:
+            for tier in self._memory:
+                copy = tier.get(node)
+                if copy is not None:
+                    return tier.tier, copy
+        return None
+
+    def _pin_for_read(self, key: bytes) -> tuple[CacheNode, Tier, Payload | None]:
+        """Pin the node of ``key`` and say where to read it: a memory copy, or the fastest tier holding it."""
+        with self._sync.lock:
+            node = self._index.get(key)
+            if node is None:
+                raise ChunkNotFoundError(f"chunk {key.hex()} is not cached; recompute it")
+            self._index.pin(node)
+            found = self._memory_copy(node)
+            return (node, *found) if found is not None else (node, node.fastest(), None)
+
+    def get_payload(self, key: bytes) -> Payload | None:
+        with self._sync.lock:
+            node = self._index.get(key)
+            found = self._memory_copy(node) if node is not None else None
+            return found[1] if found is not None else None
+
+    def read_layer(self, key: bytes, layer: int) -> torch.Tensor | VirtualPayload:
+        node, tier, copy = self._pin_for_read(key)
+        try:
+            if copy is not None:
+                return copy[layer]
+            store = self._index.tiers[tier]
+            return self.read_verified(node, tier, lambda: store.read_layer(node, layer))
+        finally:
+            self.release([node])
+
+    def open_layer_reader(self, key: bytes) -> ChunkLayerReader:
+        node, tier, copy = self._pin_for_read(key)
+        try:
+            if copy is not None:
+                source: LayerSource = PayloadLayers(copy)
+            else:
+                store = self._index.tiers[tier]
+                source = self.read_verified(node, tier, lambda: store.open_layers(node))
+        except BaseException:
+            self.release([node])
+            raise
+        return ChunkLayerReader(node, tier, source, self.read_verified, self.release)
+
+    # ------------------------------------------------------------------ loads into DRAM
     def pending(self, keys: Iterable[bytes]) -> list[Future[None]]:
         """Futures of loads in flight for any of ``keys``."""
         with self._sync.lock:
@@ -143,7 +211,11 @@ class Loader:
                     continue
                 seen.add(key)
                 node = self._index.get(key)
-                if node is None or not node.resident_mask & self._storage_bits or node.resident_mask & self._memory_bits:
+                if (
+                    node is None
+                    or not node.resident_mask & self._storage_bits
+                    or node.resident_mask & self._memory_bits
+                ):
                     continue
                 fut = self._loading.get(node)
                 if fut is not None:
@@ -177,7 +249,12 @@ class Loader:
                 done: list[Future[None]] = []
                 with self._sync.lock:
                     source = fastest_tier(node.resident_mask & self._storage_bits)
-                    skip = self._sync.closed or node.removed or source is None or bool(node.resident_mask & self._memory_bits)
+                    skip = (
+                        self._sync.closed
+                        or node.removed
+                        or source is None
+                        or bool(node.resident_mask & self._memory_bits)
+                    )
                     if not skip and not self._writeback.make_room(Tier.DRAM, node.nbytes):
                         self._stats.load_failures += 1
                         skip = True

@@ -20,7 +20,15 @@ from enum import Enum
 from pcr_rag.cache.prefix_tree import Node
 from pcr_rag.cache.tiers.base import TIER_ORDER, Tier, tier_bit
 
-__all__ = ["CHILD_COUNT_BITS", "CHILD_COUNT_MASK", "CacheNode", "WriteBackState", "child_count_shift", "children_in", "fastest_tier"]
+__all__ = [
+    "CHILD_COUNT_BITS",
+    "CHILD_COUNT_MASK",
+    "CacheNode",
+    "WriteBackState",
+    "child_count_shift",
+    "children_in",
+    "fastest_tier",
+]
 
 CHILD_COUNT_BITS = 32
 CHILD_COUNT_MASK = (1 << CHILD_COUNT_BITS) - 1

@@ -53,14 +53,18 @@ class Room(Enum):
 class ResidencyIndex:
     """Tier residency of every chunk node over the active ``tiers`` (see the module docstring)."""
 
-    def __init__(self, tiers: Sequence[KVTier], policy: EvictionPolicy, clock: Clock, stats: CacheStats) -> None:
+    def __init__(
+        self, tiers: Sequence[KVTier], policy: EvictionPolicy, clock: Clock, stats: CacheStats
+    ) -> None:
         self.tree = PrefixTree(self._new_node)
         self.get: Callable[[bytes], CacheNode | None] = self.tree.index.get  # type: ignore[assignment]  # key -> node
         self.policy = policy
         self.clock = clock
         self.stats = stats
         self.tiers: dict[Tier, KVTier] = {t.tier: t for t in tiers}
-        self.budgets = {t: TierBudget(t, self.tiers[t].capacity_bytes if t in self.tiers else 0) for t in TIER_ORDER}
+        self.budgets = {
+            t: TierBudget(t, self.tiers[t].capacity_bytes if t in self.tiers else 0) for t in TIER_ORDER
+        }
         self.orders = {t: LeafOrder() for t in TIER_ORDER}
         self.protected: frozenset[bytes] = frozenset()
         self.pinned = 0  # nodes with pins > 0 (removed ones included until unpinned)
@@ -198,7 +202,9 @@ class ResidencyIndex:
         if tier in self._memory and not mask & self._storage_bits:
             wb = node.writeback
             # the write-back reads a memory copy: the last one stays until it is written
-            if wb is WriteBackState.WRITING or (wb is WriteBackState.QUEUED and not mask & self._memory_bits & ~bit):
+            if wb is WriteBackState.WRITING or (
+                wb is WriteBackState.QUEUED and not mask & self._memory_bits & ~bit
+            ):
                 return Evictability.AFTER_WRITEBACK
         if mask & ~bit:
             return Evictability.NOW  # a copy stays elsewhere: the tree does not change
@@ -325,10 +331,14 @@ class ResidencyIndex:
                     counts[i] += 1
                     used[i] += store.charge(node)
                 if store is not None and not (node.virtual and store.kind is TierKind.STORAGE):
-                    assert store.holds(node) == res, f"{t.value} copy of {node!r} disagrees with its residency"
+                    assert store.holds(node) == res, (
+                        f"{t.value} copy of {node!r} disagrees with its residency"
+                    )
                 n_child = sum(1 for c in node.children or () if c.resident_mask & bit)  # type: ignore[attr-defined]
                 assert children_in(node, t) == n_child, f"child count of {node!r} in {t.value} is wrong"
-                assert (node in self.orders[t]) == (res and n_child == 0), f"{t.value} leaf set wrong for {node!r}"
+                assert (node in self.orders[t]) == (res and n_child == 0), (
+                    f"{t.value} leaf set wrong for {node!r}"
+                )
             assert node.pins >= 0
         pinned_live = sum(1 for n in self.tree.iter_nodes() if n.pins)  # type: ignore[attr-defined]
         assert pinned_live <= self.pinned, f"pinned count {self.pinned} < {pinned_live} pinned nodes"
@@ -337,7 +347,9 @@ class ResidencyIndex:
             assert b.chunks == counts[i], f"{t.value} chunk count {b.chunks} != {counts[i]}"
             assert 0 <= b.used <= b.capacity, f"{t.value} over budget: {b.used} > {b.capacity}"
             assert b.high_water <= b.capacity
-            leaves = [n for n in self.tree.iter_nodes() if n.resident_mask & tier_bit(t) and not children_in(n, t)]  # type: ignore[attr-defined,arg-type]
+            leaves = [
+                n for n in self.tree.iter_nodes() if n.resident_mask & tier_bit(t) and not children_in(n, t)
+            ]  # type: ignore[attr-defined,arg-type]
             assert len(self.orders[t]) == len(leaves), f"{t.value} leaf set has {len(self.orders[t])} nodes"
             if quiet:
                 assert b.used == used[i], f"{t.value} bytes used {b.used} != stored {used[i]}"

@@ -100,7 +100,9 @@ class WriteBack:
                 deadline = now + self._wait_s
             if now >= deadline:
                 log.warning(
-                    "%s full of chunks whose write-back is still pending after %.1f s", tier.value, self._wait_s
+                    "%s full of chunks whose write-back is still pending after %.1f s",
+                    tier.value,
+                    self._wait_s,
                 )
                 return False
             self._sync.cond.wait(min(deadline - now, 0.1))
@@ -138,7 +140,11 @@ class WriteBack:
         index = self._index
         cond = self._sync.cond
         with self._sync.lock:
-            if node.removed or node.writeback is not WriteBackState.QUEUED or node.resident_mask & tier_bit(target.tier):
+            if (
+                node.removed
+                or node.writeback is not WriteBackState.QUEUED
+                or node.resident_mask & tier_bit(target.tier)
+            ):
                 if node.writeback is WriteBackState.QUEUED:
                     node.writeback = WriteBackState.NOT_NEEDED
                 cond.notify_all()

@@ -178,7 +178,9 @@ def test_writeback_writes_queued_chunks_and_counts_failures(chunks, make_payload
     storage = FaultyBackend(MemoryBackend())
     ssd = SsdTier(SSDStore(storage), 4 * FILE_BYTES)
     stats = CacheStats()
-    index = ResidencyIndex([MemoryTier(Tier.DRAM, 4 * CHUNK_BYTES), ssd], make_policy("lru"), ManualClock(), stats)
+    index = ResidencyIndex(
+        [MemoryTier(Tier.DRAM, 4 * CHUNK_BYTES), ssd], make_policy("lru"), ManualClock(), stats
+    )
     sync = EngineLock()
     wb = WriteBack(sync, index, ssd, stats, inline=True, wait_s=0.0)
     a, b = (chunks.child(None, [i] * 4) for i in range(2))
@@ -200,9 +202,13 @@ def test_verified_read_drops_the_bad_copy_and_says_recompute(chunks, make_payloa
     backend = MemoryBackend()
     ssd = SsdTier(SSDStore(backend), 4 * FILE_BYTES)
     stats = CacheStats()
-    index = ResidencyIndex([MemoryTier(Tier.DRAM, CHUNK_BYTES), ssd], make_policy("lru"), ManualClock(), stats)
+    index = ResidencyIndex(
+        [MemoryTier(Tier.DRAM, CHUNK_BYTES), ssd], make_policy("lru"), ManualClock(), stats
+    )
     sync = EngineLock()
-    loader = Loader(sync, index, WriteBack(sync, index, ssd, stats, inline=True, wait_s=0.0), stats, workers=None)
+    loader = Loader(
+        sync, index, WriteBack(sync, index, ssd, stats, inline=True, wait_s=0.0), stats, workers=None
+    )
     a = chunks.child(None, [1] * 4)
     node = put(index, a, make_payload(a), Tier.SSD)
     assert loader.load([a.key]) == 1 and node.tiers() == {Tier.DRAM, Tier.SSD}
@@ -225,6 +231,8 @@ def test_counting_backend_counts_operations_and_bytes(tmp_path, chunks, make_pay
     assert counting.bytes_read == size  # header and payload in one verified read
     assert torch.equal(store.read_layer(spec.key, 1), payload[1])
     c = counting.counts()
-    assert c.bytes_read == size + 4096 + payload[1].nbytes and c.read_ops == 3  # whole; header, then one layer
+    assert (
+        c.bytes_read == size + 4096 + payload[1].nbytes and c.read_ops == 3
+    )  # whole; header, then one layer
     store.delete(spec.key)
     assert counting.counts().delete_ops == 1 and counting.describe().startswith("counting(")

@@ -50,7 +50,9 @@ def test_chunks_that_get_no_dram_room_land_on_ssd(chunks, make_payload, sync_io)
             assert eng.tiers_of(spec.key) == {Tier.SSD}
     st = eng.stats()
     assert st.write_through == len(rest) and st.inserts == 1 + len(rest) and st.inserts_rejected == 0
-    assert st.bytes_high_water["dram"] <= CHUNK_BYTES and st.bytes_high_water["ssd"] <= st.capacity_bytes["ssd"]
+    assert (
+        st.bytes_high_water["dram"] <= CHUNK_BYTES and st.bytes_high_water["ssd"] <= st.capacity_bytes["ssd"]
+    )
     assert eng.match([s.key for s in [head, *rest]]).num_chunks == 6  # the chain is whole
     for spec in rest:  # byte-exact from SSD, verified
         with eng.open_layer_reader(spec.key) as reader:
@@ -79,7 +81,9 @@ def test_repeats_under_a_one_chunk_dram_reuse_what_a_large_dram_reuses():
         for round_ in range(2):
             for d, doc in enumerate(docs):
                 plan = plan_chunks(ROOT, [system, doc, [9, d]], 4)
-                with eng.acquire(plan, max_chunks=len(plan) - 1) as lease:  # the last chunk is always computed
+                with eng.acquire(
+                    plan, max_chunks=len(plan) - 1
+                ) as lease:  # the last chunk is always computed
                     eng.load(list(lease.keys))
                     for spec in plan[: lease.num_chunks]:
                         assert torch.equal(eng.read_layer(spec.key, 1), expected(spec)[1])  # exact reuse
@@ -126,7 +130,9 @@ def test_a_failed_write_through_is_a_counted_rejection_that_leaves_nothing(chunk
     with eng.acquire([head]):
         assert not eng.insert(tail, make_payload(tail))
     st = eng.stats()
-    assert tail.key not in eng and st.writes_failed == 1 and st.inserts_rejected == 1 and st.write_through == 0
+    assert (
+        tail.key not in eng and st.writes_failed == 1 and st.inserts_rejected == 1 and st.write_through == 0
+    )
     assert st.bytes_used["ssd"] == FILE_BYTES  # only head's write-back
     storage.write_errno = None
     with eng.acquire([head]):
@@ -151,7 +157,9 @@ def test_racing_write_throughs_of_one_chain_store_each_chunk_once(make_payload, 
         try:
             barrier.wait(timeout=10)
             for spec in rest:
-                eng.insert(spec, make_payload(spec))  # a racing thread may find the parent still being written
+                eng.insert(
+                    spec, make_payload(spec)
+                )  # a racing thread may find the parent still being written
         except BaseException as exc:
             errors.append(exc)
 

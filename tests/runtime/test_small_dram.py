@@ -12,7 +12,10 @@ from pcr_rag.testing import tiny_model
 
 CHUNK = 16  # tokens
 TOPICS = ["rivers", "glaciers", "volcanoes", "deserts", "forests", "oceans"]
-DOCS = [f"The {t} of the world are studied by many scientists, who measure and map them each year. " * 3 for t in TOPICS]
+DOCS = [
+    f"The {t} of the world are studied by many scientists, who measure and map them each year. " * 3
+    for t in TOPICS
+]
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +33,15 @@ def _run(tiny, path, **kw):
     """Six requests on fresh documents, then the same six again; returns the answers and the tokens reused by
     the repeats."""
     model, tok = tiny
-    cfg = EngineConfig(cache_dir=path, chunk_size=CHUNK, ssd_capacity="64MiB", max_new_tokens=6, device="cpu",
-                       dtype="float32", **kw)
+    cfg = EngineConfig(
+        cache_dir=path,
+        chunk_size=CHUNK,
+        ssd_capacity="64MiB",
+        max_new_tokens=6,
+        device="cpu",
+        dtype="float32",
+        **kw,
+    )
     with PCREngine(model=model, tokenizer=tok, config=cfg) as eng:
         first = [eng.generate(f"What do we know about {t}?", [d]) for t, d in zip(TOPICS, DOCS, strict=True)]
         again = [eng.generate(f"What do we know about {t}?", [d]) for t, d in zip(TOPICS, DOCS, strict=True)]

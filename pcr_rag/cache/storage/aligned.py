@@ -33,4 +33,3 @@ def aligned_scratch(nbytes: int, slot: str = "bounce") -> memoryview:
 def is_aligned(view: memoryview) -> bool:
     addr = ctypes.addressof(ctypes.c_char.from_buffer(view)) if not view.readonly else -1
     return addr >= 0 and addr % BLOCK == 0
-

@@ -11,7 +11,15 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-__all__ = ["BlobReader", "Buffer", "DeferredHead", "StorageBackend", "check_name", "resolve_parts", "total_bytes"]
+__all__ = [
+    "BlobReader",
+    "Buffer",
+    "DeferredHead",
+    "StorageBackend",
+    "check_name",
+    "resolve_parts",
+    "total_bytes",
+]
 
 Buffer = bytes | bytearray | memoryview
 

@@ -45,7 +45,6 @@ def _helper_pool() -> ThreadPoolExecutor:
         return _helper
 
 
-
 def _skip(views: list[memoryview], nbytes: int) -> list[memoryview]:
     """``views`` without their first ``nbytes`` bytes."""
     out = []
@@ -367,4 +366,3 @@ class LocalDirBackend:
         finally:
             os.close(self._lock_fd)
             self._lock_fd = -1
-

@@ -55,7 +55,9 @@ class _ObservedReader:
     """A reader that reports the bytes of each read to ``before(nbytes)`` (called first, with the bytes asked for)
     and ``after(nbytes)`` (with the bytes read)."""
 
-    def __init__(self, inner: BlobReader, before: Callable[[int], None], after: Callable[[int], None]) -> None:
+    def __init__(
+        self, inner: BlobReader, before: Callable[[int], None], after: Callable[[int], None]
+    ) -> None:
         self._inner = inner
         self._before = before
         self._after = after
@@ -120,7 +122,9 @@ class FaultyBackend(DelegatingBackend):
     """Injects write failures: every write raises ``OSError(write_errno)`` while ``write_errno`` is set, and
     with ``disk_bytes`` set, a write that would make the stored total exceed it raises ENOSPC (a full disk)."""
 
-    def __init__(self, inner: StorageBackend, *, write_errno: int | None = None, disk_bytes: int | None = None):
+    def __init__(
+        self, inner: StorageBackend, *, write_errno: int | None = None, disk_bytes: int | None = None
+    ):
         super().__init__(inner)
         self.write_errno = write_errno
         self.disk_bytes = disk_bytes

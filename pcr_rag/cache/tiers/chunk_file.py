@@ -153,7 +153,9 @@ class ChunkHeader:
 def encode_header(meta: ChunkMeta, payload: torch.Tensor, checksums: list[int]) -> bytes:
     dtype_name = str(payload.dtype).removeprefix("torch.")
     if dtype_name not in _DTYPES:
-        raise TypeError(f"payload dtype {payload.dtype} cannot be stored on SSD; supported: {sorted(_DTYPES)}")
+        raise TypeError(
+            f"payload dtype {payload.dtype} cannot be stored on SSD; supported: {sorted(_DTYPES)}"
+        )
     shape = tuple(int(s) for s in payload.shape)
     flags = (FLAG_PARENT_IS_ROOT if meta.parent_is_root else 0) | (FLAG_PARTIAL if meta.partial else 0)
     hlen = _header_len(len(shape), shape[0])
@@ -232,4 +234,6 @@ def check_layers(header: ChunkHeader, payload: memoryview, key: bytes, first_lay
     for i in range(count):
         layer = first_layer + i
         if xxhash.xxh3_64_intdigest(payload[i * lb : (i + 1) * lb]) != header.checksums[layer]:
-            raise CorruptChunkError(f"chunk {key.hex()} layer {layer} failed verification (checksum mismatch)")
+            raise CorruptChunkError(
+                f"chunk {key.hex()} layer {layer} failed verification (checksum mismatch)"
+            )

@@ -58,7 +58,9 @@ class SsdTier:
         if chunk.virtual:
             return
         if not isinstance(payload, torch.Tensor):
-            raise TypeError(f"chunk {chunk.key.hex()} is not metadata-only but its payload is {type(payload).__name__}")
+            raise TypeError(
+                f"chunk {chunk.key.hex()} is not metadata-only but its payload is {type(payload).__name__}"
+            )
         meta = ChunkMeta(
             key=chunk.key,
             parent=chunk.parent_key,

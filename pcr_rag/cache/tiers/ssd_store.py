@@ -159,7 +159,9 @@ class SSDStore:
         or header into scratch and payload straight into ``out``. None when the file is not the size the index
         expects or ``out`` does not fit the fast path (the caller then reads step by step)."""
         padded_payload = file_bytes - data_offset
-        if out is not None and (out.nbytes != padded_payload or not out.is_contiguous() or out.device.type != "cpu"):
+        if out is not None and (
+            out.nbytes != padded_payload or not out.is_contiguous() or out.device.type != "cpu"
+        ):
             return None
         reader = self.backend.open(chunk_name(key))
         try:
@@ -171,7 +173,9 @@ class SSDStore:
                 head = memoryview(body.numpy())[:data_offset]
                 payload_bytes = memoryview(body.numpy())[data_offset:]
             else:
-                head = aligned_scratch(data_offset, "ssd-header")[:data_offset]  # copied out by bytes(head) below
+                head = aligned_scratch(data_offset, "ssd-header")[
+                    :data_offset
+                ]  # copied out by bytes(head) below
                 payload_bytes = byte_view(out)
                 got = reader.readv_at(0, [head, payload_bytes])
         finally:
@@ -201,7 +205,9 @@ class SSDStore:
         """Scan the backend: remove temp files of interrupted writes, verify every chunk header (and file size),
         delete files that fail, rebuild the index. Payload checksums are verified later, on read. Returns the
         valid headers, oldest write first."""
-        remove_temp = getattr(self.backend, "remove_temp_files", None)  # a backend without temp files has none
+        remove_temp = getattr(
+            self.backend, "remove_temp_files", None
+        )  # a backend without temp files has none
         if callable(remove_temp):
             remove_temp()
         headers: list[ChunkHeader] = []
