@@ -34,7 +34,8 @@ from pcr_rag.cache import (
     chunk_key,
     namespace_key,
 )
-from pcr_rag.cache.ssd import ChunkMeta, SSDStore
+from pcr_rag.cache.tiers.chunk_file import ChunkMeta
+from pcr_rag.cache.tiers.ssd_store import SSDStore
 from pcr_rag.metrics import percentile
 from pcr_rag.units import format_bytes
 

@@ -45,14 +45,14 @@ import torch
 from tqdm.auto import tqdm
 
 from pcr_rag.bench.config import SYSTEM_PROMPT, BenchConfig, BenchError
-from pcr_rag.bench.disk import CountingBackend, drop_page_cache
+from pcr_rag.bench.disk import drop_page_cache
 from pcr_rag.bench.limit import measure_limit_ratio
 from pcr_rag.bench.report import RequestSample, RunRecord, build_report, format_seconds, run_for
 from pcr_rag.bench.systems import SystemSpec, parse_systems
 from pcr_rag.bench.targets import LIMIT_RATIO_TARGETS, SERVING_TARGETS
 from pcr_rag.bench.traces import BenchTraces, build_traces
 from pcr_rag.bench.workload import Request, tier_capacities, with_rate
-from pcr_rag.cache import CacheStats, LocalDirBackend
+from pcr_rag.cache import CacheStats, CountingBackend, LocalDirBackend
 from pcr_rag.config import EngineConfig
 from pcr_rag.engine import GenerationResult, PCREngine
 from pcr_rag.metrics import TIERS

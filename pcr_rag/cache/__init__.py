@@ -16,6 +16,7 @@ from pcr_rag.cache.payload import Payload, VirtualPayload
 from pcr_rag.cache.policy import LookaheadLRUPolicy, LRUPolicy
 from pcr_rag.cache.stats import CacheStats
 from pcr_rag.cache.storage import (
+    CountingBackend,
     FaultyBackend,
     LocalDirBackend,
     MemoryBackend,
@@ -36,6 +37,7 @@ __all__ = [
     "ChunkNotFoundError",
     "ChunkSpec",
     "Clock",
+    "CountingBackend",
     "CorruptChunkError",
     "FaultyBackend",
     "LRUPolicy",

@@ -1,8 +1,8 @@
 """Eviction order: per-tier explicit leaf sets kept in LRU order, and the LRU / look-ahead LRU policies.
 
 A ``LeafOrder`` holds the leaves of one tier (resident nodes with no child resident in that tier) and a lazy
-min-heap over ``(node.atime, node.tick)``: touching a node pushes a fresh entry, stale entries are skipped when
-popped, and the heap is rebuilt when it grows past twice the leaf count. ``node.tick`` is a unique, increasing
+min-heap over ``(node.used_at, node.use_seq)``: touching a node pushes a fresh entry, stale entries are skipped when
+popped, and the heap is rebuilt when it grows past twice the leaf count. ``node.use_seq`` is a unique, increasing
 stamp set by the engine on every touch, so the order is strict and deterministic even under a frozen clock.
 
 Policies only *order* candidates; the engine decides eligibility (pinned, write-back pending, ...) and stops when
@@ -42,14 +42,14 @@ class LeafOrder:
         self.leaves.discard(node)  # its heap entries become stale
 
     def touched(self, node: Any) -> None:
-        """Call after ``node.atime``/``node.tick`` changed."""
+        """Call after ``node.used_at``/``node.use_seq`` changed."""
         if node in self.leaves:
             self._push(node)
 
     def _push(self, node: Any) -> None:
-        heapq.heappush(self._heap, (node.atime, node.tick, node))
+        heapq.heappush(self._heap, (node.used_at, node.use_seq, node))
         if not self._iterating and len(self._heap) > 2 * len(self.leaves) + 256:
-            self._heap = [(n.atime, n.tick, n) for n in self.leaves]
+            self._heap = [(n.used_at, n.use_seq, n) for n in self.leaves]
             heapq.heapify(self._heap)
 
     def pop_oldest(self) -> Any | None:
@@ -57,18 +57,18 @@ class LeafOrder:
         either ``discard`` it or ``push_back`` it."""
         heap = self._heap
         while heap:
-            atime, tick, node = heapq.heappop(heap)
-            if node.tick == tick and node.atime == atime and node in self.leaves:
+            used_at, use_seq, node = heapq.heappop(heap)
+            if node.use_seq == use_seq and node.used_at == used_at and node in self.leaves:
                 return node
         return None
 
     def push_back(self, node: Any) -> None:
         if node in self.leaves:
-            heapq.heappush(self._heap, (node.atime, node.tick, node))
+            heapq.heappush(self._heap, (node.used_at, node.use_seq, node))
 
     def ordered(self) -> list[Any]:
         """All leaves, least recent first (O(n log n); tests and debugging)."""
-        return sorted(self.leaves, key=lambda n: (n.atime, n.tick))
+        return sorted(self.leaves, key=lambda n: (n.used_at, n.use_seq))
 
 
 class EvictionPolicy:

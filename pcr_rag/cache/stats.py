@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from pcr_rag.cache.tiers.base import TIER_ORDER
+
 __all__ = ["CacheStats"]
 
 
 def _tiers() -> dict[str, int]:
-    return {"device": 0, "dram": 0, "ssd": 0}
+    return {t.value: 0 for t in TIER_ORDER}
 
 
 @dataclass
@@ -22,7 +24,10 @@ class CacheStats:
       still had a copy in a slower tier (e.g. DRAM -> SSD), the rest were dropped from the cache.
     - ``loads``: SSD -> DRAM chunk loads; ``prefetch_loads``: those issued through ``load_async``.
     - ``writes_done`` / ``writes_failed`` / ``writes_skipped``: DRAM -> SSD write-backs (failed = I/O error such
-      as ENOSPC; skipped = no SSD room could be made); ``writeback_queue_depth``: queued + in flight now.
+      as ENOSPC, write-throughs included; skipped = no SSD room could be made); ``writeback_queue_depth``: queued
+      + in flight now.
+    - ``write_through``: chunks inserted straight into SSD because no memory tier had room (e.g. DRAM full of
+      chunks pinned by running requests); they count in ``inserts`` too.
     - ``pinned_chunks``: chunks pinned now (held by leases, loads in flight or SSD layer reads); 0 when idle.
     - ``corrupt_chunks_dropped``: SSD chunks that failed verification (at read or at start-up) and were deleted;
       ``orphans_dropped``: chunks dropped at start-up because their parent was missing.
@@ -45,6 +50,7 @@ class CacheStats:
     writes_done: int = 0
     writes_failed: int = 0
     writes_skipped: int = 0
+    write_through: int = 0
     writeback_queue_depth: int = 0
     pinned_chunks: int = 0
     corrupt_chunks_dropped: int = 0

@@ -22,7 +22,7 @@ from pcr_rag.cache import (
     namespace_key,
     plan_chunks,
 )
-from pcr_rag.cache.ssd import chunk_file_bytes
+from pcr_rag.cache.tiers.chunk_file import chunk_file_bytes
 
 ROOT = namespace_key("conc", "float32", 4)
 CHUNK_BYTES = 2 * 2 * 1 * 4 * 4 * 4  # 2 layers x kv x 1 head x 4 tokens x 4 dims x float32

@@ -22,7 +22,7 @@ from pcr_rag.cache import (
     namespace_key,
     plan_chunks,
 )
-from pcr_rag.cache.ssd import chunk_file_bytes
+from pcr_rag.cache.tiers.chunk_file import chunk_file_bytes
 
 ROOT = namespace_key("prop", "float32", 4)
 TOKEN_BYTES = 2 * 2 * 1 * 2 * 4  # layers x kv x heads x head_dim x float32

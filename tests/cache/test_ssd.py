@@ -23,7 +23,8 @@ from pcr_rag.cache import (
     MemoryBackend,
     Tier,
 )
-from pcr_rag.cache.ssd import ChunkMeta, SSDStore, chunk_file_bytes, chunk_name, decode_header
+from pcr_rag.cache.tiers.chunk_file import ChunkMeta, chunk_file_bytes, chunk_name, decode_header
+from pcr_rag.cache.tiers.ssd_store import SSDStore
 
 REPO = Path(__file__).resolve().parents[2]
 

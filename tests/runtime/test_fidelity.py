@@ -159,9 +159,9 @@ def test_missing_quantized_kernel_falls_back_with_one_warning(tmp_path, monkeypa
 
     monkeypatch.setattr(weights_mod.torch, "_weight_int8pack_mm", broken)
     model, tok = tiny_model("llama", dtype=torch.bfloat16)
-    with caplog.at_level("WARNING", logger="pcr_rag.runtime.weights"):
-        with _engine(model, tok, tmp_path, "fb", dtype=torch.bfloat16, weights="int8") as eng:
-            assert eng.forward.weights == "bf16"
-            eng.generate("q", [DOCS["d1"]])
+    with caplog.at_level("WARNING", logger="pcr_rag.runtime.weights"), \
+            _engine(model, tok, tmp_path, "fb", dtype=torch.bfloat16, weights="int8") as eng:
+        assert eng.forward.weights == "bf16"
+        eng.generate("q", [DOCS["d1"]])
     warnings = [r for r in caplog.records if "int8" in r.getMessage()]
     assert len(warnings) == 1 and "no int8 kernel" in warnings[0].getMessage()

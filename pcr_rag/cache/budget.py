@@ -1,39 +1,19 @@
-"""Tiers (fastest first: device, DRAM, SSD) and their byte budgets.
-
-A ``TierBudget`` is plain accounting, mutated only under the engine lock: ``used`` counts bytes stored plus bytes
-reserved for transfers in flight, and never exceeds ``capacity`` (``reserve`` refuses instead); ``high_water``
-is the maximum ``used`` ever reached.
-"""
+"""``TierBudget``: the byte accounting of one tier, mutated only under the engine lock."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
-__all__ = ["Tier", "TIER_ORDER", "TierBudget", "tier_bit"]
+from pcr_rag.cache.tiers.base import Tier
 
-
-class Tier(str, Enum):
-    DEVICE = "device"
-    DRAM = "dram"
-    SSD = "ssd"
-
-    @property
-    def index(self) -> int:
-        return _INDEX[self]
-
-
-TIER_ORDER: tuple[Tier, ...] = (Tier.DEVICE, Tier.DRAM, Tier.SSD)
-_INDEX = {t: i for i, t in enumerate(TIER_ORDER)}
-
-
-def tier_bit(tier: Tier) -> int:
-    """Bit of ``tier`` in a node's residency mask."""
-    return 1 << _INDEX[tier]
+__all__ = ["TierBudget"]
 
 
 @dataclass
 class TierBudget:
+    """Byte accounting of one tier: ``used`` counts bytes stored plus bytes reserved for transfers in flight and
+    never exceeds ``capacity`` (``reserve`` refuses instead); ``high_water`` is the maximum ``used`` reached."""
+
     tier: Tier
     capacity: int
     used: int = 0

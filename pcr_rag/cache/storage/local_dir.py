@@ -1,134 +1,37 @@
-"""Storage backends of the SSD tier: named blobs written atomically and read by byte range.
+"""``LocalDirBackend``: the real storage of the SSD tier, blobs as files in a local directory.
 
-``StorageBackend`` is the injectable I/O boundary (tests and the simulator swap it):
-- ``LocalDirBackend``: files in a directory; atomic writes (temp file, optional fdatasync, rename); O_DIRECT reads and
-  writes where the filesystem supports it (else buffered I/O followed by ``posix_fadvise(DONTNEED)``), so the page
-  cache neither inflates the DRAM budget nor flatters read throughput; an ``fcntl.flock`` lock file so one engine
-  at a time uses the directory.
-- ``MemoryBackend``: a dict, for fast deterministic tests.
-- ``SlowBackend``: wraps another backend with injectable per-operation latency and bandwidth (seconds, bytes/s).
-- ``FaultyBackend``: wraps another backend and fails writes with an errno (e.g. ENOSPC), or emulates a small
-  disk that fills up.
-Names are relative POSIX paths without ``..``; names starting with ``.`` are reserved for the backend.
+- Atomic writes: a temp file (``.<name>.<pid>.<seq>.tmp``), optional fdatasync, then rename; a crash leaves at
+  most a temp file, removed at the next start (``remove_temp_files``).
+- O_DIRECT reads and writes where the filesystem supports it; else buffered I/O followed by
+  ``posix_fadvise(DONTNEED)``, so the page cache neither inflates the DRAM budget nor flatters read throughput.
+- A deferred head (the chunk header, whose checksums are computed while the payload is written) is produced on a
+  helper thread while the caller's thread is blocked in the payload write.
+- An ``fcntl.flock`` lock file (``.lock``) lets one engine at a time use the directory.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno as errno_mod
 import fcntl
 import logging
-import mmap
 import os
 import socket
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
 
 from pcr_rag.cache.errors import CacheDirLockedError
+from pcr_rag.cache.storage.aligned import BLOCK, aligned_scratch, is_aligned
+from pcr_rag.cache.storage.base import Buffer, DeferredHead, check_name
 
-__all__ = [
-    "BlobReader",
-    "DeferredHead",
-    "FaultyBackend",
-    "LocalDirBackend",
-    "MemoryBackend",
-    "SlowBackend",
-    "StorageBackend",
-    "aligned_scratch",
-]
+__all__ = ["LocalDirBackend"]
 
 log = logging.getLogger(__name__)
 
-Buffer = bytes | bytearray | memoryview
-
 LOCK_NAME = ".lock"
 TMP_SUFFIX = ".tmp"
-
-
-@runtime_checkable
-class BlobReader(Protocol):
-    size: int
-
-    def read_at(self, offset: int, length: int) -> bytes: ...
-
-    def readinto_at(self, offset: int, buf: memoryview) -> int: ...
-
-    def readv_at(self, offset: int, bufs: list[memoryview]) -> int:
-        """Fill ``bufs`` back to back from ``offset`` (one I/O where possible); returns bytes read."""
-        ...
-
-    def close(self) -> None: ...
-
-
-@runtime_checkable
-class StorageBackend(Protocol):
-    def write_atomic(self, name: str, parts: Sequence[Buffer], head: DeferredHead | None = None) -> int:
-        """Write ``head`` (if any) then the concatenation of ``parts`` as blob ``name``; readers see the old blob
-        or the whole new one, never a prefix. Returns bytes written; raises OSError (e.g. ENOSPC) and leaves
-        nothing behind."""
-        ...
-
-    def open(self, name: str) -> BlobReader:
-        """Open blob ``name`` for reading; raises FileNotFoundError."""
-        ...
-
-    def delete(self, name: str) -> bool: ...
-
-    def names(self) -> Iterator[str]:
-        """Names of all stored blobs (no temp files, no reserved names)."""
-        ...
-
-    def lock(self) -> None:
-        """Take exclusive use of the store; raise CacheDirLockedError when another user holds it."""
-        ...
-
-    def unlock(self) -> None: ...
-
-    def describe(self) -> str: ...
-
-
-@dataclass(frozen=True)
-class DeferredHead:
-    """The first ``nbytes`` of a blob, produced by ``produce()`` while the rest is being written (a header whose
-    checksums are computed as the payload goes to disk). ``produce`` must return exactly ``nbytes`` bytes."""
-
-    nbytes: int
-    produce: Callable[[], Buffer]
-
-    def resolve(self) -> memoryview:
-        data = memoryview(self.produce()).cast("B")
-        if data.nbytes != self.nbytes:
-            raise ValueError(f"deferred head produced {data.nbytes} bytes, {self.nbytes} were announced")
-        return data
-
-
-def _resolve_parts(parts: Sequence[Buffer], head: DeferredHead | None) -> list[Buffer]:
-    return list(parts) if head is None else [head.resolve(), *parts]
-
-
-def _check_name(name: str) -> None:
-    parts = name.split("/")
-    if not name or name.startswith("/") or any(p in ("", ".", "..") or p.startswith(".") for p in parts):
-        raise ValueError(f"invalid blob name {name!r}")
-
-
-def _total(parts: Sequence[Buffer]) -> int:
-    return sum(memoryview(p).nbytes for p in parts)
-
-
-# --------------------------------------------------------------------------------------------- local dir
-
-
-BLOCK = 4096  # O_DIRECT alignment of offsets, lengths and buffer addresses
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-_bounce = threading.local()
-
-
 _helper: ThreadPoolExecutor | None = None
 _helper_lock = threading.Lock()
 
@@ -140,25 +43,6 @@ def _helper_pool() -> ThreadPoolExecutor:
         if _helper is None:
             _helper = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pcr-ssd-head")
         return _helper
-
-
-def aligned_scratch(nbytes: int, slot: str = "bounce") -> memoryview:
-    """A thread-local, page-aligned scratch buffer of at least ``nbytes`` (anonymous mmap), reused across calls:
-    valid until the same thread asks for the same ``slot`` again (the backends use slot "bounce")."""
-    buffers: dict[str, mmap.mmap] | None = getattr(_bounce, "buffers", None)
-    if buffers is None:
-        buffers = _bounce.buffers = {}
-    buf = buffers.get(slot)
-    if buf is None or len(buf) < nbytes:
-        size = max(nbytes, 1 << 20)
-        size = (size + BLOCK - 1) // BLOCK * BLOCK
-        buf = buffers[slot] = mmap.mmap(-1, size)
-    return memoryview(buf)
-
-
-def _is_aligned(view: memoryview) -> bool:
-    addr = ctypes.addressof(ctypes.c_char.from_buffer(view)) if not view.readonly else -1
-    return addr >= 0 and addr % BLOCK == 0
 
 
 def _skip(views: list[memoryview], nbytes: int) -> list[memoryview]:
@@ -220,7 +104,7 @@ class _FileReader:
         if not self._direct:
             return self._pread_into(view, offset)
         total = view.nbytes
-        if offset % BLOCK == 0 and _is_aligned(view):
+        if offset % BLOCK == 0 and is_aligned(view):
             body = total // BLOCK * BLOCK  # the aligned body goes straight into the caller's buffer
             got = self._pread_into(view[:body], offset) if body else 0
             if got < body or body == total:
@@ -234,7 +118,7 @@ class _FileReader:
 
     def readv_at(self, offset: int, bufs: list[memoryview]) -> int:
         views = [memoryview(b).cast("B") for b in bufs]
-        if self._direct and not all(v.nbytes % BLOCK == 0 and _is_aligned(v) for v in views):
+        if self._direct and not all(v.nbytes % BLOCK == 0 and is_aligned(v) for v in views):
             done = 0
             for v in views:  # unaligned pieces go one by one through the bounce path
                 got = self.readinto_at(offset + done, v)
@@ -293,7 +177,7 @@ class LocalDirBackend:
         return f"directory {self.root}"
 
     def _path(self, name: str) -> Path:
-        _check_name(name)
+        check_name(name)
         return self.root / name
 
     def write_atomic(self, name: str, parts: Sequence[Buffer], head: DeferredHead | None = None) -> int:
@@ -401,7 +285,7 @@ class LocalDirBackend:
         iov: list[memoryview] = []
         seg_start = fill = 0  # bytes of scratch in use; [seg_start, fill) not yet in iov
         for v in views:
-            if fill % BLOCK == 0 and v.nbytes % BLOCK == 0 and _is_aligned(v):
+            if fill % BLOCK == 0 and v.nbytes % BLOCK == 0 and is_aligned(v):
                 if fill > seg_start:
                     iov.append(scratch[seg_start:fill])
                 seg_start = fill
@@ -482,195 +366,3 @@ class LocalDirBackend:
         finally:
             os.close(self._lock_fd)
             self._lock_fd = -1
-
-
-# --------------------------------------------------------------------------------------------- memory
-
-
-class _BytesReader:
-    def __init__(self, data: bytes) -> None:
-        self._data = data
-        self.size = len(data)
-
-    def read_at(self, offset: int, length: int) -> bytes:
-        return self._data[offset : offset + length]
-
-    def readinto_at(self, offset: int, buf: memoryview) -> int:
-        view = memoryview(buf).cast("B")
-        chunk = self._data[offset : offset + view.nbytes]
-        view[: len(chunk)] = chunk
-        return len(chunk)
-
-    def readv_at(self, offset: int, bufs: list[memoryview]) -> int:
-        done = 0
-        for b in bufs:
-            got = self.readinto_at(offset + done, b)
-            done += got
-            if got < memoryview(b).nbytes:
-                break
-        return done
-
-    def close(self) -> None:
-        pass
-
-
-class MemoryBackend:
-    """Blobs in a dict (thread-safe). ``lock`` is exclusive per instance, like a directory's lock file."""
-
-    def __init__(self) -> None:
-        self.blobs: dict[str, bytes] = {}
-        self._mutex = threading.Lock()
-        self._locked = False
-
-    def describe(self) -> str:
-        return f"memory store {id(self):#x}"
-
-    def write_atomic(self, name: str, parts: Sequence[Buffer], head: DeferredHead | None = None) -> int:
-        _check_name(name)
-        data = b"".join(bytes(memoryview(p).cast("B")) for p in _resolve_parts(parts, head))
-        with self._mutex:
-            self.blobs[name] = data
-        return len(data)
-
-    def open(self, name: str) -> _BytesReader:
-        with self._mutex:
-            data = self.blobs.get(name)
-        if data is None:
-            raise FileNotFoundError(errno_mod.ENOENT, f"no blob {name!r}")
-        return _BytesReader(data)
-
-    def delete(self, name: str) -> bool:
-        with self._mutex:
-            return self.blobs.pop(name, None) is not None
-
-    def names(self) -> Iterator[str]:
-        with self._mutex:
-            return iter(list(self.blobs))
-
-    def lock(self) -> None:
-        with self._mutex:
-            if self._locked:
-                raise CacheDirLockedError(
-                    f"{self.describe()} is in use by another cache engine; close that engine first"
-                )
-            self._locked = True
-
-    def unlock(self) -> None:
-        with self._mutex:
-            self._locked = False
-
-
-# --------------------------------------------------------------------------------------------- wrappers
-
-
-class _DelegatingBackend:
-    def __init__(self, inner: StorageBackend) -> None:
-        self.inner = inner
-
-    def write_atomic(self, name: str, parts: Sequence[Buffer], head: DeferredHead | None = None) -> int:
-        return self.inner.write_atomic(name, parts, head)
-
-    def open(self, name: str) -> BlobReader:
-        return self.inner.open(name)
-
-    def delete(self, name: str) -> bool:
-        return self.inner.delete(name)
-
-    def names(self) -> Iterator[str]:
-        return self.inner.names()
-
-    def lock(self) -> None:
-        self.inner.lock()
-
-    def unlock(self) -> None:
-        self.inner.unlock()
-
-    def describe(self) -> str:
-        return self.inner.describe()
-
-
-class _SlowReader:
-    def __init__(self, inner: BlobReader, delay: Callable[[int], None]) -> None:
-        self._inner = inner
-        self._delay = delay
-        self.size = inner.size
-
-    def read_at(self, offset: int, length: int) -> bytes:
-        self._delay(length)
-        return self._inner.read_at(offset, length)
-
-    def readinto_at(self, offset: int, buf: memoryview) -> int:
-        self._delay(memoryview(buf).nbytes)
-        return self._inner.readinto_at(offset, buf)
-
-    def readv_at(self, offset: int, bufs: list[memoryview]) -> int:
-        self._delay(sum(memoryview(b).nbytes for b in bufs))
-        return self._inner.readv_at(offset, bufs)
-
-    def close(self) -> None:
-        self._inner.close()
-
-
-class SlowBackend(_DelegatingBackend):
-    """Adds ``latency_s + nbytes / bandwidth`` seconds (via the injectable ``sleep``) to every read and write."""
-
-    def __init__(
-        self,
-        inner: StorageBackend,
-        *,
-        latency_s: float = 0.0,
-        bandwidth_bytes_per_s: float | None = None,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
-        super().__init__(inner)
-        self.latency_s = latency_s
-        self.bandwidth = bandwidth_bytes_per_s
-        self._sleep = sleep
-
-    def _delay(self, nbytes: int) -> None:
-        seconds = self.latency_s + (nbytes / self.bandwidth if self.bandwidth else 0.0)
-        if seconds > 0:
-            self._sleep(seconds)
-
-    def write_atomic(self, name: str, parts: Sequence[Buffer], head: DeferredHead | None = None) -> int:
-        self._delay(_total(parts) + (head.nbytes if head is not None else 0))
-        return self.inner.write_atomic(name, parts, head)
-
-    def open(self, name: str) -> BlobReader:
-        return _SlowReader(self.inner.open(name), self._delay)
-
-
-class FaultyBackend(_DelegatingBackend):
-    """Injects write failures: every write raises ``OSError(write_errno)`` while ``write_errno`` is set, and
-    with ``disk_bytes`` set, a write that would make the stored total exceed it raises ENOSPC (a full disk)."""
-
-    def __init__(self, inner: StorageBackend, *, write_errno: int | None = None, disk_bytes: int | None = None):
-        super().__init__(inner)
-        self.write_errno = write_errno
-        self.disk_bytes = disk_bytes
-        self.write_attempts = 0
-        self.write_failures = 0
-        self._sizes: dict[str, int] = {}
-        self._mutex = threading.Lock()
-
-    def write_atomic(self, name: str, parts: Sequence[Buffer], head: DeferredHead | None = None) -> int:
-        size = _total(parts) + (head.nbytes if head is not None else 0)
-        with self._mutex:
-            self.write_attempts += 1
-            code = self.write_errno
-            if code is None and self.disk_bytes is not None:
-                used = sum(self._sizes.values()) - self._sizes.get(name, 0)
-                if used + size > self.disk_bytes:
-                    code = errno_mod.ENOSPC
-            if code is not None:
-                self.write_failures += 1
-                raise OSError(code, os.strerror(code), name)
-        written = self.inner.write_atomic(name, parts, head)
-        with self._mutex:
-            self._sizes[name] = size
-        return written
-
-    def delete(self, name: str) -> bool:
-        with self._mutex:
-            self._sizes.pop(name, None)
-        return self.inner.delete(name)

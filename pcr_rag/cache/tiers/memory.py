@@ -1,0 +1,78 @@
+"""``MemoryTier``: a tier whose copies are payload objects in memory (DRAM, or a device such as a GPU).
+
+``place`` makes the copy the tier keeps: for DRAM a CPU tensor (page-locked when ``pin_memory``), for a device
+tier a tensor on that device; it runs outside the engine lock. ``store``/``drop`` only file the copy under its
+key. Copies are used in place, so reads cannot fail while the copy is held (a missing one raises
+``ChunkNotFoundError``). Byte accounting is the payload's ``nbytes``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pcr_rag.cache.errors import ChunkNotFoundError
+from pcr_rag.cache.payload import Payload, VirtualPayload
+from pcr_rag.cache.tiers.base import ChunkRef, PayloadLayers, Tier, TierKind, TierRecovery
+
+__all__ = ["MemoryTier"]
+
+
+class MemoryTier:
+    """Copies kept as payload objects. ``device`` None means host DRAM."""
+
+    kind = TierKind.MEMORY
+
+    def __init__(
+        self, tier: Tier, capacity_bytes: int, *, device: torch.device | None = None, pin_memory: bool = False
+    ) -> None:
+        self.tier = tier
+        self.capacity_bytes = int(capacity_bytes)
+        self.device = device
+        self.pin_memory = pin_memory
+        self._copies: dict[bytes, Payload] = {}
+
+    def charge(self, chunk: ChunkRef) -> int:
+        return chunk.nbytes
+
+    def place(self, payload: Payload) -> Payload:
+        if isinstance(payload, VirtualPayload):
+            return payload
+        if self.device is not None:
+            return payload if payload.device == self.device else payload.to(self.device)
+        host = payload if payload.device.type == "cpu" else payload.to("cpu")
+        if self.pin_memory and not host.is_pinned():
+            host = host.pin_memory()
+        return host
+
+    def store(self, chunk: ChunkRef, payload: Payload) -> None:
+        self._copies[chunk.key] = payload
+
+    def get(self, chunk: ChunkRef) -> Payload | None:
+        return self._copies.get(chunk.key)
+
+    def read(self, chunk: ChunkRef) -> Payload:
+        copy = self._copies.get(chunk.key)
+        if copy is None:
+            raise ChunkNotFoundError(f"chunk {chunk.key.hex()} is not in {self.tier.value}; recompute it")
+        return copy
+
+    def read_layer(self, chunk: ChunkRef, layer: int) -> torch.Tensor | VirtualPayload:
+        return self.read(chunk)[layer]
+
+    def open_layers(self, chunk: ChunkRef) -> PayloadLayers:
+        return PayloadLayers(self.read(chunk))
+
+    def drop(self, chunk: ChunkRef) -> None:
+        self._copies.pop(chunk.key, None)
+
+    def holds(self, chunk: ChunkRef) -> bool:
+        return chunk.key in self._copies
+
+    def recover(self) -> TierRecovery:
+        return TierRecovery()  # volatile: nothing survives a restart
+
+    def describe(self) -> str:
+        return f"{self.tier.value} memory" + (f" on {self.device}" if self.device is not None else "")
+
+    def close(self) -> None:
+        """Nothing to release: copies go with the engine."""

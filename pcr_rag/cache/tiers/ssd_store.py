@@ -1,0 +1,276 @@
+"""``SSDStore``: chunk files (``chunk_file`` format) on a ``StorageBackend``, verified reads, restart recovery.
+
+Every read verifies what it returns (header, key, file size, the checksum of each layer returned) and raises
+``CorruptChunkError`` otherwise; the caller drops the chunk and recomputes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from pcr_rag.cache.errors import CorruptChunkError
+from pcr_rag.cache.storage import BlobReader, DeferredHead, StorageBackend, aligned_scratch
+from pcr_rag.cache.tiers.chunk_file import (
+    ALIGN,
+    ChunkHeader,
+    ChunkMeta,
+    align,
+    byte_view,
+    check_layers,
+    chunk_name,
+    decode_header,
+    encode_header,
+    header_bytes,
+    key_of_name,
+    stored_header_len,
+)
+
+__all__ = ["RecoveryReport", "SSDLayerReader", "SSDStore"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RecoveryReport:
+    """The valid chunk headers found at start-up (oldest write first) and how many bad files were deleted."""
+
+    headers: list[ChunkHeader]
+    corrupt: int
+
+
+def _aligned_buffer(nbytes: int, pin_memory: bool) -> torch.Tensor:
+    """``nbytes`` uninitialised bytes whose storage starts 4096-aligned (an O_DIRECT read lands in it directly)."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
+    skip = (-raw.data_ptr()) % ALIGN
+    return raw[skip : skip + nbytes]
+
+
+class SSDStore:
+    """Chunk files on a ``StorageBackend`` plus an index (key -> file bytes) of what is stored.
+
+    Thread-safe: distinct keys may be written and read concurrently; the engine guarantees that one key is never
+    written while it is read or deleted."""
+
+    def __init__(self, backend: StorageBackend, *, pin_memory: bool = False) -> None:
+        self.backend = backend
+        self.pin_memory = pin_memory
+        self.index: dict[bytes, tuple[int, int]] = {}  # key -> (file bytes, data offset)
+        self._mutex = threading.Lock()
+
+    # ------------------------------------------------------------------ write / delete
+    def write(self, meta: ChunkMeta, payload: torch.Tensor) -> int:
+        """Store ``payload`` (a contiguous CPU tensor) for ``meta.key``; returns the file size in bytes.
+        Raises OSError on I/O failure (nothing is left behind)."""
+        if payload.device.type != "cpu":
+            payload = payload.cpu()
+        payload = payload.contiguous()
+        data = byte_view(payload)
+        layer_bytes = data.nbytes // payload.shape[0]
+
+        def header() -> bytes:  # checksums are computed while the payload is being written
+            checksums = [
+                xxhash.xxh3_64_intdigest(data[i * layer_bytes : (i + 1) * layer_bytes])
+                for i in range(payload.shape[0])
+            ]
+            return encode_header(meta, payload, checksums)
+
+        head_bytes = header_bytes(payload.dim(), payload.shape[0])
+        pad = b"\x00" * (align(data.nbytes) - data.nbytes)
+        self.backend.write_atomic(chunk_name(meta.key), [data, pad], DeferredHead(head_bytes, header))
+        size = head_bytes + data.nbytes + len(pad)
+        with self._mutex:
+            self.index[meta.key] = (size, head_bytes)
+        return size
+
+    def delete(self, key: bytes) -> None:
+        with self._mutex:
+            self.index.pop(key, None)
+        try:
+            self.backend.delete(chunk_name(key))
+        except OSError as exc:
+            log.warning("could not delete SSD chunk %s: %s", key.hex(), exc)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.index
+
+    # ------------------------------------------------------------------ reads
+    def _open_verified(self, key: bytes) -> tuple[BlobReader, ChunkHeader]:
+        reader = self.backend.open(chunk_name(key))
+        try:
+            raw = reader.read_at(0, ALIGN)
+            hlen = stored_header_len(raw)
+            if hlen is not None:
+                raw = reader.read_at(0, hlen)
+            header = decode_header(raw, expected_key=key)
+            if reader.size != header.file_bytes:
+                raise CorruptChunkError(
+                    f"chunk file is {reader.size} bytes, header says {header.file_bytes} (truncated or padded)"
+                )
+        except BaseException:
+            reader.close()
+            raise
+        return reader, header
+
+    def read_header(self, key: bytes) -> ChunkHeader:
+        reader, header = self._open_verified(key)
+        reader.close()
+        return header
+
+    def read(self, key: bytes, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole payload, every layer verified. Raises CorruptChunkError / FileNotFoundError / OSError.
+
+        ``out`` (optional, a contiguous CPU tensor of the chunk's shape and dtype, e.g. from a buffer pool) is
+        filled instead of a new allocation; a 4096-aligned one is filled by O_DIRECT without a bounce copy."""
+        entry = self.index.get(key)
+        if entry is not None:
+            whole = self._read_whole(key, *entry, out=out)
+            if whole is not None:
+                return whole
+        reader, header = self._open_verified(key)
+        try:
+            if out is None:
+                body = _aligned_buffer(align(header.payload_nbytes), self.pin_memory)
+                out = body[: header.payload_nbytes].view(header.dtype).view(header.shape)
+                padded = memoryview(body.numpy())
+            else:
+                if tuple(out.shape) != header.shape or out.dtype != header.dtype or not out.is_contiguous():
+                    raise ValueError(
+                        f"out must be a contiguous {header.dtype} tensor of shape {header.shape}, got "
+                        f"{out.dtype} {tuple(out.shape)}"
+                    )
+                padded = byte_view(out)
+            got = reader.readinto_at(header.data_offset, padded)
+        finally:
+            reader.close()
+        if got < header.payload_nbytes:
+            raise CorruptChunkError(f"chunk payload short read ({got} of {header.payload_nbytes} bytes)")
+        check_layers(header, byte_view(out), key)
+        return out
+
+    def _read_whole(
+        self, key: bytes, file_bytes: int, data_offset: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Header and payload in one I/O: into one aligned buffer (the payload tensor is a view past the header),
+        or header into scratch and payload straight into ``out``. None when the file is not the size the index
+        expects or ``out`` does not fit the fast path (the caller then reads step by step)."""
+        padded_payload = file_bytes - data_offset
+        if out is not None and (
+            out.nbytes != padded_payload or not out.is_contiguous() or out.device.type != "cpu"
+        ):
+            return None
+        reader = self.backend.open(chunk_name(key))
+        try:
+            if reader.size != file_bytes:
+                return None
+            if out is None:
+                body = _aligned_buffer(file_bytes, self.pin_memory)
+                got = reader.readv_at(0, [memoryview(body.numpy())])
+                head = memoryview(body.numpy())[:data_offset]
+                payload_bytes = memoryview(body.numpy())[data_offset:]
+            else:
+                head = aligned_scratch(data_offset, "ssd-header")[
+                    :data_offset
+                ]  # copied out by bytes(head) below
+                payload_bytes = byte_view(out)
+                got = reader.readv_at(0, [head, payload_bytes])
+        finally:
+            reader.close()
+        header = decode_header(bytes(head), expected_key=key)
+        if header.file_bytes != file_bytes or header.data_offset != data_offset or got != file_bytes:
+            raise CorruptChunkError(f"chunk file read {got} bytes, header says {header.file_bytes}")
+        if out is not None and (tuple(out.shape) != header.shape or out.dtype != header.dtype):
+            raise ValueError(f"out must be a {header.dtype} tensor of shape {header.shape}")
+        check_layers(header, payload_bytes[: header.payload_nbytes], key)
+        if out is not None:
+            return out
+        return body[data_offset : data_offset + header.payload_nbytes].view(header.dtype).view(header.shape)
+
+    def open_layers(self, key: bytes) -> SSDLayerReader:
+        """Open a chunk once (header read and verified once) to read its layers one by one (layer-wise loads)."""
+        reader, header = self._open_verified(key)
+        return SSDLayerReader(key, reader, header, self.pin_memory)
+
+    def read_layer(self, key: bytes, layer: int) -> torch.Tensor:
+        """One layer ``[2, kv_heads, tokens, head_dim]``, verified; reads only that layer's bytes."""
+        with self.open_layers(key) as layers:
+            return layers.read_layer(layer)
+
+    # ------------------------------------------------------------------ recovery
+    def recover(self) -> RecoveryReport:
+        """Scan the backend: remove temp files of interrupted writes, verify every chunk header (and file size),
+        delete files that fail, rebuild the index. Payload checksums are verified later, on read. Returns the
+        valid headers, oldest write first."""
+        remove_temp = getattr(
+            self.backend, "remove_temp_files", None
+        )  # a backend without temp files has none
+        if callable(remove_temp):
+            remove_temp()
+        headers: list[ChunkHeader] = []
+        corrupt = 0
+        for name in list(self.backend.names()):
+            key = key_of_name(name)
+            if key is None:
+                log.debug("ignoring foreign file %s in the SSD store", name)
+                continue
+            try:
+                header = self.read_header(key)
+            except (CorruptChunkError, OSError) as exc:
+                corrupt += 1
+                log.warning("dropping corrupt SSD chunk %s: %s", name, exc)
+                try:
+                    self.backend.delete(name)
+                except OSError:
+                    pass
+                continue
+            headers.append(header)
+        headers.sort(key=lambda h: h.written_at)
+        with self._mutex:
+            self.index = {h.meta.key: (h.file_bytes, h.data_offset) for h in headers}
+        return RecoveryReport(headers, corrupt)
+
+
+class SSDLayerReader:
+    """An open chunk file whose header was verified once; `read_layer` reads and verifies one layer's bytes.
+
+    ``out`` (a contiguous tensor of the layer's shape and dtype, e.g. a reused staging buffer) avoids a fresh
+    allocation per layer. Not thread-safe; close it (or use it as a context manager) when done."""
+
+    def __init__(self, key: bytes, reader: BlobReader, header: ChunkHeader, pin_memory: bool) -> None:
+        self.key = key
+        self._reader = reader
+        self.header = header
+        self._pin = pin_memory
+
+    @property
+    def layer_shape(self) -> tuple[int, ...]:
+        return tuple(self.header.shape[1:])
+
+    def read_layer(self, layer: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.header
+        if not 0 <= layer < h.shape[0]:
+            raise IndexError(f"layer {layer} out of range for a chunk of {h.shape[0]} layers")
+        if out is None:
+            out = torch.empty(h.shape[1:], dtype=h.dtype, pin_memory=self._pin)
+        elif tuple(out.shape) != tuple(h.shape[1:]) or out.dtype != h.dtype or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {h.dtype} tensor of shape {tuple(h.shape[1:])}")
+        view = byte_view(out)
+        lb = h.layer_nbytes
+        got = self._reader.readinto_at(h.data_offset + layer * lb, view)
+        if got != lb:
+            raise CorruptChunkError(f"chunk {self.key.hex()} layer {layer} failed verification (short read)")
+        check_layers(h, view, self.key, layer)
+        return out
+
+    def close(self) -> None:
+        self._reader.close()
+
+    def __enter__(self) -> SSDLayerReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
