@@ -56,6 +56,8 @@ class EngineConfig:
         schedule: "fcfs" (arrival order) or "cache-aware" (least uncached work first, with aging).
         weights: "bf16" (the model's own dtype), "int8" or "int4" weight-only quantization (CPU kernels PyTorch
             ships; falls back to the model dtype with a warning where unavailable). Part of the chunk keys' root.
+        compile: True = `torch.compile` the forward's per-row pieces with static shapes (one graph per row count,
+            shared by all layers; the first request pays the compile, logged). Part of the chunk keys' root.
         io_workers: threads for SSD reads (prefetch and on-demand loads).
         model_cache_dir: where converted models are kept (None: the model loader's default).
     """
@@ -81,6 +83,7 @@ class EngineConfig:
     prefill_chunk_tokens: int = 256
     schedule: str = "cache-aware"
     weights: str = "bf16"
+    compile: bool = False
     io_workers: int = 2
     model_cache_dir: str | Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -112,6 +115,8 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be an int >= 2 (tokens) or None, got {self.max_model_len!r}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
+        if not isinstance(self.compile, bool):
+            raise ConfigError(f"compile must be True or False, got {self.compile!r}")
         if self.weights not in WEIGHT_FORMATS:
             raise ConfigError(f"weights must be one of {list(WEIGHT_FORMATS)}, got {self.weights!r}")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):

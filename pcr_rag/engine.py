@@ -114,7 +114,7 @@ class PCREngine:
         self.max_model_len = min(config.max_model_len or self.loaded.context_window, self.loaded.context_window)
         # tokens a KV row holds (prompt + generated); rows are preallocated, pages touched as they fill
         self.forward = FastForward(self.loaded, weights=weights, batch_rows=config.max_active,
-                                   max_positions=self.max_model_len)
+                                   max_positions=self.max_model_len, compile=config.compile)
         self.arena = self.forward.new_arena(config.max_active, self.max_model_len)
         # the root covers everything that fixes the KV's bits: model, dtype, chunk size, the forward's tile
         # sizes and weight format, and the tenant namespace

@@ -27,6 +27,7 @@ Supported architectures: Llama, Mistral, Qwen2, Qwen3 and Gemma 3 (text; sliding
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -138,7 +139,7 @@ class FastForward:
 
     def __init__(self, loaded: LoadedModel, *, weights: str = "bf16", batch_rows: int = 8,
                  max_positions: int | None = None, tile_rows: int = PREFILL_TILE_ROWS,
-                 attention_block: int = ATTENTION_BLOCK) -> None:
+                 attention_block: int = ATTENTION_BLOCK, prepack: bool = True, compile: bool = False) -> None:
         model = loaded.model
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
@@ -154,11 +155,13 @@ class FastForward:
         self.tile_rows = tile_rows
         self.attention_block = attention_block
         base = _text_model(model)
+        # the decode batch's M, for weight formats that prepack (compiled row pieces trace plain linears instead)
+        packed_rows = batch_rows if prepack and not compile else 0
         self._embed = base.embed_tokens
         self._final_norm = RMSNorm.of(base.norm, config.model_type == "gemma3_text")
         self._lm_head = make_linear(weights, model.lm_head.weight.detach(),
                                     None if model.lm_head.bias is None else model.lm_head.bias.detach(),
-                                    decode_rows=batch_rows)
+                                    decode_rows=packed_rows)
         self._softcap = getattr(config, "final_logit_softcapping", None)
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = loaded.kv.num_kv_heads
@@ -176,12 +179,12 @@ class FastForward:
                 window = getattr(config, "sliding_window", None)
             layer_type = (getattr(config, "layer_types", None) or ["full_attention"] * len(base.layers))[i]
             layers.append(LayerWeights(
-                qkv=_fuse([attn.q_proj, attn.k_proj, attn.v_proj], weights, batch_rows),
+                qkv=_fuse([attn.q_proj, attn.k_proj, attn.v_proj], weights, packed_rows),
                 o=make_linear(weights, attn.o_proj.weight.detach(),
                               None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
-                              decode_rows=batch_rows),
-                gate_up=_fuse([mlp.gate_proj, mlp.up_proj], weights, batch_rows),
-                down=make_linear(weights, mlp.down_proj.weight.detach(), None, decode_rows=batch_rows),
+                              decode_rows=packed_rows),
+                gate_up=_fuse([mlp.gate_proj, mlp.up_proj], weights, packed_rows),
+                down=make_linear(weights, mlp.down_proj.weight.detach(), None, decode_rows=packed_rows),
                 input_norm=norm(layer.input_layernorm), post_attn_norm=norm(layer.post_attention_layernorm),
                 pre_ff_norm=norm(layer.pre_feedforward_layernorm) if gemma else None,
                 post_ff_norm=norm(layer.post_feedforward_layernorm) if gemma else None,
@@ -193,6 +196,9 @@ class FastForward:
         self.layers = tuple(layers)
         self.scale = float(base.layers[0].self_attn.scaling)
         self.max_positions = int(max_positions or loaded.context_window)
+        self.compiled = compile
+        if compile:
+            self._compile_row_pieces()
         self._masks: dict[tuple, torch.Tensor] = {}
         self._cos, self._sin = self._rope_tables(base.rotary_emb, {lw.rope for lw in self.layers}, gemma)
 
@@ -200,7 +206,23 @@ class FastForward:
     @property
     def plan_id(self) -> str:
         """Names everything that fixes this step's numbers besides the model: part of the chunk keys' root."""
-        return f"{FORWARD_VERSION};tile={self.tile_rows};block={self.attention_block};weights={self.weights}"
+        compiled = ";compiled" if self.compiled else ""
+        return (f"{FORWARD_VERSION};tile={self.tile_rows};block={self.attention_block};weights={self.weights}"
+                f"{compiled}")
+
+    def _compile_row_pieces(self) -> None:
+        """`torch.compile` the per-row pieces (norms, projections, rotary, MLP) with static shapes: one graph per
+        piece and row count (the prefill tile and the decode batch), shared by every layer - the weights are
+        graph inputs, so no recompiles per layer or per request. Attention stays eager (its lengths vary)."""
+        self._qkv = torch.compile(self._qkv, dynamic=False)
+        self._mlp_block = torch.compile(self._mlp_block, dynamic=False)
+        self._compile_logged: set[str] = set()
+
+    def _log_first_call(self, what: str, started: float) -> None:
+        if self.compiled and what not in self._compile_logged:
+            self._compile_logged.add(what)
+            log.info("torch.compile: first %s step took %.1f s (compiling the row pieces)", what,
+                     time.perf_counter() - started)
 
     @property
     def weight_bytes(self) -> int:
@@ -227,6 +249,7 @@ class FastForward:
             raise ValueError("prefill needs at least one token")
         if end > min(row.arena.row_capacity, self.max_positions):
             raise ValueError(f"positions up to {end} exceed the row capacity {row.arena.row_capacity}")
+        started = time.perf_counter()
         block = self.attention_block
         row.ensure_finite(start, -(-end // block) * block)
         tile = self.tile_rows
@@ -252,6 +275,7 @@ class FastForward:
                 hooks.after_layer(li, start, end)
             for t0 in range(0, n, tile):
                 x[t0: t0 + tile] = self._mlp_block(lw, x[t0: t0 + tile], attn[t0: t0 + tile])
+        self._log_first_call("prefill", started)
         if not want_logits:
             return None
         return self._logits(x[n - 1: n])[0]
@@ -305,6 +329,7 @@ class FastForward:
         Returns logits ``[batch_rows, vocab]`` (padding rows' logits are meaningless)."""
         if len(rows) != self.batch_rows:
             raise ValueError(f"decode takes exactly {self.batch_rows} rows (padding rows are None), got {len(rows)}")
+        started = time.perf_counter()
         scratch = arena.scratch_row
         row_idx = torch.tensor([scratch if r is None else r for r in rows], dtype=torch.long, device=self.device)
         pos = positions.to(self.device).clone()
@@ -326,7 +351,9 @@ class FastForward:
                     vl[r: r + 1, :, lo: p + 1], scale=self.scale, enable_gqa=True)
                 attn[i] = o.view(-1)
             x = self._mlp_block(lw, x, attn)
-        return self._logits(x)
+        logits = self._logits(x)
+        self._log_first_call("decode", started)
+        return logits
 
     # ------------------------------------------------------------------------------------------ row pieces
     def _qkv(self, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

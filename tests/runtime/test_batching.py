@@ -126,6 +126,8 @@ def test_bad_config_and_oversized_requests(tmp_path):
         EngineConfig(schedule="lifo")
     with pytest.raises(ConfigError, match=r"weights.*int8"):
         EngineConfig(weights="fp4")
+    with pytest.raises(ConfigError, match="compile must be True or False"):
+        EngineConfig(compile="max-autotune")
     with _engine(model, tok, tmp_path / "c", max_model_len=64) as eng:
         with pytest.raises(PromptTooLongError, match="max_model_len"):
             eng.generate("q", [DOCS[2]])

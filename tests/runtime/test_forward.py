@@ -126,3 +126,24 @@ def test_rejects_what_it_cannot_run():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=320)).eval()
     with pytest.raises(UnsupportedArchitectureError, match="gpt2"):
         FastForward(load_model(gpt2, tiny_tokenizer(), dtype=torch.float32))
+
+
+@pytest.mark.slow
+def test_compiled_row_pieces_keep_both_invariants():
+    """compile=True: one static-shape graph per piece and row count, shared by every layer; split- and
+    batch-invariant like the eager step (its numbers differ from eager, hence its own plan id)."""
+    from torch._dynamo.utils import counters
+
+    eager = _forward("llama", torch.bfloat16)
+    fw = _forward("llama", torch.bfloat16, compile=True)
+    assert fw.plan_id != eager.plan_id and "compiled" in fw.plan_id
+    ids = _ids(40)
+    arena = fw.new_arena(4, 64)
+    graphs_before = counters["stats"]["unique_graphs"]
+    one_shot = fw.prefill(arena.row(0), ids, 0)
+    fw.prefill(arena.row(1), ids[:21], 0, want_logits=False)
+    assert torch.equal(fw.prefill(arena.row(1), ids[21:], 21), one_shot)
+    alone = fw.decode(arena, [0, None, None, None], torch.tensor([9, 0, 0, 0]), torch.tensor([40, 0, 0, 0]))[0]
+    crowded = fw.decode(arena, [None, 1, None, 0], torch.tensor([0, 9, 0, 9]), torch.tensor([0, 40, 0, 40]))
+    assert torch.equal(crowded[3], alone) and torch.equal(crowded[1], alone)
+    assert counters["stats"]["unique_graphs"] - graphs_before <= 4  # 2 pieces x (prefill tile, decode batch)
