@@ -113,6 +113,9 @@ class ServerState:
 
     def withdraw_ticket(self, namespace: str, ticket_id: int) -> bool:
         entry = self._tickets.get(ticket_id)
+        if entry is not None and (entry[1].claimed or entry[1].expired):
+            del self._tickets[ticket_id]
+            entry = None
         if entry is None or entry[0] != namespace:
             raise APIError(404, f"no announcement {ticket_id} of yours is pending (claimed, expired or unknown)",
                            param="ticket", code="announcement_not_found")

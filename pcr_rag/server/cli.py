@@ -71,8 +71,7 @@ def run(args: argparse.Namespace) -> int:
         enable_cache=not args.no_cache,
     )
     engine = PCREngine(model=args.model, config=config)
-    log.info("serving %s on http://%s:%d (auth %s%s)", settings.served_model_name or engine.loaded.name,
-             settings.host, settings.port, "on" if settings.api_keys else "off",
-             ", tenant per key" if settings.tenant_per_key else "")
+    log.info("serving %s (auth %s%s)", settings.served_model_name or engine.loaded.name,
+             "on" if settings.api_keys else "off", ", tenant per key" if settings.tenant_per_key else "")
     serve(engine, settings, log_level=args.log_level)
     return 0

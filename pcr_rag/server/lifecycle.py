@@ -65,6 +65,8 @@ def serve(engine: PCREngine, settings: ServerSettings, *, log_level: str = "info
         log.warning("listening on %s without an API key: anyone who can reach it can use the model; pass "
                     "--api-key (or PCR_RAG_API_KEY)", settings.host)
     sock = bind_socket(settings.host, settings.port)
+    host, port = sock.getsockname()[:2]
+    log.info("listening on http://%s:%d", f"[{host}]" if ":" in host else host, port)
     server = _server(engine, settings, owns_engine=True, log_level=log_level)
     # uvicorn re-raises the signal it caught once its graceful shutdown is done; by then everything is closed, so
     # the re-raised signal must only end `serve` (exit status 0), not kill the process or raise KeyboardInterrupt
