@@ -59,11 +59,15 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    settings = ServerSettings(
-        host=args.host, port=args.port, api_keys=api_keys(args), tenant_per_key=args.tenant_per_key,
-        served_model_name=args.served_model_name, shutdown_timeout_s=args.shutdown_timeout,
-        max_body_bytes=parse_bytes(args.max_body_bytes),
-    )
+    try:
+        settings = ServerSettings(
+            host=args.host, port=args.port, api_keys=api_keys(args), tenant_per_key=args.tenant_per_key,
+            served_model_name=args.served_model_name, shutdown_timeout_s=args.shutdown_timeout,
+            max_body_bytes=parse_bytes(args.max_body_bytes),
+        )
+    except ValueError as exc:  # before the model loads: say what is wrong and stop
+        log.error("%s", exc)
+        return 2
     config = EngineConfig(
         cache_dir=args.cache_dir, chunk_size=args.chunk_size, dram_capacity=args.dram, ssd_capacity=args.ssd,
         max_new_tokens=args.max_new_tokens, max_active=args.max_active, max_model_len=args.max_model_len,
