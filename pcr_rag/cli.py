@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("pcr_rag.sim.cli", "trace-driven simulation of the GPU regime on the real cache engine"),
     "profile": ("pcr_rag.sim.measure_profile", "measure a cost-model profile on this machine"),
     "cache-bench": ("pcr_rag.bench.cache_bench", "micro-benchmarks of the cache engine (match, SSD store)"),
+    "serve": ("pcr_rag.server.cli", "OpenAI-compatible HTTP server: many processes share one engine and cache"),
 }
 
 

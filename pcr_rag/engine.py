@@ -62,7 +62,8 @@ class EngineStats:
     """Engine-wide counters. ``requests``: counts, latency percentiles (seconds) and hit ratios (fraction of prompt
     tokens), as `MetricsRecorder.snapshot`; ``cache``: the cache engine's `CacheStats` (all zero when the cache is
     off); ``prefetch``: window size, prefetch cycles and loads, announcement counts; ``layer_wait_s``: per-layer
-    prefix-load wait (seconds)."""
+    prefix-load wait (seconds); ``queue_depth``: requests waiting for a row; ``running``: requests holding a row
+    (prefilling or decoding)."""
 
     requests: Mapping[str, Any]
     cache: CacheStats
@@ -70,6 +71,7 @@ class EngineStats:
     queue_depth: int
     max_queue_depth: int
     layer_wait_s: list[float] = field(default_factory=list)
+    running: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """Everything as plain dicts and numbers (the bench's records, `prometheus`)."""
@@ -80,6 +82,7 @@ class EngineStats:
             "queue_depth": self.queue_depth,
             "max_queue_depth": self.max_queue_depth,
             "layer_wait_s": list(self.layer_wait_s),
+            "running": self.running,
         }
 
     def prometheus(self) -> str:
@@ -117,9 +120,9 @@ class PCREngine:
                                    max_positions=self.max_model_len, compile=config.compile)
         self.arena = self.forward.new_arena(config.max_active, self.max_model_len)
         # the root covers everything that fixes the KV's bits: model, dtype, chunk size, the forward's tile
-        # sizes and weight format, and the tenant namespace
-        self.root_key = namespace_key(self.loaded.fingerprint, str(self.loaded.kv.dtype).replace("torch.", ""),
-                                      config.chunk_size, f"{self.forward.plan_id}|{config.namespace}")
+        # sizes and weight format, and the tenant namespace (config.namespace, plus a request's own namespace)
+        self._roots: dict[str, bytes] = {}
+        self.root_key = self.root_for(None)
         self.cache: CacheEngine | None = None
         if config.enable_cache:
             self.cache = CacheEngine(CacheConfig(
@@ -175,7 +178,7 @@ class PCREngine:
 
     # ------------------------------------------------------------------------------------------ requests
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *,
-               timeout: float | None = None) -> RequestHandle:
+               timeout: float | None = None, namespace: str | None = None) -> RequestHandle:
         """Validate, render and enqueue one request; returns at once with its `RequestHandle`.
 
         Args:
@@ -183,6 +186,8 @@ class PCREngine:
             params: `SamplingParams` (None = defaults; ``max_new_tokens=None`` = ``EngineConfig.max_new_tokens``).
             timeout: seconds from now after which any wait on the handle cancels the request and raises
                 `TimeoutError` (None = no deadline).
+            namespace: a tenant namespace inside the engine's (`root_for`): requests of different namespaces never
+                share cached KV, nor claim each other's announcements (None or "" = the engine's own).
         Raises (before any compute): `InvalidRequestError` (bad prompt kind, params or timeout),
             `PromptTooLongError`, `QueueFullError`, `EngineClosedError`.
         """
@@ -190,6 +195,7 @@ class PCREngine:
         if not isinstance(prompt, PROMPT_KINDS):
             raise InvalidRequestError(f"prompt must be a RagPrompt, FlatPrompt or ChatPrompt, got "
                                       f"{type(prompt).__name__}")
+        root = self.root_for(namespace)
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -204,8 +210,8 @@ class PCREngine:
             limit = ("the model's context window" if self.max_model_len == self.loaded.context_window
                      else "the engine's max_model_len")
             raise PromptTooLongError(n, params.max_new_tokens, self.max_model_len, limit)
-        plan = plan_chunks(self.root_key, seg.segments, self.config.chunk_size)
-        ticket = self.board.claim(prompt.documents) if prompt.documents else None
+        plan = plan_chunks(root, seg.segments, self.config.chunk_size)
+        ticket = self.board.claim(prompt.documents, namespace or "") if prompt.documents else None
         channel = TokenChannel()
         req = Request(
             request_id=self.scheduler.next_id(), token_ids=seg.token_ids, plan=plan, params=params,
@@ -288,14 +294,17 @@ class PCREngine:
 
     # ------------------------------------------------------------------------------------------ announcements
     def announce(self, documents: Sequence[str], query: str | None = None, *, system: str | None = None,
-                 prefix: str | None = None, separator: str | None = None, layout: str = "auto") -> Ticket:
+                 prefix: str | None = None, separator: str | None = None, layout: str = "auto",
+                 namespace: str | None = None) -> Ticket:
         """Retrieval finished: put the coming request into the prefetch window before the LLM call exists.
 
         The prefix's chunk keys are predicted: ``layout="rag"`` uses the engine's own layout (as `generate`),
         ``"flat"`` the ``prefix``/``separator`` given or learned from the last flat prompt (as
         `generate_prompt`), ``"auto"`` picks flat once a flat prompt has been seen. A later request with the same
-        documents claims the ticket; an unclaimed one expires after ``announce_ttl_s``."""
+        documents and ``namespace`` (as for `submit`) claims the ticket; an unclaimed one expires after
+        ``announce_ttl_s``."""
         self._check_open()
+        root = self.root_for(namespace)
         docs = validate_documents(documents)
         if not docs:
             raise InvalidRequestError("announce() needs at least one document")
@@ -304,8 +313,8 @@ class PCREngine:
             seg = self.builder.build_rag(query, docs, system)
         else:
             seg = self.builder.predict_prefix(docs, system=system, prefix=prefix, separator=separator, flat=flat)
-        keys = [c.key for c in plan_chunks(self.root_key, seg.segments, self.config.chunk_size)]
-        ticket = self.board.add(docs, keys, self._ssd_keys(keys))
+        keys = [c.key for c in plan_chunks(root, seg.segments, self.config.chunk_size)]
+        ticket = self.board.add(docs, keys, self._ssd_keys(keys), namespace or "")
         self._queue_changed()
         return ticket
 
@@ -332,13 +341,29 @@ class PCREngine:
         pf["prefetch_hit_chunks"] = req["prefetch_hit_chunks"]
         return EngineStats(requests=req, cache=cache, prefetch=pf, queue_depth=self.scheduler.depth,
                            max_queue_depth=self.scheduler.max_depth,
-                           layer_wait_s=list(self.copy_engine.waits.seconds))
+                           layer_wait_s=list(self.copy_engine.waits.seconds), running=self.executor.active)
 
-    def plan_for(self, query: str, documents: Sequence[str] = (), *,
-                 system: str | None = None) -> list[ChunkSpec]:
+    def root_for(self, namespace: str | None = None) -> bytes:
+        """The chunk keys' root for requests of ``namespace`` (None or "" = `root_key`, the engine's own).
+
+        Equal roots mean shareable KV: a root hashes the model fingerprint, KV dtype, chunk size, the forward's
+        plan id, ``EngineConfig.namespace`` and the request namespace."""
+        ns = "" if namespace is None else namespace
+        if not isinstance(ns, str):
+            raise InvalidRequestError(f"namespace must be a str or None, got {type(namespace).__name__}")
+        root = self._roots.get(ns)
+        if root is None:
+            salt = f"{self.forward.plan_id}|{self.config.namespace}" + (f"|{ns}" if ns else "")
+            root = namespace_key(self.loaded.fingerprint, str(self.loaded.kv.dtype).replace("torch.", ""),
+                                 self.config.chunk_size, salt)
+            self._roots[ns] = root
+        return root
+
+    def plan_for(self, query: str, documents: Sequence[str] = (), *, system: str | None = None,
+                 namespace: str | None = None) -> list[ChunkSpec]:
         """The chunk plan `generate` would use for this request (no compute, no side effects)."""
         seg = RagPrompt(query, documents, system).segment(self.builder)
-        return plan_chunks(self.root_key, seg.segments, self.config.chunk_size)
+        return plan_chunks(self.root_for(namespace), seg.segments, self.config.chunk_size)
 
     def window_snapshot(self) -> list[tuple[bytes, ...]]:
         """Chunk keys of the requests currently in the prefetch window (waiting queue first, then announced)."""

@@ -29,6 +29,9 @@ __all__ = [
     "PCR_VS_NO_REUSE_MEAN_TTFT_MAX",
     "PCR_VS_NO_REUSE_P99_TTFT_MAX",
     "PCR_VS_SSD_ON_DEMAND_MEAN_TTFT_MAX",
+    "SERVER_ITL_OVERHEAD_MAX",
+    "SERVER_LOAD_RSS_GROWTH_MAX",
+    "SERVER_TTFT_OVERHEAD_MAX",
     "SERVING_TARGETS",
     "SIM_VALIDATION_MIN_RATES",
     "SIM_VALIDATION_SYSTEMS",
@@ -49,6 +52,17 @@ class RatioTarget:
     stat: str = "ttft.mean"
     max_ratio: float = 1.0
 
+
+# ------------------------------------------------------------------------------------ pcr-rag serve
+
+#: mean TTFT through `pcr-rag serve` over a local engine's, same requests, one run
+#: (`python -m pcr_rag.bench.server_overhead`).
+SERVER_TTFT_OVERHEAD_MAX = 1.1
+#: mean inter-token latency through the server over a local engine's (same run).
+SERVER_ITL_OVERHEAD_MAX = 1.1
+#: the server's RSS after the last of identical load rounds over its RSS after the first, minus 1
+#: (`python -m pcr_rag.bench.load_server`).
+SERVER_LOAD_RSS_GROWTH_MAX = 0.05
 
 # ------------------------------------------------------------------------------------ pcr-rag bench
 

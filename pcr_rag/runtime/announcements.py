@@ -24,6 +24,7 @@ class Ticket:
     announced_at: float
     expires_at: float
     ssd_keys_at_entry: frozenset[bytes] = frozenset()
+    namespace: str = ""  # tenant namespace: only a request of the same namespace claims it
     claimed: bool = False
     expired: bool = False
 
@@ -42,19 +43,19 @@ class AnnouncementBoard:
         self.expired = 0
 
     def add(self, documents: tuple[str, ...], keys: Sequence[bytes],
-            ssd_keys: frozenset[bytes] = frozenset()) -> Ticket:
+            ssd_keys: frozenset[bytes] = frozenset(), namespace: str = "") -> Ticket:
         now = self.clock()
-        t = Ticket(next(self._ids), documents, tuple(keys), now, now + self.ttl_s, ssd_keys)
+        t = Ticket(next(self._ids), documents, tuple(keys), now, now + self.ttl_s, ssd_keys, namespace)
         with self._lock:
             self._tickets.append(t)
             self.announced += 1
         return t
 
-    def claim(self, documents: tuple[str, ...]) -> Ticket | None:
-        """The oldest live ticket with exactly these documents, removed from the board."""
+    def claim(self, documents: tuple[str, ...], namespace: str = "") -> Ticket | None:
+        """The oldest live ticket of ``namespace`` with exactly these documents, removed from the board."""
         with self._lock:
             for t in self._tickets:
-                if t.documents == documents:
+                if t.documents == documents and t.namespace == namespace:
                     self._tickets.remove(t)
                     t.claimed = True
                     self.claimed += 1

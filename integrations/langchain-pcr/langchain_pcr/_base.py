@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from langchain_core.language_models import LangSmithParams
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
 from langchain_pcr._common import PROVIDER, EngineHolder, RequestDocuments, model_display_name
+from langchain_pcr._remote import engine_holder
 from langchain_pcr.callbacks import resolve_documents
 from pcr_rag.requests import GenerationResult, Prompt, RequestHandle, SamplingParams, StreamChunk
 
@@ -44,6 +45,9 @@ class PCRModelParams(BaseModel):
     seed: int | None = None
     stop: list[str] | None = Field(default=None, alias="stop_sequences")
     timeout: float | None = Field(default=None, gt=0)
+    # base_url mode (langchain_pcr._remote): a pcr-rag server instead of a local engine
+    base_url: str | None = None
+    api_key: SecretStr | None = Field(default=None, exclude=True)
 
     _holder: EngineHolder = PrivateAttr()
 
@@ -58,7 +62,7 @@ class PCRModelParams(BaseModel):
 
     def model_post_init(self, context: Any, /) -> None:
         super().model_post_init(context)
-        self._holder = EngineHolder(self)
+        self._holder = engine_holder(self)
 
     @property
     def model_name(self) -> str:

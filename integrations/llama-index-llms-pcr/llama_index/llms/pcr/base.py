@@ -24,6 +24,7 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
+from llama_index.llms.pcr._remote import remote_engine
 from llama_index.llms.pcr.hook import install_retrieval_hook, retrieval_hook
 
 from pcr_rag.errors import InvalidRequestError
@@ -133,6 +134,9 @@ class PCRLLM(CustomLLM):
     chat_template: bool = Field(default=True, description="wrap complete() prompts in the chat template")
     is_chat_model: bool = Field(default=True, description="synthesizers use chat() (the model's chat template)")
     retrieval_hook: bool = Field(default=True, description="install the retrieval -> prefetch hook")
+    # base_url mode (llama_index.llms.pcr._remote): a pcr-rag server instead of a local engine
+    base_url: str | None = Field(default=None, description="a pcr-rag server (pcr-rag serve) to send calls to")
+    api_key: str | None = Field(default=None, exclude=True, repr=False, description="the server's API key")
 
     _engine: Any = PrivateAttr(default=None)
 
@@ -142,7 +146,10 @@ class PCRLLM(CustomLLM):
             if clash:
                 raise ValueError(f"pass either engine= or {clash} (they configure the engine), not both")
         super().__init__(**kwargs)
-        self._engine = engine if engine is not None else shared_engine(self.model, self.tokenizer, self.config)
+        if self.base_url is not None:
+            self._engine = remote_engine(self, engine)
+        else:
+            self._engine = engine if engine is not None else shared_engine(self.model, self.tokenizer, self.config)
         retrieval_hook().register_llm(self)
         if self.retrieval_hook:
             install_retrieval_hook()

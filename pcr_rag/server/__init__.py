@@ -1,0 +1,15 @@
+"""`pcr-rag serve`: an OpenAI-compatible HTTP server over one `PCREngine`, so many app processes share one engine
+and one KV cache.
+
+Modules: `settings` (`ServerSettings`), `errors` (OpenAI-shaped `APIError`), `auth` (API keys -> tenant
+namespaces), `schemas` (request parsing, response bodies), `streaming` (SSE that cancels on disconnect),
+`metrics` (Prometheus, ``pcr:`` prefix), `app` (`create_app`: routes and request flow), `lifecycle` (`serve`,
+`ServerThread`), `cli` (the sub-command). Needs the ``serve`` extra (fastapi, uvicorn, prometheus-client).
+The client side (integrations' ``base_url`` mode) is `pcr_rag.remote`, which needs httpx only.
+"""
+
+from pcr_rag.server.app import create_app
+from pcr_rag.server.lifecycle import ServerThread, serve
+from pcr_rag.server.settings import ServerSettings
+
+__all__ = ["ServerSettings", "ServerThread", "create_app", "serve"]
