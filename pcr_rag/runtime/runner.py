@@ -230,10 +230,15 @@ class PrefillTask:
             self._lease = None
 
 
+_INCOMPLETE = "\ufffd"  # what a tokenizer decodes an unfinished multi-byte character to
+
+
 class DecodeRow:
     """One request's decode: picks each token from the row's logits, streams its text, applies stop strings,
-    end-of-sequence and ``max_new_tokens``. Invariant: ``tokens[-1]`` sits at `position` in the row and is the
-    next decode input (until `finished`)."""
+    end-of-sequence and ``max_new_tokens``. Invariants: ``tokens[-1]`` sits at `position` in the row and is the
+    next decode input (until `finished`); ``text`` is exactly the concatenation of the streamed deltas - a token
+    that ends inside a multi-byte character streams "" until the character is complete (a character still
+    incomplete when the request ends is dropped)."""
 
     def __init__(self, request: Request, prompt_tokens: int, tokenizer, eos_ids: frozenset[int],
                  on_token: Callable[[int, str], None]) -> None:
@@ -277,8 +282,11 @@ class DecodeRow:
                 self.on_token(tok, delta)
             self.text = new_text[:stop_at]
             return self._end("stop")
-        delta = new_text[len(self.text):]
-        self.text = new_text
+        complete = len(new_text)
+        while complete > len(self.text) and new_text[complete - 1] == _INCOMPLETE:
+            complete -= 1  # a token that ends mid-character: hold the partial character back until it completes
+        delta = new_text[len(self.text): complete]
+        self.text = new_text[:complete]
         self.on_token(tok, delta)
         if len(self.tokens) >= self.params.max_new_tokens:
             return self._end("length")

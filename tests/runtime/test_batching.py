@@ -154,3 +154,18 @@ def test_sixty_four_concurrent_requests_are_exact_and_release_everything(tmp_pat
     assert len(results) == 64
     assert all(results[i] == ref[i % len(QUESTIONS)].token_ids for i in range(64))
     assert stats.bytes_high_water["dram"] <= dram and stats.pinned_chunks == 0
+
+
+def test_streamed_text_is_the_result_text_even_mid_character(tmp_path):
+    """The tiny tokenizer is byte-level: tokens often end inside a multi-byte character. Streamed deltas add up
+    to the final text, and a half character is held back (not streamed as U+FFFD and then changed)."""
+    model, tok = tiny_model("llama")
+    with _engine(model, tok, tmp_path / "c", max_new_tokens=40) as eng:
+        eng.executor.eos_ids = frozenset()
+        for q in ("héllo wörld ✓", "日本語のテキスト", "emoji 🙂 please"):
+            handle = eng.stream(q, ["Ünïcödé dócümént ✓✓ " * 4])
+            deltas = [c.text for c in handle if not c.is_final]
+            result = handle.result()
+            assert "".join(deltas) == result.text
+            full = tok.decode(result.token_ids, skip_special_tokens=True)
+            assert full.startswith(result.text) and set(full[len(result.text):]) <= {"\ufffd"}
