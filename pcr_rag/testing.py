@@ -149,3 +149,31 @@ def default_tokenizer() -> Any:
 
     entry = ModelCache().ensure(DEFAULT_MODEL, KNOWN_MODELS[DEFAULT_MODEL].locate())
     return AutoTokenizer.from_pretrained(str(entry), local_files_only=True)
+
+
+class SubmitRecorder:
+    """Records every request submitted to an engine (a spy for pipeline tests): ``with SubmitRecorder(engine) as
+    rec: ...`` then ``rec.results()`` gives each request's `GenerationResult` (prompt and answer token ids,
+    documents found) in submission order. The engine's own ``submit`` is restored on exit."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.prompts: list[Any] = []
+        self._handles: list[Any] = []
+        self._submit = engine.submit
+
+    def __enter__(self) -> SubmitRecorder:
+        self.engine.submit = self._record
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.engine.submit  # the instance attribute shadowed the method
+
+    def _record(self, prompt: Any, params: Any = None, **kwargs: Any) -> Any:
+        handle = self._submit(prompt, params, **kwargs)
+        self.prompts.append(prompt)
+        self._handles.append(handle)
+        return handle
+
+    def results(self) -> list[Any]:
+        return [h.result() for h in self._handles]

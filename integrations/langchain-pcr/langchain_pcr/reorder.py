@@ -84,7 +84,7 @@ class PCRReorder(RunnableSerializable[Sequence[Document], list[Document]], BaseD
         return self._reorder(documents, run_manager)  # a cheap walk: no thread hop needed
 
     def _reorder(self, documents: Sequence[Document], run_manager: Any) -> list[Document]:
-        if isinstance(documents, Document) or not isinstance(documents, Sequence):
+        if isinstance(documents, (Document, str, bytes)) or not isinstance(documents, Sequence):
             raise TypeError(f"PCRReorder takes a list of Documents (a retriever's output), got "
                             f"{type(documents).__name__}")
         items = [d for d in documents if isinstance(d, Document) and d.page_content]
