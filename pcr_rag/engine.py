@@ -344,8 +344,9 @@ class PCREngine:
         pieces = self.builder.document_pieces(lay)
         head = (self.builder.tokenize_piece(pieces.head, first=True),) if pieces.head else ()
 
-        def run_of(i: int, first: bool) -> tuple[int, ...]:
-            return self.builder.tokenize_piece(pieces.piece(docs[i], first=first), first=first and not head)
+        def run_of(i: int, previous: int | None) -> tuple[int, ...]:
+            text = pieces.piece(docs[i], None if previous is None else docs[previous])
+            return self.builder.tokenize_piece(text, first=previous is None and not head)
 
         walk = reuse_order(len(docs), head, run_of, self.root_key, self.config.chunk_size, known)
         return [docs[i] for i in walk.order]

@@ -82,16 +82,20 @@ class DocumentLayout:
 class DocumentPieces:
     """How `PromptBuilder.segment` cuts a layout's documents (`PromptBuilder.document_pieces`): the head's own
     piece is ``head``; a document's piece is ``first_lead + document + trail`` in the first position and
-    ``lead + document + trail`` in a later one (``first_lead`` is the tail of the layout's head that the cut
-    fitting moved to the document, ``lead + trail`` is the layout's separator)."""
+    ``lead + document + trail`` after another document (``first_lead`` is the whitespace at the end of the
+    layout's head, ``lead + trail`` is the layout's separator). A document's trailing whitespace goes to the
+    next piece, as the canonical cut puts it."""
 
     head: str
     first_lead: str
     lead: str
     trail: str
 
-    def piece(self, document: str, *, first: bool) -> str:
-        return (self.first_lead if first else self.lead) + document + self.trail
+    def piece(self, document: str, previous: str | None = None) -> str:
+        """The piece of ``document`` placed right after ``previous`` (None: first in the prompt)."""
+        core = document.rstrip()
+        lead = self.first_lead if previous is None else previous[len(previous.rstrip()):] + self.lead
+        return lead + core + self.trail
 
 
 def validate_documents(documents: object) -> tuple[str, ...]:

@@ -55,14 +55,15 @@ def _matched(parent: bytes, run: Sequence[int], chunk_size: int,
     return matched, True, specs[-1].key if specs else parent
 
 
-def reuse_order(num_documents: int, head: Sequence[Sequence[int]], run_of: Callable[[int, bool], Sequence[int]],
+def reuse_order(num_documents: int, head: Sequence[Sequence[int]],
+                run_of: Callable[[int, int | None], Sequence[int]],
                 root: bytes, chunk_size: int, known: Callable[[bytes], bool]) -> ReuseOrder:
     """The greedy cache-aware order of ``num_documents`` documents.
 
     Args:
         head: the token segments before the first document (system turn, instruction), chained from ``root``.
-        run_of: ``run_of(i, first)`` is document ``i``'s token segment in the first position (``first=True``)
-            or in a later one (separator included).
+        run_of: ``run_of(i, previous)`` is document ``i``'s token segment right after document ``previous``
+            (None: in the first position; otherwise with the separator).
         root: the namespace root key; chunk_size: tokens per chunk (as the engine's plans).
         known: whether a chunk key is cached or announced. The walk asks in chain order, so a key is only asked
             when its parent was known.
@@ -82,7 +83,7 @@ def reuse_order(num_documents: int, head: Sequence[Sequence[int]], run_of: Calla
     while remaining:
         best: tuple[int, bool, bytes, int] | None = None  # (tokens, complete, last key, document)
         for doc in remaining:
-            got, complete, last = _matched(parent, run_of(doc, not order), chunk_size, known)
+            got, complete, last = _matched(parent, run_of(doc, order[-1] if order else None), chunk_size, known)
             if got > 0 and (best is None or got > best[0]):
                 best = (got, complete, last, doc)
         if best is None:

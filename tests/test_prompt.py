@@ -156,7 +156,7 @@ def test_a_documents_own_run_is_the_same_in_every_position(builder, layout) -> N
         assert seg.cuts_adjusted <= 1  # at most the head's cut moves (a space before the first document)
         doc_segments = seg.segments[1:1 + len(order)]
         for pos, (doc, run) in enumerate(zip(order, doc_segments)):
-            assert run == builder.tokenize_piece(pieces.piece(doc, first=pos == 0), first=False)
+            assert run == builder.tokenize_piece(pieces.piece(doc, order[pos - 1] if pos else None), first=False)
             if pos > 0 or not pieces.first_lead:  # a lead moved before the first document may merge with it
                 assert run[len(run) - len(own[doc]):] == own[doc]
         assert seg.segments[0] == builder.tokenize_piece(pieces.head, first=True)
@@ -167,6 +167,21 @@ def test_own_layout_pieces_put_the_separator_before_each_document(builder) -> No
     separator moves to the first document when the tokenizer would merge it)."""
     pieces = builder.document_pieces(builder.layout())
     seg = builder.build_rag("q?", DOCS[:2])
-    assert seg.segments[1] == builder.tokenize_piece(pieces.piece(DOCS[0], first=True), first=False)
-    assert seg.segments[2] == builder.tokenize_piece(pieces.piece(DOCS[1], first=False), first=False)
+    assert seg.segments[1] == builder.tokenize_piece(pieces.piece(DOCS[0]), first=False)
+    assert seg.segments[2] == builder.tokenize_piece(pieces.piece(DOCS[1], DOCS[0]), first=False)
     assert pieces.lead == DEFAULT_SEPARATOR and pieces.trail == ""
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS, None])
+def test_document_pieces_predict_the_segments_of_documents_with_edge_whitespace(builder, layout) -> None:
+    """Indented or newline-terminated documents (pydoc text, unstripped splitter output): the whitespace before a
+    document travels with it and its trailing whitespace with the next piece; `document_pieces` predicts it."""
+    layout = layout or builder.layout()
+    docs = ("    indented pydoc line\n    and another", "trailing newline\n", "\tboth ends \n\n", DOCS[0])
+    pieces = builder.document_pieces(layout)
+    text = layout.head + layout.separator.join(docs) + "\nQ?"
+    seg = builder.segment(text, docs)
+    assert seg.token_ids == _no_docs_ids(builder, text)
+    predicted = [builder.tokenize_piece(pieces.piece(doc, docs[i - 1] if i else None), first=False)
+                 for i, doc in enumerate(docs)]
+    assert list(seg.segments[1:1 + len(docs)]) == predicted

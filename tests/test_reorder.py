@@ -16,21 +16,21 @@ RUNS = {0: tuple(range(10, 19)), 1: tuple(range(20, 27)), 2: tuple(range(30, 35)
 SEP = (7, 7)
 
 
-def run_of(i: int, first: bool) -> tuple[int, ...]:
-    return RUNS[i] if first else SEP + RUNS[i]
+def run_of(i: int, previous: int | None) -> tuple[int, ...]:
+    return RUNS[i] if previous is None else SEP + RUNS[i]
 
 
 def chain_keys(order, upto: int | None = None) -> set[bytes]:
     """Every chunk key of the prompt [HEAD][doc order[0]][sep + order[1]]... (first ``upto`` documents)."""
-    segments = list(HEAD) + [run_of(d, i == 0) for i, d in enumerate(order[:upto])]
+    segments = list(HEAD) + [run_of(d, order[i - 1] if i else None) for i, d in enumerate(order[:upto])]
     return {c.key for c in plan_chunks(ROOT, segments, CS)}
 
 
 def walk(known: set[bytes], n: int = 4, calls: list | None = None):
-    def counted(i, first):
+    def counted(i, previous):
         if calls is not None:
-            calls.append((i, first))
-        return run_of(i, first)
+            calls.append((i, previous))
+        return run_of(i, previous)
     return reuse_order(n, HEAD, counted, ROOT, CS, known.__contains__)
 
 
@@ -58,7 +58,7 @@ def test_the_longest_extension_wins_and_relevance_breaks_ties() -> None:
 
 
 def test_a_partly_cached_document_ends_the_walk() -> None:
-    plan = plan_chunks(ROOT, list(HEAD) + [run_of(1, True), run_of(0, False)], CS)
+    plan = plan_chunks(ROOT, list(HEAD) + [run_of(1, None), run_of(0, 1)], CS)
     first_of_0 = next(c.key for c in plan if c.segment == 2)
     result = walk(chain_keys((1,)) | {first_of_0})  # document 0's first chunk after 1, not the rest
     assert result.order == (1, 0, 2, 3) and result.placed == 2
