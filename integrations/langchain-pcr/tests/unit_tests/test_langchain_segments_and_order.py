@@ -186,3 +186,23 @@ async def test_reorder_async_and_as_a_document_transformer(engine) -> None:
         reorder.invoke("not documents")
     with pytest.raises(TypeError, match="ChatPCR"):
         PCRReorder()
+
+
+@pytest.mark.slow
+def test_the_retrieval_hook_does_not_change_answers_on_the_default_model(tmp_path) -> None:
+    """Issue 12's outside check on the real model: an LCEL chain (hub-style prompt, ChatPCR) answers the same
+    with and without `PCRRetrievalCallback`."""
+    with PCREngine(config=EngineConfig(cache_dir=tmp_path / "kv", chunk_size=32, max_new_tokens=16,
+                                       dram_capacity="256MiB", ssd_capacity="256MiB")) as eng:
+        llm = ChatPCR(engine=eng, max_tokens=16)
+        chain = chain_for(HUB_RAG_PROMPT, FixedRetriever(lists={"paths": (DOCS[0], DOCS[1]),
+                                                                "heap": (DOCS[2], DOCS[0])}), llm)
+        questions = ["How do paths join?", "What does a heap do?"]
+        answers = {}
+        for hooked in (False, True):
+            config = {"callbacks": [PCRRetrievalCallback(llm)]} if hooked else {}
+            with SubmitRecorder(eng) as rec:
+                answers[hooked] = [chain.invoke(q, config=config) for q in questions]
+            results = rec.results()
+            assert all((r.documents_found == 2) is hooked for r in results)
+        assert answers[True] == answers[False] and all(a.strip() for a in answers[True])
