@@ -210,7 +210,9 @@ class PromptBuilder:
         layout learned from the last flat prompt; otherwise the engine's own RAG layout (see `layout`).
         """
         lay = self.layout(system=system, prefix=prefix, separator=separator, flat=flat)
-        return self.segment(lay.head + lay.separator.join(documents), documents)
+        # the last document's trailing whitespace goes with the text after it (the canonical cut), unknown here
+        docs = [*documents[:-1], documents[-1].rstrip()] if documents else []
+        return self.segment(lay.head + lay.separator.join(docs), docs)
 
     def layout(self, *, system: str | None = None, prefix: str | None = None, separator: str | None = None,
                flat: bool = False) -> DocumentLayout:

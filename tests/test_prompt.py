@@ -185,3 +185,11 @@ def test_document_pieces_predict_the_segments_of_documents_with_edge_whitespace(
     predicted = [builder.tokenize_piece(pieces.piece(doc, docs[i - 1] if i else None), first=False)
                  for i, doc in enumerate(docs)]
     assert list(seg.segments[1:1 + len(docs)]) == predicted
+
+
+def test_the_announce_prediction_matches_documents_with_trailing_whitespace(builder) -> None:
+    docs = ("first document. ", "second document ends with a space. ")
+    predicted = builder.predict_prefix(docs)
+    real = builder.build_rag("q?", docs)
+    assert predicted.segments == real.segments[:len(predicted.segments)]
+    assert len(predicted.segments) == 1 + len(docs)
