@@ -236,3 +236,18 @@ def test_reorder_postprocessor_without_the_hook_still_reorders(engine) -> None:
     nodes = [NodeWithScore(node=TextNode(text=t), score=1.0) for t in (a, c, b)]
     out = PCRReorderPostprocessor(engine).postprocess_nodes(nodes, query_str="q")
     assert [n.node.get_content() for n in out] == [b, c, a]
+
+
+def test_streaming_query_with_cache_aware_llm_claims_and_leaves_no_orphan(engine) -> None:
+    """The deferred (streaming) LLM call finds the ended query's announcement by content, rearranges its prompt
+    to the announced cache-aware order and claims it."""
+    a, b, c, _ = DOCS
+    retriever = FixedRetriever({"first": (c, a), "second": (a, b, c)})
+    llm = PCRLLM(engine=engine, max_new_tokens=2, reorder="cache-aware")
+    qe = RetrieverQueryEngine.from_args(retriever, llm=llm, streaming=True)
+    with SubmitRecorder(engine) as rec:
+        for q in ("first question", "second question"):
+            "".join(qe.query(q).response_gen)
+    assert rec.prompts[1].documents == (c, a, b) and rec.results()[1].metrics.announced
+    assert engine.stats().prefetch["claimed"] == 2
+    assert retrieval_hook().tracked_sizes()["orphans"] == 0

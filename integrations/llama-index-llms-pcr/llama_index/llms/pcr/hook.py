@@ -254,9 +254,9 @@ class PCRRetrievalHook:
         best, best_count = None, 0
         for ann in candidates:
             present = documents_in_prompt(text, ann.documents)
-            if present == ann.documents:
+            if sorted(present) == sorted(ann.documents):  # in any order: a cache-aware LLM rearranges them
                 with self._lock:
-                    self._orphans.pop(id(ann), None)  # fully used: its ticket is claimed now
+                    self._orphans.pop(id(ann), None)  # fully used: this call takes its ticket
                 return ann
             if len(present) > best_count:
                 best, best_count = ann, len(present)
