@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,7 @@ from pcr_rag.config import EngineConfig
 from pcr_rag.errors import EngineClosedError, InvalidRequestError, PromptTooLongError, RequestCancelledError
 from pcr_rag.metrics import MetricsRecorder, prometheus_text
 from pcr_rag.prompt import PromptBuilder, validate_documents
+from pcr_rag.reorder import reuse_order
 from pcr_rag.requests import (
     PROMPT_KINDS,
     ChatPrompt,
@@ -308,7 +310,7 @@ class PCREngine:
         docs = validate_documents(documents)
         if not docs:
             raise InvalidRequestError("announce() needs at least one document")
-        flat = layout == "flat" or (layout == "auto" and self.builder._learned_prefix is not None)
+        flat = self._flat_layout(layout)
         if query is not None and not flat:
             seg = self.builder.build_rag(query, docs, system)
         else:
@@ -317,6 +319,46 @@ class PCREngine:
         ticket = self.board.add(docs, keys, self._ssd_keys(keys), namespace or "")
         self._queue_changed()
         return ticket
+
+    def order_for_reuse(self, documents: Sequence[str], *, system: str | None = None, layout: str = "auto",
+                        prefix: str | None = None, separator: str | None = None,
+                        exclude: Iterable[Ticket | None] = ()) -> list[str]:
+        """``documents`` in the order whose chunk chain matches the longest cached prefix (`pcr_rag.reorder`).
+
+        Cached chunks (any tier) and the chunks of live announcements count; relevance order (the given order)
+        breaks ties and is kept after the last position the cache decides, so with nothing cached the given order
+        comes back. The layout is chosen as in `announce` (``layout``, ``system``, ``prefix``, ``separator``).
+        ``exclude``: announcements whose chunks do not count (the caller's own, made for the order it is
+        replacing). No compute and no side effects besides the prompt builder's token cache; a greedy walk over at
+        most ``k (k + 1) / 2`` document runs.
+
+        A different order is a different prompt: reuse stays exact for it, but the answer can differ from the
+        answer to the relevance-ordered prompt.
+        """
+        self._check_open()
+        docs = validate_documents(documents)
+        flat = self._flat_layout(layout)
+        if len(docs) < 2:
+            return list(docs)
+        lay = self.builder.layout(system=system, prefix=prefix, separator=separator, flat=flat)
+        announced = Counter(k for keys in self.board.keys(len(self.board)) for k in keys)
+        for ticket in exclude:
+            if ticket is not None and not ticket.claimed and not ticket.expired:
+                announced.subtract(ticket.keys)
+        cache = self.cache
+
+        def known(key: bytes) -> bool:
+            return announced[key] > 0 or (cache is not None and key in cache)
+
+        pieces = self.builder.document_pieces(lay)
+        head = (self.builder.tokenize_piece(pieces.head, first=True),) if pieces.head else ()
+
+        def run_of(i: int, previous: int | None) -> tuple[int, ...]:
+            text = pieces.piece(docs[i], None if previous is None else docs[previous])
+            return self.builder.tokenize_piece(text, first=previous is None and not head)
+
+        walk = reuse_order(len(docs), head, run_of, self.root_key, self.config.chunk_size, known)
+        return [docs[i] for i in walk.order]
 
     def cancel_announcement(self, ticket: Ticket) -> bool:
         """Withdraw an announcement nobody will claim (e.g. the framework dropped the retrieval); True if it was
@@ -404,6 +446,13 @@ class PCREngine:
     def _check_open(self) -> None:
         if self._closed:
             raise EngineClosedError("the engine is closed; create a new PCREngine")
+
+    def _flat_layout(self, layout: str) -> bool:
+        """Whether a request announced or ordered with ``layout`` ("rag", "flat", "auto") has a framework's flat
+        layout ("auto": once a flat prompt has been seen)."""
+        if layout not in ("auto", "rag", "flat"):
+            raise InvalidRequestError(f"layout must be 'auto', 'rag' or 'flat', got {layout!r}")
+        return layout == "flat" or (layout == "auto" and self.builder.learned_flat_layout)
 
     def _ssd_keys(self, keys: Sequence[bytes]) -> frozenset[bytes]:
         if self.cache is None:

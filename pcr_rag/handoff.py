@@ -98,6 +98,33 @@ class Announcement:
             except Exception:  # noqa: BLE001 - never fail the retrieval for a prefetch
                 logger.exception("announcing retrieved documents to the PCR engine failed")
 
+    def ticket_of(self, engine: Any) -> Any:
+        """The ticket ``engine`` returned for this retrieval (None if it has none), without taking it."""
+        entry = self.tickets.get(id(engine))
+        return entry[1] if entry is not None else None
+
+    def reannounce(self, documents: Sequence[str]) -> bool:
+        """Announce the same documents in another order (a cache-aware reorder of the retrieval): every engine
+        whose ticket no model call took yet gets its ticket withdrawn and a new one for ``documents``, so prefetch
+        and the prompt agree. False (nothing changed) when the order is the same.
+
+        Raises:
+            ValueError: ``documents`` is not a permutation of the announced documents.
+        """
+        documents = tuple(documents)
+        if sorted(documents) != sorted(self.documents):
+            raise ValueError("reannounce() takes the announced documents in another order, not other documents")
+        if documents == self.documents:
+            return False
+        self.documents = documents
+        for key, (engine, ticket) in list(self.tickets.items()):
+            if key in self.claimed:
+                continue
+            release_ticket(engine, ticket)
+            del self.tickets[key]
+            self.announce_to([engine])
+        return True
+
     @property
     def fully_claimed(self) -> bool:
         """True when every engine's ticket was taken (and at least one ticket exists)."""

@@ -128,7 +128,7 @@ class ChatPrompt:
         object.__setattr__(self, "documents", validate_documents(self.documents))
 
     def segment(self, builder: PromptBuilder) -> SegmentedPrompt:
-        return builder.segment(builder.render_messages(self.messages), self.documents)
+        return builder.build_chat(self.messages, self.documents)
 
 
 Prompt = RagPrompt | FlatPrompt | ChatPrompt

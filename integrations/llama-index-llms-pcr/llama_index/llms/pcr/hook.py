@@ -19,6 +19,10 @@ newest one whose documents all occur verbatim in the prompt (else the one with m
 Memory: only open spans are tracked; announcements move to the bounded, short-lived orphan list when their root
 span ends, and unclaimed tickets are withdrawn when they leave it; every map is bounded.
 
+With ``PCRLLM(reorder="cache-aware")`` the announced order is the engine's cache-aware one
+(`PCREngine.order_for_reuse`) and the LLM rearranges its prompt to it; a `PCRReorderPostprocessor` re-announces
+the retrieval in the order it chose (`announcement_for` finds it). Either way prefetch and the prompt agree.
+
 Every `PCRLLM` registers itself with the hook (`PCRRetrievalHook.register_llm`) when constructed, so the hook
 knows the LLMs without importing their class; it installs the hook too (``retrieval_hook=True``, the default).
 `install_retrieval_hook()` does it explicitly, `uninstall_retrieval_hook()` removes it.
@@ -32,6 +36,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,6 +192,8 @@ class PCRRetrievalHook:
             chain = self._chain(event.span_id)
             llms = [s.llm() for s in (self._spans.get(sid) for sid in chain) if s is not None and s.llm is not None]
         llm = next((x for x in llms if x is not None), None)
+        if llm is not None and getattr(llm, "reorder", "relevance") == "cache-aware":
+            texts = self._cache_aware(llm.engine, texts)
         ann = Announcement(documents=texts, query=query_str, origin=str(event.span_id), ancestors=tuple(chain[1:]))
         ann.announce_to([llm.engine] if llm is not None else self.live_engines())
         root = chain[-1] if chain else str(event.span_id)
@@ -202,6 +209,29 @@ class PCRRetrievalHook:
         if len(chain) <= 1:  # a bare retriever call: only a later call with these documents can use it
             evicted.append(ann)
         self._orphan(evicted)
+
+    @staticmethod
+    def _cache_aware(engine: Any, texts: tuple[str, ...]) -> tuple[str, ...]:
+        """``texts`` in the engine's cache-aware order (`PCRLLM(reorder="cache-aware")`); relevance order if the
+        walk fails (a reorder never fails a retrieval)."""
+        try:
+            return tuple(engine.order_for_reuse(texts))
+        except Exception:  # noqa: BLE001
+            logger.exception("cache-aware ordering of retrieved nodes failed; announcing relevance order")
+            return texts
+
+    def announcement_for(self, documents: Sequence[str], span_id: str | None = None) -> Announcement | None:
+        """The announcement of the retrieval that returned ``documents`` (in any order), for a component running
+        at ``span_id`` (default: the active span), e.g. a node postprocessor: through the span tree first, then
+        among ended queries and bare retrievals, newest first."""
+        want = sorted(documents)
+        ann = self.lookup(span_id)
+        if ann is not None and sorted(ann.documents) == want:
+            return ann
+        self._orphan([])  # purge expired ones first
+        with self._lock:
+            candidates = [a for _, a in reversed(self._orphans.values())]
+        return next((a for a in candidates if sorted(a.documents) == want), None)
 
     def lookup(self, span_id: str | None = None, text: str | None = None) -> Announcement | None:
         """The announcement for an LLM call at ``span_id`` (default: the active span) whose prompt is ``text``.
@@ -224,9 +254,9 @@ class PCRRetrievalHook:
         best, best_count = None, 0
         for ann in candidates:
             present = documents_in_prompt(text, ann.documents)
-            if present == ann.documents:
+            if sorted(present) == sorted(ann.documents):  # in any order: a cache-aware LLM rearranges them
                 with self._lock:
-                    self._orphans.pop(id(ann), None)  # fully used: its ticket is claimed now
+                    self._orphans.pop(id(ann), None)  # fully used: this call takes its ticket
                 return ann
             if len(present) > best_count:
                 best, best_count = ann, len(present)
