@@ -155,15 +155,17 @@ def _check_grammar(grammar: str) -> None:
     """Validate without a tokenizer (cached: `SamplingParams` is rebuilt on every `from_kwargs`)."""
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
-        raise GrammarError(f"the response format was rejected by the grammar compiler: {_first_line(messages)}; "
+        raise GrammarError(f"the response format was rejected by the grammar compiler: {_one_line(messages)}; "
                            f"fix the schema/grammar or drop the unsupported keyword")
     for warning in messages:
         log.warning("response format: %s", warning)
 
 
-def _first_line(messages: Iterable[str]) -> str:
-    text = "; ".join(messages).strip()
-    return text.splitlines()[0] if text else "unknown error"
+def _one_line(messages: Iterable[str], limit: int = 400) -> str:
+    """The library's (possibly multi-line, caret-diagrammed) messages on one line."""
+    lines = [ln.strip() for m in messages for ln in m.splitlines()]
+    text = " ".join(ln for ln in lines if ln and set(ln) != {"^"})
+    return (text[: limit - 3] + "...") if len(text) > limit else (text or "unknown error")
 
 
 # ---------------------------------------------------------------------------------------------------- matching
@@ -253,7 +255,7 @@ class GrammarCompiler:
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(fmt.grammar, tok)
         if is_error:
             raise GrammarError(f"the response format does not compile for this model's vocabulary: "
-                               f"{_first_line(messages)}")
+                               f"{_one_line(messages)}")
         matcher = llguidance.LLMatcher(tok, fmt.grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"the response format does not compile: {matcher.get_error()}")
