@@ -33,6 +33,7 @@ from functools import lru_cache
 from typing import Any, Literal
 
 import llguidance
+import numpy as np
 import torch
 
 from pcr_rag.errors import InvalidRequestError
@@ -48,7 +49,6 @@ FORMAT_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "grammar
 # whitespace, so a small model cannot drift into endless newlines between tokens.
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 DEFAULT_CACHE_SIZE = 64  # compiled grammars kept per engine
-_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 class GrammarError(InvalidRequestError):
@@ -170,26 +170,35 @@ def _one_line(messages: Iterable[str], limit: int = 400) -> str:
 
 # ---------------------------------------------------------------------------------------------------- matching
 class GrammarMatcher:
-    """The grammar state of one request (a `TokenConstraint`). Not thread-safe: one decode row owns it."""
+    """The grammar state of one request (a `TokenConstraint`). Not thread-safe: one decode row owns it.
+
+    The mask is unpacked and applied with numpy on the CPU: single-threaded vector code, so it never waits for
+    torch's intra-op thread pool (which, on a busy machine, stalls for milliseconds on 50k-element ops)."""
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
-        self._words = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)
+        self._words = np.zeros((vocab_size + 31) // 32, dtype=np.int32)  # one bit per token, little-endian
+
+    def _allowed(self) -> np.ndarray:
+        m = self._matcher
+        m.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
+        if m.is_error():
+            raise GrammarError(f"grammar matcher failed: {m.get_error()}")
+        return np.unpackbits(self._words.view(np.uint8), bitorder="little")[: self.vocab_size].view(np.bool_)
 
     def allowed(self) -> torch.Tensor:
         """Bool ``[vocab_size]``: the tokens the grammar allows next (EOS ids when it may end here)."""
-        m = self._matcher
-        m.unsafe_compute_mask_ptr(self._words.data_ptr(), self._words.numel() * 4)
-        if m.is_error():
-            raise GrammarError(f"grammar matcher failed: {m.get_error()}")
-        return ((self._words.unsqueeze(-1) >> _SHIFTS) & 1).view(-1)[: self.vocab_size].bool()
+        return torch.from_numpy(self._allowed())
 
     def mask_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits [vocab]`` with the tokens the grammar disallows at -inf (in place)."""
-        allowed = self.allowed()
+        allowed = self._allowed()
         n = min(logits.shape[-1], self.vocab_size)
-        logits[:n].masked_fill_(~allowed[:n], float("-inf"))
+        if logits.device.type == "cpu":
+            np.copyto(logits.numpy()[:n], -np.inf, where=~allowed[:n])
+        else:
+            logits[:n].masked_fill_(~torch.from_numpy(allowed[:n]).to(logits.device), float("-inf"))
         if logits.shape[-1] > n:  # logits rows beyond the tokenizer's vocabulary are never valid
             logits[n:] = float("-inf")
         return logits

@@ -31,18 +31,22 @@ class TestChatPCRIntegration(ChatModelIntegrationTests):
         # short answers keep the suite to about a minute on two CPU cores
         return {**super().standard_chat_model_params, "max_tokens": 12}
 
-    # Declared off: no tool calling, structured output, JSON mode or multimodal input.
+    # Tool calling, structured output and JSON mode run on grammar-constrained decoding; no multimodal input.
     @property
     def has_tool_calling(self) -> bool:
-        return False
+        return True
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
 
     @property
     def has_structured_output(self) -> bool:
-        return False
+        return True
 
     @property
     def supports_json_mode(self) -> bool:
-        return False
+        return True
 
     @property
     def supports_image_inputs(self) -> bool:
