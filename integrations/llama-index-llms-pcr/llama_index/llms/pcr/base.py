@@ -373,13 +373,16 @@ class PCRLLM(FunctionCallingLLM):
         """The `chat` arguments for a call with ``tools``: "any" when ``tool_required``, else ``tool_choice``
         ("auto" by default, "none", or a tool's name). One call per answer (``allow_parallel_tool_calls`` is
         accepted; the answer still holds at most one call)."""
-        specs = tool_specs(tools)
         messages = list(chat_history or [])
         if user_msg is not None:
             messages.append(ChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str)
                             else user_msg)
-        choice = tool_choice_of(specs, tool_required, tool_choice)
-        tool_call_format(specs, choice)  # compiles (validates) every schema before any compute
+        try:
+            specs = tool_specs(tools)
+            choice = tool_choice_of(specs, tool_required, tool_choice)
+            tool_call_format(specs, choice)  # compiles (validates) every schema before any compute
+        except InvalidRequestError as exc:  # not a decorator: LlamaIndex reads this method's signature
+            raise PCRRequestError(str(exc)) from exc
         return {"messages": messages, "tools": specs, "tool_choice": choice, **kwargs}
 
     def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
@@ -394,6 +397,7 @@ class PCRLLM(FunctionCallingLLM):
     # On the grammar path (`GrammarProgram`): the answer is constrained to ``output_cls``'s JSON schema.
     # ``as_structured_llm`` wraps ``structured_predict``, so it takes the same path.
     @dispatcher.span
+    @_translate_errors
     def structured_predict(self, output_cls: type[M], prompt: BasePromptTemplate,
                            llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> M:
         dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt,
@@ -403,6 +407,7 @@ class PCRLLM(FunctionCallingLLM):
         return result
 
     @dispatcher.span
+    @_translate_errors
     async def astructured_predict(self, output_cls: type[M], prompt: BasePromptTemplate,
                                   llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> M:
         dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt,
