@@ -195,7 +195,7 @@ class GrammarMatcher:
         """``logits [vocab]`` with the tokens the grammar disallows at -inf (in place)."""
         allowed = self._allowed()
         n = min(logits.shape[-1], self.vocab_size)
-        if logits.device.type == "cpu":
+        if logits.device.type == "cpu" and logits.dtype == torch.float32:
             np.copyto(logits.numpy()[:n], -np.inf, where=~allowed[:n])
         else:
             logits[:n].masked_fill_(~torch.from_numpy(allowed[:n]).to(logits.device), float("-inf"))
