@@ -191,12 +191,15 @@ class ChatPCR(PCRModelParams, BaseChatModel):
 
     # ------------------------------------------------------------------------------------------ tools, structure
     def bind_tools(self, tools: Sequence[Any], *, tool_choice: str | dict | bool | None = None,
+                   parallel_tool_calls: bool | None = None, strict: bool | None = None,
                    **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
         """Bind tools (LangChain tools, Pydantic classes, functions, TypedDicts or OpenAI tool dicts).
 
         tool_choice: "auto" (default: a call or plain text), "any" (a call of one of the tools), "none" (plain
         text), or a tool's name (a call of that tool). The answer's format is enforced by a grammar; a schema the
         grammar compiler rejects raises `pcr_rag.InvalidRequestError` here, before any compute.
+        ``parallel_tool_calls`` and ``strict`` are accepted for compatibility: an answer holds at most one call,
+        and the grammar always enforces the schemas.
         """
         formatted = [convert_to_openai_tool(t) for t in tools]
         specs = [ToolSpec.from_openai(t) for t in formatted]
