@@ -47,6 +47,7 @@ from pcr_rag.requests import (
 from pcr_rag.runtime.announcements import AnnouncementBoard, Ticket
 from pcr_rag.runtime.batch import BatchExecutor
 from pcr_rag.runtime.forward import FastForward
+from pcr_rag.runtime.grammar import GrammarCompiler
 from pcr_rag.runtime.model import LoadedModel, load_model
 from pcr_rag.runtime.prefetcher import Prefetcher
 from pcr_rag.runtime.runner import PrefillContext
@@ -138,6 +139,9 @@ class PCREngine:
                 io_workers=config.io_workers,
             ), storage=storage)
         self.copy_engine = CopyEngine(self.device)
+        # response formats compiled against the vocabulary (the rows of the logits), cached by format
+        vocab_rows = self.loaded.model.get_output_embeddings().weight.shape[0]
+        self.grammars = GrammarCompiler(self.loaded.tokenizer, vocab_rows, self.loaded.eos_token_ids)
         self.recorder = MetricsRecorder()
         self.board = AnnouncementBoard(config.announce_ttl_s)
         self._closed = False
@@ -190,8 +194,8 @@ class PCREngine:
                 `TimeoutError` (None = no deadline).
             namespace: a tenant namespace inside the engine's (`root_for`): requests of different namespaces never
                 share cached KV, nor claim each other's announcements (None or "" = the engine's own).
-        Raises (before any compute): `InvalidRequestError` (bad prompt kind, params or timeout),
-            `PromptTooLongError`, `QueueFullError`, `EngineClosedError`.
+        Raises (before any compute): `InvalidRequestError` (bad prompt kind, params or timeout; a response format
+            that does not compile), `PromptTooLongError`, `QueueFullError`, `EngineClosedError`.
         """
         self._check_open()
         if not isinstance(prompt, PROMPT_KINDS):
@@ -212,12 +216,14 @@ class PCREngine:
             limit = ("the model's context window" if self.max_model_len == self.loaded.context_window
                      else "the engine's max_model_len")
             raise PromptTooLongError(n, params.max_new_tokens, self.max_model_len, limit)
+        constraint = None if params.response_format is None else self.grammars.matcher(params.response_format)
         plan = plan_chunks(root, seg.segments, self.config.chunk_size)
         ticket = self.board.claim(prompt.documents, namespace or "") if prompt.documents else None
         channel = TokenChannel()
         req = Request(
             request_id=self.scheduler.next_id(), token_ids=seg.token_ids, plan=plan, params=params,
             submitted_at=time.perf_counter(), on_token=channel.put, documents_found=seg.documents_found,
+            constraint=constraint,
         )
         req.ssd_keys_at_entry = self._ssd_keys(req.keys) | (ticket.ssd_keys_at_entry if ticket else frozenset())
         req.metrics.announced = ticket is not None
@@ -228,32 +234,36 @@ class PCREngine:
 
     # The public methods below are wrappers over `submit`: generate* wait for the result, stream* return the
     # handle (iterate it for `StreamChunk`s, ``.result()`` afterwards), agenerate* await it, astream* are stream*
-    # for ``async for``. Sampling keywords: see `SamplingParams`; ``timeout`` as for `submit`.
+    # for ``async for``. Sampling keywords (``response_format`` too): see `SamplingParams`; ``timeout`` as for
+    # `submit`.
     def generate(self, query: str, documents: Sequence[str] = (), *, system: str | None = None,
                  max_new_tokens: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
                  stop: Sequence[str] | str | None = None, seed: int | None = None,
-                 timeout: float | None = None) -> GenerationResult:
+                 response_format: Any = None, timeout: float | None = None) -> GenerationResult:
         """Answer ``query`` over ``documents`` (in order, each cached as its own token run)."""
         return self.submit(RagPrompt(query, documents, system),
-                           SamplingParams(max_new_tokens, temperature, top_p, stop, seed), timeout=timeout).result()
+                           SamplingParams(max_new_tokens, temperature, top_p, stop, seed, response_format),
+                           timeout=timeout).result()
 
     def generate_prompt(self, prompt: str, documents: Sequence[str] = (), *, chat: bool = True,
                         system: str | None = None, max_new_tokens: int | None = None, temperature: float = 0.0,
                         top_p: float = 1.0, stop: Sequence[str] | str | None = None, seed: int | None = None,
-                        timeout: float | None = None) -> GenerationResult:
+                        response_format: Any = None, timeout: float | None = None) -> GenerationResult:
         """A flat prompt that contains ``documents`` verbatim, in order (a framework's rendered template); see
         `FlatPrompt`. ``chat=True`` wraps the prompt as one user turn of the model's chat template."""
         return self.submit(FlatPrompt(prompt, documents, chat, system),
-                           SamplingParams(max_new_tokens, temperature, top_p, stop, seed), timeout=timeout).result()
+                           SamplingParams(max_new_tokens, temperature, top_p, stop, seed, response_format),
+                           timeout=timeout).result()
 
     def generate_messages(self, messages: Sequence[Mapping[str, Any]], documents: Sequence[str] = (), *,
                           max_new_tokens: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
                           stop: Sequence[str] | str | None = None, seed: int | None = None,
-                          timeout: float | None = None) -> GenerationResult:
+                          response_format: Any = None, timeout: float | None = None) -> GenerationResult:
         """A chat conversation ([{"role", "content"}]) rendered with the chat template; ``documents`` found in
         the rendered text get their own token runs."""
         return self.submit(ChatPrompt(messages, documents),
-                           SamplingParams(max_new_tokens, temperature, top_p, stop, seed), timeout=timeout).result()
+                           SamplingParams(max_new_tokens, temperature, top_p, stop, seed, response_format),
+                           timeout=timeout).result()
 
     def stream(self, query: str, documents: Sequence[str] = (), *, system: str | None = None,
                timeout: float | None = None, **sampling: Any) -> RequestHandle:

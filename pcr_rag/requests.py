@@ -32,11 +32,13 @@ from typing import TYPE_CHECKING, Any
 from pcr_rag.errors import InvalidRequestError
 from pcr_rag.metrics import RequestMetrics
 from pcr_rag.prompt import PromptBuilder, SegmentedPrompt, validate_documents
+from pcr_rag.runtime.grammar import ResponseFormat
 
 if TYPE_CHECKING:
     from collections.abc import Generator
 
     from pcr_rag.cache import ChunkSpec
+    from pcr_rag.runtime.sampling import TokenConstraint
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +149,11 @@ class SamplingParams:
     temperature: 0 = greedy (deterministic); > 0 samples. top_p: nucleus mass in (0, 1].
     stop: strings that end generation (not included in the text); a single str or any sequence is accepted.
     seed: the sampling seed when temperature > 0 (None = a fresh one per request).
+    response_format: what the output must match (grammar-constrained decoding, `pcr_rag.runtime.grammar`): a
+        `ResponseFormat`, a JSON-schema dict or Pydantic model class, ``"json"`` (any JSON object), or the dicts
+        ``{"type": "json_schema", "json_schema": {"schema": ...}}``, ``{"type": "json_object"}``,
+        ``{"type": "regex", "regex": ...}``, ``{"type": "grammar", "grammar": <Lark>}``; stored as a
+        `ResponseFormat`. A format the grammar library rejects raises `InvalidRequestError` here.
     """
 
     max_new_tokens: int | None = None
@@ -154,6 +161,7 @@ class SamplingParams:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    response_format: ResponseFormat | None = None
 
     def __post_init__(self) -> None:
         n = self.max_new_tokens
@@ -170,6 +178,8 @@ class SamplingParams:
         object.__setattr__(self, "temperature", float(t))
         object.__setattr__(self, "top_p", float(p))
         object.__setattr__(self, "stop", _stop_strings(self.stop))
+        if self.response_format is not None:
+            object.__setattr__(self, "response_format", ResponseFormat.of(self.response_format))
 
     @classmethod
     def names(cls) -> frozenset[str]:
@@ -261,7 +271,8 @@ class Request:
     """The engine's side of one request (the caller holds its `RequestHandle`).
 
     ``plan`` holds its chunks; ``on_token(token_id, text_delta)`` streams output; ``future`` gets the
-    `GenerationResult` or the error; ``cancelled`` is checked by the executor between forwards."""
+    `GenerationResult` or the error; ``cancelled`` is checked by the executor between forwards; ``constraint``
+    is the compiled ``params.response_format`` (a `TokenConstraint`), None when unconstrained."""
 
     request_id: int
     token_ids: list[int]
@@ -275,6 +286,7 @@ class Request:
     ssd_keys_at_entry: frozenset[bytes] = frozenset()
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     documents_found: int = 0
+    constraint: TokenConstraint | None = None
 
     @property
     def keys(self) -> list[bytes]:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from operator import itemgetter
+from typing import Any, ClassVar, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import BaseChatModel
+from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
@@ -17,11 +20,32 @@ from langchain_core.messages import (
     SystemMessage,
     ToolMessage,
 )
+from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
 
 from langchain_pcr._base import ModelCall, PCRModelParams
 from langchain_pcr._common import generation_info, model_display_name, usage_metadata
-from pcr_rag.requests import ChatPrompt, GenerationResult
+from pcr_rag.requests import ChatPrompt, GenerationResult, StreamChunk
+from pcr_rag.runtime.grammar import ResponseFormat
+from pcr_rag.structured import (
+    ToolCall,
+    ToolSpec,
+    add_instruction,
+    close_objects,
+    new_call_id,
+    normalize_tool_choice,
+    parse_tool_call,
+    schema_instruction,
+    template_renders_tool_calls,
+    tool_call_format,
+    tool_history_turns,
+    tools_instruction,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +74,14 @@ class ChatPCR(PCRModelParams, BaseChatModel):
         timeout: seconds a call may take (``invoke``, ``stream`` and their async forms); the request is then
             cancelled and `TimeoutError` raised.
         Per call: ``documents=[...]``, ``timeout=``, ``stop=`` and the sampling keywords of
-        `pcr_rag.SamplingParams` (``max_tokens``/``max_new_tokens``, ``temperature``, ``top_p``, ``seed``).
+        `pcr_rag.SamplingParams` (``max_tokens``/``max_new_tokens``, ``temperature``, ``top_p``, ``seed``,
+        ``response_format``).
+
+    Tool calling and structured output run on grammar-constrained decoding (`pcr_rag.structured`), so the format
+    is always valid: ``bind_tools(tools, tool_choice="auto"|"any"|"none"|name)`` returns ``AIMessage.tool_calls``
+    with ids; ``with_structured_output(schema, method="json_schema"|"function_calling"|"json_mode",
+    include_raw=...)``. Tools and schemas are described in a system turn after the conversation (after the
+    documents, whose cached KV stays reusable); one tool call per answer.
 
     Example:
         .. code-block:: python
@@ -59,7 +90,7 @@ class ChatPCR(PCRModelParams, BaseChatModel):
             llm = ChatPCR(max_tokens=64)
             llm.invoke("What does functools.lru_cache do?").content
 
-    Tool calling, structured output, JSON mode and image/audio/PDF inputs are not supported.
+    Image/audio/PDF inputs are not supported.
     """
 
     streaming: bool = False
@@ -72,15 +103,34 @@ class ChatPCR(PCRModelParams, BaseChatModel):
     # ------------------------------------------------------------------------------------------ requests
     def _request(self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any,
                  kwargs: dict[str, Any]) -> ModelCall:
-        turns = to_chat_turns(messages)
+        kwargs = dict(kwargs)
+        tools = [ToolSpec.from_openai(t) for t in kwargs.pop("tools", None) or ()]
+        choice = normalize_tool_choice(kwargs.pop("tool_choice", None), [t.name for t in tools])
+        has_tool_turns = any(isinstance(m, ToolMessage) or (isinstance(m, AIMessage) and m.tool_calls)
+                             for m in messages)
+        native = has_tool_turns and template_renders_tool_calls(self.get_engine().tokenizer)
+        turns = to_chat_turns(messages, native_tools=native)
         if not any(t["content"].strip() for t in turns):
             raise ValueError("ChatPCR received only empty messages; pass a non-empty question")
         text = "\n".join(t["content"] for t in turns)
-        return self._submit(lambda docs: ChatPrompt(turns, docs), text, stop, run_manager, kwargs)
+        if tools:
+            if kwargs.get("response_format") is not None:
+                raise ValueError("pass either tools or response_format, not both")
+            turns = add_instruction(turns, tools_instruction(tools, choice), self.get_engine().tokenizer)
+            kwargs["response_format"] = tool_call_format(tools, choice)
+        elif kwargs.get("response_format") is not None:
+            fmt = ResponseFormat.of(kwargs["response_format"])
+            if fmt.kind == "json_schema":  # the model sees the schema; after the documents
+                turns = add_instruction(turns, schema_instruction(fmt.schema), self.get_engine().tokenizer)
+            kwargs["response_format"] = fmt
+        call = self._submit(lambda docs: ChatPrompt(turns, docs), text, stop, run_manager, kwargs)
+        return ToolModelCall(call.engine, call.handle, call.documents, tuple(tools) if choice != "none" else ())
 
     def _chat_result(self, result: GenerationResult, call: ModelCall) -> ChatResult:
         info = generation_info(result, model_display_name(self.model, call.engine), call.documents)
-        message = AIMessage(content=result.text, usage_metadata=usage_metadata(result), response_metadata=info)
+        content, calls, invalid = _answer(result.text, _tools_of(call))
+        message = AIMessage(content=content, tool_calls=calls, invalid_tool_calls=invalid,
+                            usage_metadata=usage_metadata(result), response_metadata=info)
         return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)],
                           llm_output={"model_name": info["model_name"]})
 
@@ -97,13 +147,38 @@ class ChatPCR(PCRModelParams, BaseChatModel):
     def _text_chunk(self, text: str) -> ChatGenerationChunk:
         return ChatGenerationChunk(message=AIMessageChunk(content=text))
 
-    def _final_chunk(self, result: GenerationResult, call: ModelCall) -> ChatGenerationChunk:
+    def _final_chunk(self, result: GenerationResult, call: ModelCall, *, content: str = "",
+                     tool_call_chunks: Sequence[Any] = ()) -> ChatGenerationChunk:
         info = generation_info(result, model_display_name(self.model, call.engine), call.documents)
         return ChatGenerationChunk(
-            message=AIMessageChunk(content="", usage_metadata=usage_metadata(result), response_metadata=info,
+            message=AIMessageChunk(content=content, tool_call_chunks=list(tool_call_chunks),
+                                   usage_metadata=usage_metadata(result), response_metadata=info,
                                    chunk_position="last"),
             generation_info=info,
         )
+
+    def _chunk(self, piece: StreamChunk, call: ModelCall) -> ChatGenerationChunk | None:
+        """As `PCRModelParams._chunk`; with tools bound, an answer that starts a call is held back and comes as
+        one tool-call chunk with the closing chunk (plain-text answers stream as usual)."""
+        tools = _tools_of(call)
+        if not tools:
+            return super()._chunk(piece, call)
+        state = call.stream_state
+        if piece.is_final:
+            # an incomplete call (cut by max_tokens) comes back as its text: a chunk's tool-call arguments would be
+            # completed by LangChain's partial-JSON parser into a call the model never finished
+            content, calls, _ = _answer(state.held, tools) if state.held else ("", [], [])
+            chunks = [tool_call_chunk(name=c["name"], args=_args_json(c["args"]), id=c["id"], index=i)
+                      for i, c in enumerate(calls)]
+            return self._final_chunk(piece.result, call, content=content, tool_call_chunks=chunks)
+        if not piece.text:
+            return None
+        if state.calling is None:
+            state.calling = piece.text.lstrip().startswith("{")
+        if state.calling:
+            state.held += piece.text
+            return None
+        return self._text_chunk(piece.text)
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
@@ -114,9 +189,100 @@ class ChatPCR(PCRModelParams, BaseChatModel):
                  **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         return self._astream_call(self._request(messages, stop, run_manager, kwargs), run_manager)
 
-    # ------------------------------------------------------------------------------------------ unsupported
-    def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> Any:
-        raise NotImplementedError("ChatPCR does not support tool calling")
+    # ------------------------------------------------------------------------------------------ tools, structure
+    def bind_tools(self, tools: Sequence[Any], *, tool_choice: str | dict | bool | None = None,
+                   parallel_tool_calls: bool | None = None, strict: bool | None = None,
+                   **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+        """Bind tools (LangChain tools, Pydantic classes, functions, TypedDicts or OpenAI tool dicts).
+
+        tool_choice: "auto" (default: a call or plain text), "any" (a call of one of the tools), "none" (plain
+        text), or a tool's name (a call of that tool). The answer's format is enforced by a grammar; a schema the
+        grammar compiler rejects raises `pcr_rag.InvalidRequestError` here, before any compute.
+        ``parallel_tool_calls`` and ``strict`` are accepted for compatibility: an answer holds at most one call,
+        and the grammar always enforces the schemas.
+        """
+        formatted = [convert_to_openai_tool(t) for t in tools]
+        specs = [ToolSpec.from_openai(t) for t in formatted]
+        choice = normalize_tool_choice(tool_choice, [t.name for t in specs])
+        tool_call_format(specs, choice)  # compiles (validates) every schema now
+        return super().bind(tools=formatted, tool_choice=choice, **kwargs)
+
+    def with_structured_output(self, schema: dict | type, *,
+                               method: Literal["json_schema", "function_calling", "json_mode"] = "json_schema",
+                               include_raw: bool = False, strict: bool | None = None,
+                               **kwargs: Any) -> Runnable[LanguageModelInput, dict | Any]:
+        """A runnable whose output matches ``schema`` (a Pydantic class -> an instance, else a dict).
+
+        method: "json_schema" (default: the answer is constrained to the schema, which the model also sees),
+        "function_calling" (a forced call of a tool made from the schema) or "json_mode" (any JSON object; say
+        in the prompt which keys to use). include_raw: return ``{"raw", "parsed", "parsing_error"}``.
+        ``strict`` is accepted for compatibility; the grammar always enforces the schema.
+        """
+        if kwargs:
+            raise ValueError(f"unsupported arguments {sorted(kwargs)}")
+        pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        ls_format = {"kwargs": {"method": method, "strict": strict}, "schema": schema}
+        parser: Runnable
+        if method == "function_calling":
+            name = convert_to_openai_tool(schema)["function"]["name"]
+            llm = self.bind_tools([schema], tool_choice=name, ls_structured_output_format=ls_format)
+            parser = (PydanticToolsParser(tools=[schema], first_tool_only=True) if pydantic
+                      else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
+        elif method in ("json_schema", "json_mode"):
+            if method == "json_schema":
+                fmt = ResponseFormat.json_schema(close_objects(convert_to_json_schema(schema)))
+            else:
+                fmt = ResponseFormat("json_object")
+            llm = self.bind(response_format=fmt, ls_structured_output_format=ls_format)
+            parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()
+        else:
+            raise ValueError(f"method must be 'json_schema', 'function_calling' or 'json_mode', got {method!r}")
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        fallback = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
+
+
+@dataclass
+class _StreamState:
+    """A tool-bound stream's state: whether the answer is a call (None until its first text) and the text held."""
+
+    calling: bool | None = None
+    held: str = ""
+
+
+@dataclass(frozen=True)
+class ToolModelCall(ModelCall):
+    """A `ModelCall` with the tools its answer may call (empty: plain text) and its stream state."""
+
+    tools: tuple[ToolSpec, ...] = ()
+    stream_state: _StreamState = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.stream_state is None:
+            object.__setattr__(self, "stream_state", _StreamState())
+
+
+def _tools_of(call: ModelCall) -> tuple[ToolSpec, ...]:
+    return getattr(call, "tools", ())
+
+
+def _args_json(args: dict[str, Any]) -> str:
+    return json.dumps(args, ensure_ascii=False)
+
+
+def _answer(text: str, tools: Sequence[ToolSpec]) -> tuple[str, list, list]:
+    """(content, tool_calls, invalid_tool_calls) of a finished answer."""
+    if not tools:
+        return text, [], []
+    try:
+        parsed = parse_tool_call(text, tools)
+    except ValueError as exc:
+        return text, [], [invalid_tool_call(name=None, args=text, id=new_call_id(), error=str(exc))]
+    if parsed is None:
+        return text, [], []
+    return "", [tool_call(name=parsed.name, args=parsed.arguments, id=parsed.id)], []
 
 
 def _content_text(message: BaseMessage) -> str:
@@ -129,28 +295,38 @@ def _content_text(message: BaseMessage) -> str:
             parts.append(block)
         elif isinstance(block, dict) and block.get("type") == "text":
             parts.append(str(block.get("text", "")))
-        elif isinstance(block, dict) and block.get("type") in ("reasoning", "thinking"):
-            continue
+        elif isinstance(block, dict) and block.get("type") in ("reasoning", "thinking", "tool_use", "tool_call"):
+            continue  # tool calls travel in AIMessage.tool_calls
         else:
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
             raise ValueError(f"ChatPCR accepts text only; got a {kind!r} content block")
     return "".join(parts)
 
 
-def to_chat_turns(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
-    """LangChain messages -> [{"role", "content"}] for the chat template (system/user/assistant)."""
-    turns: list[dict[str, str]] = []
+def to_chat_turns(messages: Sequence[BaseMessage], *, native_tools: bool = False) -> list[dict[str, Any]]:
+    """LangChain messages -> [{"role", "content", ...}] for the chat template (system/user/assistant). Assistant
+    tool calls and tool results become turns as `pcr_rag.structured.tool_history_turns` describes (``native_tools``:
+    the template renders them itself)."""
+    turns: list[dict[str, Any]] = []
+    names: dict[str, str] = {}  # tool call id -> tool name, for results that do not say
     for message in messages:
+        if isinstance(message, AIMessage) and message.tool_calls:
+            calls = [ToolCall(c["name"], dict(c["args"]), c.get("id") or new_call_id()) for c in message.tool_calls]
+            names.update((c.id, c.name) for c in calls)
+            turns.append(tool_history_turns("assistant", _content_text(message), tool_calls=calls,
+                                            native=native_tools))
+            continue
+        if isinstance(message, ToolMessage):
+            turns.append(tool_history_turns(
+                "tool", _content_text(message), tool_name=message.name or names.get(message.tool_call_id),
+                tool_call_id=message.tool_call_id, error=message.status == "error", native=native_tools))
+            continue
         if isinstance(message, SystemMessage):
             role = "system"
         elif isinstance(message, HumanMessage):
             role = "user"
         elif isinstance(message, AIMessage):
-            if message.tool_calls:
-                raise ValueError("ChatPCR does not support tool calling; the history holds an AI tool call")
             role = "assistant"
-        elif isinstance(message, ToolMessage):
-            raise ValueError("ChatPCR does not support tool calling; the history holds a ToolMessage")
         elif isinstance(message, ChatMessage):
             role = {"human": "user", "ai": "assistant"}.get(message.role, message.role)
         else:

@@ -16,7 +16,7 @@ def test_metadata_reports_the_models_context_window(engine) -> None:
     md = llm.metadata
     assert md.context_window == engine.context_window == 4096
     assert md.num_output == 7
-    assert md.is_chat_model is True and md.is_function_calling_model is False
+    assert md.is_chat_model is True and md.is_function_calling_model is True
     assert md.model_name == engine.loaded.name
     assert PCRLLM(engine=engine, is_chat_model=False).metadata.is_chat_model is False
 
@@ -94,8 +94,8 @@ def test_bad_input_raises_clear_errors(engine) -> None:
         llm.chat([ChatMessage(role=MessageRole.USER, content="")])
     with pytest.raises(TypeError, match="unexpected keyword"):
         llm.complete("hi", bogus=1)
-    with pytest.raises(PCRRequestError, match="tool"):
-        to_chat_turns([ChatMessage(role=MessageRole.TOOL, content="x")])
+    assert to_chat_turns([ChatMessage(role=MessageRole.TOOL, content="x", additional_kwargs={"tool_call_id": "1"})]) \
+        == [{"role": "user", "content": "Result of the tool (call 1): x"}]
     with pytest.raises(ValueError, match="either engine="):
         PCRLLM(engine=engine, model="smollm2-135m-instruct")
     with pytest.raises(PCRRequestError, match="context window") as info:

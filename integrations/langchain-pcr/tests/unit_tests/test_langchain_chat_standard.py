@@ -15,18 +15,22 @@ class TestChatPCRUnit(ChatModelUnitTests):
     def chat_model_params(self) -> dict:
         return {"model": "smollm2-135m-instruct"}
 
-    # Declared off: ChatPCR has no tool calling, structured output, JSON mode or multimodal input.
+    # Tool calling, structured output and JSON mode run on grammar-constrained decoding; no multimodal input.
     @property
     def has_tool_calling(self) -> bool:
-        return False
+        return True
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
 
     @property
     def has_structured_output(self) -> bool:
-        return False
+        return True
 
     @property
     def supports_json_mode(self) -> bool:
-        return False
+        return True
 
     @property
     def supports_image_inputs(self) -> bool:

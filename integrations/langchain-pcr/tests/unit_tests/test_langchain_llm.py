@@ -98,14 +98,15 @@ def test_unknown_kwargs_and_unsupported_messages() -> None:
     llm = ChatPCR(model="smollm2-135m-instruct")
     with pytest.raises(TypeError, match="unexpected keyword"):
         llm._request([HumanMessage("hi")], None, None, {"bogus": 1})
-    with pytest.raises(ValueError, match="tool calling"):
-        to_chat_turns([ToolMessage("x", tool_call_id="1")])
+    assert to_chat_turns([ToolMessage("x", tool_call_id="1", name="f")]) == [
+        {"role": "user", "content": "Result of f (call 1): x"}]
     with pytest.raises(ValueError, match="text only"):
         to_chat_turns([HumanMessage(content=[{"type": "image", "url": "http://x"}])])
     assert to_chat_turns([SystemMessage("s"), HumanMessage([{"type": "text", "text": "a"}, "b"])]) == [
         {"role": "system", "content": "s"}, {"role": "user", "content": "ab"}]
-    with pytest.raises(NotImplementedError):
-        llm.bind_tools([])
+    with pytest.raises(ValueError, match="tool_choice"):
+        llm.bind_tools([], tool_choice="f")
+    assert llm._holder.loaded is None, "validation must not load the model"
 
 
 def test_timeout_bounds_streams_and_cancels_the_request(engine) -> None:

@@ -1,4 +1,4 @@
-"""`PCRLLM`: a LlamaIndex `CustomLLM` on a local transformers model served by the PCR engine (KV-cache reuse)."""
+"""`PCRLLM`: a LlamaIndex `FunctionCallingLLM` on a local transformers model served by the PCR engine (KV-cache reuse)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import inspect
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing, closing
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -21,12 +21,25 @@ from llama_index.core.base.llms.types import (
     MessageRole,
 )
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.events.llm import (
+    LLMStructuredPredictEndEvent,
+    LLMStructuredPredictStartEvent,
+)
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-from llama_index.core.llms.custom import CustomLLM
-from llama_index.core.llms.llm import default_completion_to_prompt
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection, default_completion_to_prompt
 from llama_index.llms.pcr._remote import remote_engine
 from llama_index.llms.pcr.hook import install_retrieval_hook, retrieval_hook
 from llama_index.llms.pcr.reorder import cache_aware_documents
+from llama_index.llms.pcr.structured import (
+    GrammarProgram,
+    assistant_message,
+    history_turn,
+    tool_choice_of,
+    tool_selections,
+    tool_specs,
+)
 
 from pcr_rag.errors import InvalidRequestError
 from pcr_rag.requests import (
@@ -38,13 +51,28 @@ from pcr_rag.requests import (
     SamplingParams,
     StreamChunk,
 )
+from pcr_rag.runtime.grammar import ResponseFormat
 from pcr_rag.shared import shared_engine
+from pcr_rag.structured import (
+    ToolSpec,
+    add_instruction,
+    schema_instruction,
+    template_renders_tool_calls,
+    tool_call_format,
+    tools_instruction,
+)
+
+if TYPE_CHECKING:
+    from llama_index.core.prompts.base import BasePromptTemplate
+    from llama_index.core.tools.types import BaseTool
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["PCRLLM", "PCRRequestError"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+M = TypeVar("M")
+dispatcher = get_dispatcher(__name__)
 
 
 class PCRRequestError(RuntimeError):
@@ -90,7 +118,7 @@ _ROLES = {
 }
 
 
-class PCRLLM(CustomLLM):
+class PCRLLM(FunctionCallingLLM):
     """LlamaIndex LLM served by a `pcr_rag.PCREngine`: retrieved documents' KV is cached and reused.
 
     Drop it into any pipeline: ``index.as_query_engine(llm=PCRLLM())``. The model loads when the LLM is
@@ -122,7 +150,14 @@ class PCRLLM(CustomLLM):
             from the relevance-ordered one).
 
     Per call: ``documents=[...]``, ``timeout=`` and the sampling keywords of `pcr_rag.SamplingParams`
-    (``max_new_tokens``/``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``).
+    (``max_new_tokens``/``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``, ``response_format``).
+
+    Structured output and tools run on grammar-constrained decoding (`pcr_rag.structured`), so the format is
+    always valid: ``structured_predict`` / ``astructured_predict`` / ``stream_structured_predict`` /
+    ``as_structured_llm`` constrain the answer to the output class's JSON schema; the function-calling interface
+    (``chat_with_tools`` and its async/stream forms with ``tool_required`` or ``tool_choice``,
+    ``get_tool_calls_from_response``) makes `FunctionAgent` work. Schemas and tools are described after the
+    conversation (after the documents, whose cached KV stays reusable); one tool call per answer.
     """
 
     model: Any = Field(default=None, description="model alias, HF directory or model object (None = default)")
@@ -176,7 +211,7 @@ class PCRLLM(CustomLLM):
             context_window=int(self._engine.context_window),
             num_output=int(self.max_new_tokens or self._engine.config.max_new_tokens),
             is_chat_model=self.is_chat_model,
-            is_function_calling_model=False,
+            is_function_calling_model=True,
             model_name=self._engine.loaded.name,
             system_role=MessageRole.SYSTEM,
         )
@@ -241,15 +276,33 @@ class PCRLLM(CustomLLM):
             chat, system = True, self.system_prompt
         return self._submit(lambda docs, units: FlatPrompt(units[0], docs, chat, system), [prompt], kwargs)
 
-    def _submit_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> RequestHandle:
-        turns = to_chat_turns(messages)
+    def _submit_chat(self, messages: Sequence[ChatMessage],
+                     kwargs: dict[str, Any]) -> tuple[RequestHandle, _MakeResponse, tuple[ToolSpec, ...]]:
+        """Submit a chat; returns the handle, the response maker and the tools its answer may call.
+        ``tools`` (`ToolSpec`s) and ``tool_choice`` come from `_prepare_chat_with_tools`."""
+        kwargs = dict(kwargs)
+        tools = tuple(kwargs.pop("tools", None) or ())
+        choice = kwargs.pop("tool_choice", None) or "auto"
+        has_tool_turns = any(m.role == MessageRole.TOOL or tool_selections(m) for m in messages)
+        native = has_tool_turns and template_renders_tool_calls(self._engine.tokenizer)
+        turns = to_chat_turns(messages, native_tools=native)
         if self.system_prompt and not any(t["role"] == "system" for t in turns):
             turns.insert(0, {"role": "system", "content": self.system_prompt})
         if not any(t["content"].strip() for t in turns):
             raise PCRRequestError("PCRLLM received only empty messages; pass a non-empty query")
-        return self._submit(
+        if tools:
+            turns = add_instruction(turns, tools_instruction(tools, choice), self._engine.tokenizer)
+            kwargs["response_format"] = tool_call_format(tools, choice)
+        elif kwargs.get("response_format") is not None:
+            fmt = ResponseFormat.of(kwargs["response_format"])
+            if fmt.kind == "json_schema":  # the model sees the schema; after the documents
+                turns = add_instruction(turns, schema_instruction(fmt.schema), self._engine.tokenizer)
+            kwargs["response_format"] = fmt
+        callable_tools = tools if choice != "none" else ()
+        handle = self._submit(
             lambda docs, units: ChatPrompt([{**t, "content": u} for t, u in zip(turns, units)], docs),
             [t["content"] for t in turns], kwargs)
+        return handle, functools.partial(_chat_response, tools=callable_tools), callable_tools
 
     # ------------------------------------------------------------------------------------------ responses
     @staticmethod
@@ -275,16 +328,18 @@ class PCRLLM(CustomLLM):
     def _final(self, result: GenerationResult, make: _MakeResponse) -> Any:
         return make(result.text, None, self._raw(result))
 
-    def _responses(self, handle: RequestHandle, make: _MakeResponse) -> Iterator[Any]:
+    def _responses(self, handle: RequestHandle, make: _MakeResponse,
+                   tools: Sequence[ToolSpec] = ()) -> Iterator[Any]:
         """The one sync stream loop (see `_StreamResponses`). Closing the handle is a no-op once finished and
         cancels the request when the consumer stopped early."""
-        convert = _StreamResponses(make, self._raw)
+        convert = _StreamResponses(make, self._raw, tools)
         with closing(handle):
             yield from (response for response in map(convert, handle) if response is not None)
 
-    async def _aresponses(self, handle: RequestHandle, make: _MakeResponse) -> AsyncIterator[Any]:
+    async def _aresponses(self, handle: RequestHandle, make: _MakeResponse,
+                          tools: Sequence[ToolSpec] = ()) -> AsyncIterator[Any]:
         """The one async stream loop (as `_responses`)."""
-        convert = _StreamResponses(make, self._raw)
+        convert = _StreamResponses(make, self._raw, tools)
         async with aclosing(handle):
             async for piece in handle:
                 if (response := convert(piece)) is not None:
@@ -318,22 +373,84 @@ class PCRLLM(CustomLLM):
     @llm_chat_callback()
     @_translate_errors
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return self._final(self._submit_chat(messages, kwargs).result(), _chat_response)
+        handle, make, _ = self._submit_chat(messages, kwargs)
+        return self._final(handle.result(), make)
 
     @llm_chat_callback()
     @_translate_errors
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        return self._responses(self._submit_chat(messages, kwargs), _chat_response)
+        return self._responses(*self._submit_chat(messages, kwargs))
 
     @llm_chat_callback()
     @_translate_errors
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return self._final(await self._submit_chat(messages, kwargs), _chat_response)
+        handle, make, _ = self._submit_chat(messages, kwargs)
+        return self._final(await handle, make)
 
     @llm_chat_callback()
     @_translate_errors
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        return self._aresponses(self._submit_chat(messages, kwargs), _chat_response)
+        return self._aresponses(*self._submit_chat(messages, kwargs))
+
+    # ------------------------------------------------------------------------------------------ function calling
+    def _prepare_chat_with_tools(self, tools: Sequence[BaseTool], user_msg: str | ChatMessage | None = None,
+                                 chat_history: list[ChatMessage] | None = None, verbose: bool = False,
+                                 allow_parallel_tool_calls: bool = False, tool_required: bool = False,
+                                 tool_choice: Any = None, **kwargs: Any) -> dict[str, Any]:
+        """The `chat` arguments for a call with ``tools``: "any" when ``tool_required``, else ``tool_choice``
+        ("auto" by default, "none", or a tool's name). One call per answer (``allow_parallel_tool_calls`` is
+        accepted; the answer still holds at most one call)."""
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            messages.append(ChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str)
+                            else user_msg)
+        try:
+            specs = tool_specs(tools)
+            choice = tool_choice_of(specs, tool_required, tool_choice)
+            tool_call_format(specs, choice)  # compiles (validates) every schema before any compute
+        except InvalidRequestError as exc:  # not a decorator: LlamaIndex reads this method's signature
+            raise PCRRequestError(str(exc)) from exc
+        return {"messages": messages, "tools": specs, "tool_choice": choice, **kwargs}
+
+    def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
+                                     **kwargs: Any) -> list[ToolSelection]:
+        """The tool calls of a `chat_with_tools` answer (its `ToolCallBlock`s)."""
+        calls = tool_selections(response.message)
+        if not calls and error_on_no_tool_call:
+            raise ValueError(f"expected a tool call, got text: {(response.message.content or '')[:200]!r}")
+        return calls
+
+    # ------------------------------------------------------------------------------------------ structured output
+    # On the grammar path (`GrammarProgram`): the answer is constrained to ``output_cls``'s JSON schema.
+    # ``as_structured_llm`` wraps ``structured_predict``, so it takes the same path.
+    @dispatcher.span
+    @_translate_errors
+    def structured_predict(self, output_cls: type[M], prompt: BasePromptTemplate,
+                           llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> M:
+        dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt,
+                                                        template_args=prompt_args))
+        result = GrammarProgram(self, output_cls, prompt)(llm_kwargs=llm_kwargs, **prompt_args)
+        dispatcher.event(LLMStructuredPredictEndEvent(output=result))
+        return result
+
+    @dispatcher.span
+    @_translate_errors
+    async def astructured_predict(self, output_cls: type[M], prompt: BasePromptTemplate,
+                                  llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> M:
+        dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt,
+                                                        template_args=prompt_args))
+        result = await GrammarProgram(self, output_cls, prompt).acall(llm_kwargs=llm_kwargs, **prompt_args)
+        dispatcher.event(LLMStructuredPredictEndEvent(output=result))
+        return result
+
+    def _structured_stream_call(self, output_cls: type[M], prompt: BasePromptTemplate,
+                                llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> Iterator[Any]:
+        return GrammarProgram(self, output_cls, prompt).stream_call(llm_kwargs=llm_kwargs, **prompt_args)
+
+    async def _structured_astream_call(self, output_cls: type[M], prompt: BasePromptTemplate,
+                                       llm_kwargs: dict[str, Any] | None = None,
+                                       **prompt_args: Any) -> AsyncIterator[Any]:
+        return GrammarProgram(self, output_cls, prompt).astream_call(llm_kwargs=llm_kwargs, **prompt_args)
 
 
 _MakeResponse = Callable[[str, "str | None", "dict[str, Any] | None"], Any]
@@ -343,10 +460,13 @@ class _StreamResponses:
     """Engine `StreamChunk`s -> LlamaIndex responses: cumulative ``text`` and the new ``delta`` per token that
     added text (None for one that did not), then a closing response whose ``raw`` holds the request's metrics."""
 
-    def __init__(self, make: _MakeResponse, raw: Callable[[GenerationResult], dict[str, Any]]) -> None:
+    def __init__(self, make: _MakeResponse, raw: Callable[[GenerationResult], dict[str, Any]],
+                 tools: Sequence[ToolSpec] = ()) -> None:
         self.make = make
         self.raw = raw
         self.text = ""
+        self.tools = tools
+        self.calling: bool | None = None  # with tools: whether the answer is a call (held back until the end)
 
     def __call__(self, piece: StreamChunk) -> Any:
         if piece.is_final:
@@ -354,6 +474,11 @@ class _StreamResponses:
         if not piece.text:
             return None
         self.text += piece.text
+        if self.tools:
+            if self.calling is None:
+                self.calling = self.text.lstrip().startswith("{")
+            if self.calling:
+                return None
         return self.make(self.text, piece.text, None)
 
 
@@ -362,18 +487,28 @@ def _completion_response(text: str, delta: str | None, raw: dict[str, Any] | Non
     return CompletionResponse(text=text, delta=delta, raw=raw, additional_kwargs=extra)
 
 
-def _chat_response(text: str, delta: str | None, raw: dict[str, Any] | None) -> ChatResponse:
+def _chat_response(text: str, delta: str | None, raw: dict[str, Any] | None,
+                   tools: Sequence[ToolSpec] = ()) -> ChatResponse:
+    """A chat response; the closing one (``raw`` set) carries the answer's tool call, if any."""
     extra = {"pcr": raw} if raw is not None else {}
-    return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta, raw=raw,
-                        additional_kwargs=extra)
+    message = (assistant_message(text, tools, raw) if raw is not None
+               else ChatMessage(role=MessageRole.ASSISTANT, content=text))
+    return ChatResponse(message=message, delta=delta, raw=raw, additional_kwargs=extra)
 
 
-def to_chat_turns(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """LlamaIndex chat messages -> [{"role", "content"}] for the chat template (text only)."""
-    turns: list[dict[str, str]] = []
+def to_chat_turns(messages: Sequence[ChatMessage], *, native_tools: bool = False) -> list[dict[str, Any]]:
+    """LlamaIndex chat messages -> [{"role", "content", ...}] for the chat template (text only). Tool calls and
+    tool results become turns as `pcr_rag.structured.tool_history_turns` describes (``native_tools``: the
+    template renders them itself)."""
+    turns: list[dict[str, Any]] = []
+    names: dict[str, str] = {}
     for m in messages:
         role = _ROLES.get(m.role)
+        tool_turn = history_turn(m, role or "", names, native_tools)
+        if tool_turn is not None:
+            turns.append(tool_turn)
+            continue
         if role is None:
-            raise PCRRequestError(f"PCRLLM does not support {m.role.value!r} messages (no tool/function calling)")
+            raise PCRRequestError(f"PCRLLM does not support {m.role.value!r} messages")
         turns.append({"role": role, "content": m.content or ""})
     return turns

@@ -1,0 +1,279 @@
+"""Grammar-constrained decoding: what a request's output must match, the compiled grammars, the per-row matcher.
+
+- `ResponseFormat` (frozen, hashable): a JSON schema, any JSON object, a regex or a Lark grammar (llguidance's
+  dialect, which also takes ``%json {schema}`` rules). `ResponseFormat.of` accepts the OpenAI-style dicts
+  (``{"type": "json_schema", "json_schema": {"schema": ...}}``, ``{"type": "json_object"}``), ``{"type": "regex",
+  "regex": ...}``, ``{"type": "grammar", "grammar": ...}``, a bare JSON-schema dict or a Pydantic model class.
+  Construction validates the grammar with the library (no tokenizer needed), so a schema it rejects raises
+  `InvalidRequestError` before any compute.
+- `GrammarCompiler`: one per engine (tokenizer, vocabulary size, EOS ids). ``matcher(fmt)`` compiles ``fmt``
+  against the vocabulary once (an LRU of ``cache_size`` compiled grammars, keyed by the format) and hands out a
+  fresh `GrammarMatcher` per request.
+- `GrammarMatcher`: the `TokenConstraint` of one request. ``mask_logits`` sets every token the grammar does not
+  allow next to -inf in that row's logits only, so a constrained request's tokens never depend on its batch
+  company. EOS is allowed exactly when the grammar accepts the text so far; once nothing but EOS may follow,
+  ``is_terminated()`` is true and the row finishes.
+
+Library: llguidance (Rust, no Python dependencies). Measured against xgrammar on this CPU at SmolLM2's 49152-token
+vocabulary with a nested schema: compile 8 ms vs 20 ms, mask 10 us vs 1 us per token (median; both well under 0.1%
+of a decode step), wheel 7.7 MB with no dependencies vs 16 MB plus apache-tvm-ffi and triton (a 286 MB wheel that
+does nothing on a CPU). llguidance also rejects what it cannot enforce (``uniqueItems``, look-around in a
+``pattern``) where xgrammar ignores it and lets invalid output through.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Literal
+
+import llguidance
+import numpy as np
+import torch
+
+from pcr_rag.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GrammarCompiler", "GrammarError", "GrammarMatcher", "ResponseFormat", "FormatKind"]
+
+FormatKind = Literal["json_schema", "json_object", "regex", "grammar"]
+FORMAT_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "grammar")
+
+# JSON is generated in the layout models see most (Python's json.dumps default): ", " and ": ", no other
+# whitespace, so a small model cannot drift into endless newlines between tokens.
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+DEFAULT_CACHE_SIZE = 64  # compiled grammars kept per engine
+
+
+class GrammarError(InvalidRequestError):
+    """A response format the grammar library rejects (bad schema, unsupported keyword, bad regex), or a token the
+    grammar did not allow. Raised before any compute for the former."""
+
+
+# ---------------------------------------------------------------------------------------------------- formats
+@dataclass(frozen=True)
+class ResponseFormat:
+    """What the output must match. ``source``: the JSON schema as JSON text (property order kept), the regex or
+    the Lark grammar; "" for ``json_object``. Validated on construction (`GrammarError`)."""
+
+    kind: FormatKind
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in FORMAT_KINDS:
+            raise InvalidRequestError(f"response format kind must be one of {FORMAT_KINDS}, got {self.kind!r}")
+        if not isinstance(self.source, str):
+            raise InvalidRequestError(f"response format source must be a str, got {type(self.source).__name__}")
+        if self.kind != "json_object" and not self.source.strip():
+            raise InvalidRequestError(f"a {self.kind} response format needs a non-empty source")
+        _check_grammar(self.grammar)
+
+    @property
+    def grammar(self) -> str:
+        """The llguidance grammar (its JSON form) of this format."""
+        return _grammar_text(self.kind, self.source)
+
+    @property
+    def schema(self) -> dict[str, Any] | None:
+        """The JSON schema of a json_schema format (``{"type": "object"}`` for json_object), else None."""
+        if self.kind == "json_schema":
+            return json.loads(self.source)
+        return {"type": "object"} if self.kind == "json_object" else None
+
+    @classmethod
+    def json_schema(cls, schema: Mapping[str, Any] | str) -> ResponseFormat:
+        """A JSON-schema format from a dict or its JSON text."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from None
+        if not isinstance(schema, Mapping):
+            raise GrammarError(f"a JSON schema must be a JSON object, got {type(schema).__name__}")
+        try:
+            source = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+        except (TypeError, ValueError) as exc:
+            raise GrammarError(f"the JSON schema cannot be serialized to JSON: {exc}") from None
+        return cls("json_schema", source)
+
+    @classmethod
+    def of(cls, value: Any) -> ResponseFormat:
+        """Normalize a user value (see the module docstring) into a `ResponseFormat`."""
+        if isinstance(value, ResponseFormat):
+            return value
+        if isinstance(value, str):
+            if value in ("json", "json_object"):
+                return cls("json_object")
+            raise InvalidRequestError(
+                f"response_format={value!r} is ambiguous; pass 'json', a JSON-schema dict, or "
+                f"{{'type': 'regex', 'regex': ...}} / {{'type': 'grammar', 'grammar': ...}}")
+        if isinstance(value, type) and hasattr(value, "model_json_schema"):  # a Pydantic model class
+            return cls.json_schema(value.model_json_schema())
+        if not isinstance(value, Mapping):
+            raise InvalidRequestError(f"response_format must be a dict, a str or a ResponseFormat, got "
+                                      f"{type(value).__name__}")
+        kind = value.get("type")
+        if kind == "json_object":
+            return cls("json_object")
+        if kind == "json_schema":
+            inner = value.get("json_schema", value)
+            schema = inner.get("schema") if isinstance(inner, Mapping) else None
+            if schema is None:
+                raise InvalidRequestError("a json_schema response format needs the schema: "
+                                          "{'type': 'json_schema', 'json_schema': {'schema': {...}}}")
+            return cls.json_schema(schema)
+        if kind in ("regex", "grammar"):
+            source = value.get(kind)
+            if not isinstance(source, str):
+                raise InvalidRequestError(f"a {kind} response format needs a str under {kind!r}: "
+                                          f"{{'type': {kind!r}, {kind!r}: ...}}")
+            return cls(kind, source)
+        return cls.json_schema(value)  # a bare JSON schema ({"type": "object", "properties": ...})
+
+
+def _grammar_text(kind: str, source: str) -> str:
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+    if kind == "json_schema":
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(source, defaults=JSON_OPTIONS)
+        except ValueError as exc:
+            raise GrammarError(f"invalid JSON schema: {exc}") from None
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(source)
+    return llguidance.LLMatcher.grammar_from_lark(source)
+
+
+@lru_cache(maxsize=256)
+def _check_grammar(grammar: str) -> None:
+    """Validate without a tokenizer (cached: `SamplingParams` is rebuilt on every `from_kwargs`)."""
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise GrammarError(f"the response format was rejected by the grammar compiler: {_one_line(messages)}; "
+                           f"fix the schema/grammar or drop the unsupported keyword")
+    for warning in messages:
+        log.warning("response format: %s", warning)
+
+
+def _one_line(messages: Iterable[str], limit: int = 400) -> str:
+    """The library's (possibly multi-line, caret-diagrammed) messages on one line."""
+    lines = [ln.strip() for m in messages for ln in m.splitlines()]
+    text = " ".join(ln for ln in lines if ln and set(ln) != {"^"})
+    return (text[: limit - 3] + "...") if len(text) > limit else (text or "unknown error")
+
+
+# ---------------------------------------------------------------------------------------------------- matching
+class GrammarMatcher:
+    """The grammar state of one request (a `TokenConstraint`). Not thread-safe: one decode row owns it.
+
+    The mask is unpacked and applied with numpy on the CPU: single-threaded vector code, so it never waits for
+    torch's intra-op thread pool (which, on a busy machine, stalls for milliseconds on 50k-element ops)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+        self._matcher = matcher
+        self.vocab_size = vocab_size
+        self._words = np.zeros((vocab_size + 31) // 32, dtype=np.int32)  # one bit per token, little-endian
+
+    def _allowed(self) -> np.ndarray:
+        m = self._matcher
+        m.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
+        if m.is_error():
+            raise GrammarError(f"grammar matcher failed: {m.get_error()}")
+        return np.unpackbits(self._words.view(np.uint8), bitorder="little")[: self.vocab_size].view(np.bool_)
+
+    def allowed(self) -> torch.Tensor:
+        """Bool ``[vocab_size]``: the tokens the grammar allows next (EOS ids when it may end here)."""
+        return torch.from_numpy(self._allowed())
+
+    def mask_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits [vocab]`` with the tokens the grammar disallows at -inf (in place)."""
+        allowed = self._allowed()
+        n = min(logits.shape[-1], self.vocab_size)
+        if logits.device.type == "cpu" and logits.dtype == torch.float32:
+            np.copyto(logits.numpy()[:n], -np.inf, where=~allowed[:n])
+        else:
+            logits[:n].masked_fill_(~torch.from_numpy(allowed[:n]).to(logits.device), float("-inf"))
+        if logits.shape[-1] > n:  # logits rows beyond the tokenizer's vocabulary are never valid
+            logits[n:] = float("-inf")
+        return logits
+
+    def accept(self, token_id: int) -> None:
+        if not self._matcher.consume_token(token_id):
+            raise GrammarError(f"token {token_id} violates the response format: {self._matcher.get_error()}")
+
+    def is_terminated(self) -> bool:
+        """True when the output is complete and nothing but EOS may follow."""
+        return self._matcher.is_stopped()
+
+    def is_accepting(self) -> bool:
+        """True when the output so far is a complete match (EOS allowed here)."""
+        return self._matcher.is_accepting()
+
+
+class GrammarCompiler:
+    """Compiles `ResponseFormat`s against one tokenizer's vocabulary; keeps the last ``cache_size`` compiled
+    grammars (LRU, keyed by the format). Thread-safe.
+
+    Args:
+        tokenizer: the engine's Hugging Face fast tokenizer.
+        vocab_size: rows of the model's logits (may exceed the tokenizer's vocabulary).
+        eos_ids: every token id that ends a sequence; the grammar allows them where the output may end.
+    The tokenizer's llguidance form (about a second for a 50k vocabulary) is built on the first compile.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Iterable[int], *,
+                 cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+        if cache_size < 1:
+            raise ValueError(f"cache_size must be >= 1, got {cache_size}")
+        self.tokenizer = tokenizer
+        self.vocab_size = int(vocab_size)
+        self.eos_ids = sorted(set(eos_ids))
+        self.cache_size = cache_size
+        self._lock = threading.Lock()
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._compiled: OrderedDict[ResponseFormat, llguidance.LLMatcher] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._compiled)
+
+    def matcher(self, fmt: ResponseFormat) -> GrammarMatcher:
+        """A fresh matcher for one request. Raises `GrammarError` if ``fmt`` does not compile for this vocabulary."""
+        with self._lock:
+            template = self._compiled.get(fmt)
+            if template is not None:
+                self._compiled.move_to_end(fmt)
+                self.hits += 1
+            else:
+                template = self._compile(fmt)
+                self.misses += 1
+                self._compiled[fmt] = template
+                if len(self._compiled) > self.cache_size:
+                    self._compiled.popitem(last=False)
+            return GrammarMatcher(template.deep_copy(), self.vocab_size)
+
+    def _compile(self, fmt: ResponseFormat) -> llguidance.LLMatcher:
+        tok = self._llg_tokenizer()
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(fmt.grammar, tok)
+        if is_error:
+            raise GrammarError(f"the response format does not compile for this model's vocabulary: "
+                               f"{_one_line(messages)}")
+        matcher = llguidance.LLMatcher(tok, fmt.grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"the response format does not compile: {matcher.get_error()}")
+        return matcher
+
+    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        if self._ll_tokenizer is None:
+            import llguidance.hf  # imports transformers; only needed here
+
+            eos = self.eos_ids or None
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=eos)
+        return self._ll_tokenizer

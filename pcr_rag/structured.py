@@ -1,0 +1,272 @@
+"""Structured output and tool calls on grammar-constrained decoding, shared by the LangChain and LlamaIndex models.
+
+The tool-call format (what the model writes, what the history shows it, what the grammar enforces): one call is one
+JSON object ``{"name": "<tool name>", "arguments": {...}}`` whose arguments match the tool's parameter schema.
+
+- `ToolSpec`: a tool as a name, a description and the JSON schema of its arguments.
+- `ToolChoice` and `tool_call_format`: ``"any"`` constrains the answer to one call of any tool, a tool's name to a
+  call of that tool, ``"auto"`` to either a call or plain text (text that does not start with ``{``), ``"none"``
+  leaves the answer unconstrained.
+- `tools_instruction` / `schema_instruction`: the system turn that describes the tools (or the schema) and the
+  format. `add_instruction` puts it **after** the conversation - after any retrieved documents - so the documents'
+  cached KV stays reusable whatever the tools or schema; a template that rejects a late system turn gets the text
+  appended to the last message instead.
+- `tool_history_turns`: assistant tool calls and tool results of the history as chat turns. When the chat template
+  renders ``tool_calls`` and ``tool`` messages itself (`template_renders_tool_calls`), they are passed in the
+  Hugging Face message format; otherwise a call is the assistant's content in the format above and a result is a
+  user turn ``Result of <tool> (call <id>): <content>``.
+- `parse_tool_call`: the call in a finished answer, None for plain text.
+
+Object schemas are closed (``additionalProperties: false`` where a schema leaves it open), as in OpenAI's strict
+mode, so the model cannot invent keys.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from pcr_rag.errors import InvalidRequestError
+from pcr_rag.runtime.grammar import JSON_OPTIONS, ResponseFormat
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "ToolCall",
+    "ToolSpec",
+    "add_instruction",
+    "close_objects",
+    "new_call_id",
+    "normalize_tool_choice",
+    "parse_tool_call",
+    "schema_instruction",
+    "template_renders_tool_calls",
+    "tool_call_format",
+    "tool_call_text",
+    "tool_history_turns",
+    "tools_instruction",
+]
+
+AUTO, ANY, NONE = "auto", "any", "none"
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A tool: ``parameters`` is the JSON schema of its arguments (an object schema)."""
+
+    name: str
+    description: str
+    parameters: Mapping[str, Any]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise InvalidRequestError(f"a tool needs a non-empty str name, got {self.name!r}")
+        if not isinstance(self.parameters, Mapping):
+            raise InvalidRequestError(f"tool {self.name!r}: parameters must be a JSON-schema dict")
+
+    @classmethod
+    def from_openai(cls, tool: Mapping[str, Any]) -> ToolSpec:
+        """From an OpenAI tool dict (``{"type": "function", "function": {"name", "description", "parameters"}}``)."""
+        fn = tool.get("function", tool)
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        return cls(fn.get("name", ""), fn.get("description") or "", params)
+
+    def arguments_schema(self) -> dict[str, Any]:
+        schema = close_objects(dict(self.parameters))
+        schema.setdefault("type", "object")
+        return schema
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed call: the tool's name, its arguments and a call id."""
+
+    name: str
+    arguments: dict[str, Any]
+    id: str
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+# ---------------------------------------------------------------------------------------------------- schemas
+def close_objects(schema: Any) -> Any:
+    """A copy of ``schema`` where every object schema with ``properties`` and no ``additionalProperties`` gets
+    ``additionalProperties: false`` (recursively, ``$defs`` included)."""
+    if isinstance(schema, list):
+        return [close_objects(s) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {k: close_objects(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out and out.get("type", "object") == "object":
+        out["additionalProperties"] = False
+    return out
+
+
+def _call_schema(tool: ToolSpec) -> dict[str, Any]:
+    return {"type": "object",
+            "properties": {"name": {"const": tool.name}, "arguments": tool.arguments_schema()},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def normalize_tool_choice(choice: Any, names: Sequence[str]) -> str:
+    """``None``/"auto" -> "auto"; "any"/"required"/True -> "any"; "none"/False -> "none"; a tool name or an OpenAI
+    ``{"type": "function", "function": {"name": ...}}`` -> that name. Raises `InvalidRequestError` otherwise."""
+    if choice is None or choice == AUTO:
+        return AUTO
+    if choice is True or choice in (ANY, "required"):
+        return ANY
+    if choice is False or choice == NONE:
+        return NONE
+    if isinstance(choice, Mapping):
+        choice = (choice.get("function") or {}).get("name") or choice.get("name")
+    if isinstance(choice, str) and choice in names:
+        return choice
+    raise InvalidRequestError(f"tool_choice={choice!r} is not 'auto', 'any', 'none' or the name of a bound tool "
+                              f"({', '.join(names) or 'no tools bound'})")
+
+
+def tool_call_format(tools: Sequence[ToolSpec], choice: str) -> ResponseFormat | None:
+    """The grammar of an answer under ``choice`` (see the module docstring); None for "none"."""
+    if choice == NONE or not tools:
+        return None
+    chosen = [t for t in tools if choice in (ANY, AUTO) or t.name == choice]
+    if not chosen:
+        raise InvalidRequestError(f"tool_choice={choice!r} names no bound tool")
+    calls = [_call_schema(t) for t in chosen]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    if choice != AUTO:
+        return ResponseFormat.json_schema(schema)
+    schema = {**schema, "x-guidance": JSON_OPTIONS}
+    lark = (f"start: call | text\ncall: %json {json.dumps(schema, ensure_ascii=False)}\n"
+            "text: /[^{\\s][\\s\\S]*/\n")
+    return ResponseFormat("grammar", lark)
+
+
+# ---------------------------------------------------------------------------------------------------- prompt text
+def tools_instruction(tools: Sequence[ToolSpec], choice: str) -> str:
+    """The system turn that lists the tools and the call format."""
+    lines = ["You can call these tools:"]
+    for t in tools:
+        desc = f": {t.description.strip()}" if t.description.strip() else ""
+        lines.append(f"- {t.name}{desc} Arguments (JSON schema): "
+                     f"{json.dumps(t.arguments_schema(), ensure_ascii=False)}")
+    lines.append('To call a tool, reply with only a JSON object: {"name": <tool name>, "arguments": {...}}.')
+    if choice == AUTO:
+        lines.append("If no tool is needed, or a tool result already answers the question, reply in plain text.")
+    elif choice == ANY:
+        lines.append("Reply with a tool call.")
+    elif choice != NONE:
+        lines.append(f"Reply with a call of {choice}.")
+    else:
+        lines.append("Do not call a tool now; reply in plain text.")
+    return "\n".join(lines)
+
+
+def schema_instruction(schema: Mapping[str, Any]) -> str:
+    """The system turn that asks for JSON matching ``schema``."""
+    return ("Reply with only a JSON object that matches this JSON schema: "
+            f"{json.dumps(schema, ensure_ascii=False)}")
+
+
+def tool_call_text(name: str, arguments: Mapping[str, Any]) -> str:
+    """A call in the format the model writes (how the history shows the assistant's earlier calls)."""
+    return json.dumps({"name": name, "arguments": dict(arguments)}, ensure_ascii=False)
+
+
+def tool_history_turns(role: str, content: str, *, tool_calls: Sequence[ToolCall] = (),
+                       tool_name: str | None = None, tool_call_id: str | None = None, error: bool = False,
+                       native: bool = False) -> dict[str, Any]:
+    """One history message as a chat turn: an assistant turn with ``tool_calls``, or a tool result
+    (``role="tool"``). ``native``: the template renders tool calls itself (see the module docstring)."""
+    if role == "tool":
+        if native:
+            turn = {"role": "tool", "content": content}
+            if tool_call_id:
+                turn["tool_call_id"] = tool_call_id
+            if tool_name:
+                turn["name"] = tool_name
+            return turn
+        what = f"Error from {tool_name or 'the tool'}" if error else f"Result of {tool_name or 'the tool'}"
+        call = f" (call {tool_call_id})" if tool_call_id else ""
+        return {"role": "user", "content": f"{what}{call}: {content}"}
+    if not tool_calls:
+        return {"role": role, "content": content}
+    if native:
+        return {"role": "assistant", "content": content,
+                "tool_calls": [{"id": c.id, "type": "function",
+                                "function": {"name": c.name, "arguments": c.arguments}} for c in tool_calls]}
+    calls = "\n".join(tool_call_text(c.name, c.arguments) for c in tool_calls)
+    return {"role": "assistant", "content": f"{content.strip()}\n{calls}" if content.strip() else calls}
+
+
+def add_instruction(turns: list[dict[str, Any]], text: str, tokenizer: Any) -> list[dict[str, Any]]:
+    """``turns`` plus ``text`` after the last turn: a trailing system turn where the chat template renders one,
+    else appended to the last turn's content."""
+    if _late_system_ok(tokenizer):
+        return [*turns, {"role": "system", "content": text}]
+    *head, last = turns
+    return [*head, {**last, "content": f"{last['content']}\n\n{text}"}]
+
+
+# ---------------------------------------------------------------------------------------------------- templates
+def _render(tokenizer: Any, messages: list[dict[str, Any]]) -> str | None:
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - any template error means "not supported"
+        return None
+    return text if isinstance(text, str) else None
+
+
+def template_renders_tool_calls(tokenizer: Any) -> bool:
+    """True when the tokenizer's chat template renders assistant ``tool_calls`` and ``tool`` results itself."""
+    template = getattr(tokenizer, "chat_template", None)
+    return bool(template) and _renders_tools(id(tokenizer), str(template), tokenizer)
+
+
+@lru_cache(maxsize=32)
+def _renders_tools(_id: int, _template: str, tokenizer: Any) -> bool:
+    probe = [{"role": "user", "content": "q"},
+             {"role": "assistant", "content": "",
+              "tool_calls": [{"id": "call_probe", "type": "function",
+                              "function": {"name": "probe_tool_x7", "arguments": {"probe_arg": 1}}}]},
+             {"role": "tool", "content": "probe_result_y9", "tool_call_id": "call_probe", "name": "probe_tool_x7"}]
+    text = _render(tokenizer, probe)
+    return text is not None and "probe_tool_x7" in text and "probe_result_y9" in text
+
+
+def _late_system_ok(tokenizer: Any) -> bool:
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return True  # rendered as "role: content" lines
+    return _late_system(id(tokenizer), str(template), tokenizer)
+
+
+@lru_cache(maxsize=32)
+def _late_system(_id: int, _template: str, tokenizer: Any) -> bool:
+    text = _render(tokenizer, [{"role": "user", "content": "probe_q"}, {"role": "system", "content": "probe_s"}])
+    return text is not None and "probe_s" in text and text.index("probe_s") > text.index("probe_q")
+
+
+# ---------------------------------------------------------------------------------------------------- parsing
+def parse_tool_call(text: str, tools: Sequence[ToolSpec]) -> ToolCall | None:
+    """The call in a finished answer (a fresh id), None when the answer is plain text.
+
+    Raises ValueError for an answer that starts a call but is not a complete one (cut by ``max_tokens``)."""
+    body = text.strip()
+    if not body.startswith("{"):
+        return None
+    try:
+        obj = json.loads(body)
+    except ValueError as exc:
+        raise ValueError(f"the tool call is incomplete ({exc}); raise max_tokens") from None
+    names = {t.name for t in tools}
+    if not isinstance(obj, dict) or obj.get("name") not in names or not isinstance(obj.get("arguments"), dict):
+        raise ValueError(f"not a call of a bound tool: {body[:200]}")
+    return ToolCall(obj["name"], obj["arguments"], new_call_id())
