@@ -98,6 +98,11 @@ class CacheEngine:
     def remote_enabled(self) -> bool:
         return self._remote is not None
 
+    @property
+    def remote(self) -> RemoteReuse | None:
+        """The remote tier's lookups, decisions and measured speeds (None without one)."""
+        return self._remote
+
     def __len__(self) -> int:
         return len(self._index.tree)
 
@@ -146,9 +151,8 @@ class CacheEngine:
 
         ``keys`` may be chunk keys or ``ChunkSpec``s (then miss tokens are exact); with plain keys, pass
         ``total_tokens`` (tokens covered by the considered keys) to count miss tokens. ``max_chunks`` caps the
-        match (and the chunks considered for hit/miss counting). With a remote tier, the chunks after the local
-        match are looked up there first (``discover``), and the match ends where loading the rest from the remote
-        store would cost more than recomputing it (``reuse_limit``)."""
+        match (and hit/miss counting). With a remote tier, the chunks after the local match are looked up there
+        first (``discover``); the match ends where loading from it would cost more than recomputing."""
         raw = [k.key if isinstance(k, ChunkSpec) else k for k in keys]
         limit = len(raw) if max_chunks is None else max(0, min(len(raw), max_chunks))
         if self._remote is not None and limit:
@@ -188,8 +192,7 @@ class CacheEngine:
             return self._remote.reuse_limit(nodes, count=False) if self._remote is not None else len(nodes)
 
     def record_compute(self, tokens: int, seconds: float) -> None:
-        """Report a measured prefill (``tokens`` computed in ``seconds``): the load-or-recompute decision's
-        compute speed. A no-op without a remote tier."""
+        """A measured prefill (``tokens`` computed in ``seconds``) for the load-or-recompute decision."""
         if self._remote is not None:
             self._remote.record_compute(tokens, seconds)
 
@@ -262,11 +265,16 @@ class CacheEngine:
         with self._lock:
             self._sync.check_open()
             existing = index.get(spec.key)
-            if existing is not None:
-                self._refresh_existing(existing, next(copy for t, copy in placed if t is self._dram))
-                return True
-            if spec.key in self._writeback.writing_through:
-                return True  # another thread is storing this very chunk
+            refresh = existing is not None and self._writeback.refresh(
+                existing, next(copy for t, copy in placed if t is self._dram))
+        if existing is not None:
+            if refresh:
+                self._writeback.write(existing)
+            return True
+        with self._lock:
+            self._sync.check_open()
+            if spec.key in self._writeback.writing_through or index.get(spec.key) is not None:
+                return True  # another thread is storing (or stored) this very chunk
             parent = None if chunk.parent_is_root else index.get(spec.parent)
             if not chunk.parent_is_root and parent is None:
                 self._stats.inserts_rejected += 1
@@ -312,22 +320,6 @@ class CacheEngine:
         if stored and self._remote is not None:
             self._remote.offer(chunk, payload)  # landed locally: on to the shared store
         return stored
-
-    def _refresh_existing(self, node: CacheNode, dram_copy: Payload) -> None:
-        """Insert of a cached key: touch it; if it is only in storage, keep the fresh copy in DRAM when it fits."""
-        self._index.touch(node)
-        if node.resident_mask & self._memory_bits:
-            return
-        node.tree_holds += 1
-        try:
-            if self._writeback.make_room(Tier.DRAM, node.nbytes):
-                if node.removed or node.resident_mask & tier_bit(Tier.DRAM):
-                    self._index.release(Tier.DRAM, node.nbytes)
-                else:
-                    self._dram.store(node, dram_copy)
-                    self._index.mark_resident(node, Tier.DRAM)
-        finally:
-            node.tree_holds -= 1
 
     # ================================================================== protection / explicit eviction
     def set_lookahead(self, keys: Iterable[bytes]) -> None:

