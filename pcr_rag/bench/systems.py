@@ -9,6 +9,8 @@ pcr-no-overlap pcr with ``layerwise=False``
 pcr-no-prefetch pcr with ``prefetch=False`` (look-ahead protection stays)
 pcr-lru        pcr with plain LRU eviction (no look-ahead protection)
 pcr-window-N   pcr with ``prefetch_window=N`` (the window sweep)
+pcr-remote     pcr as a cold replica (empty DRAM and SSD before every measured run) behind a shared Valkey that
+               a warm first replica filled with the warm-up trace (``remote=True``; not in the default set)
 ============== =============================================================================================
 
 Tier capacities are not part of a system: the runner sets them from the workload's working set, the same for all
@@ -46,6 +48,7 @@ class SystemSpec:
     name: str
     description: str
     overrides: Mapping[str, Any] = field(default_factory=dict)
+    remote: bool = False  # a cold replica behind the run's shared store (the runner sets ``remote_url``)
 
     @property
     def uses_cache(self) -> bool:
@@ -62,8 +65,8 @@ class SystemSpec:
         return kwargs
 
 
-def _spec(name: str, description: str, **overrides: Any) -> SystemSpec:
-    return SystemSpec(name, description, MappingProxyType(dict(overrides)))
+def _spec(name: str, description: str, *, remote: bool = False, **overrides: Any) -> SystemSpec:
+    return SystemSpec(name, description, MappingProxyType(dict(overrides)), remote)
 
 
 SYSTEMS: Mapping[str, SystemSpec] = MappingProxyType({
@@ -78,6 +81,7 @@ SYSTEMS: Mapping[str, SystemSpec] = MappingProxyType({
         _spec("pcr-no-overlap", "PCR without layer-wise overlap", layerwise=False),
         _spec("pcr-no-prefetch", "PCR without queue prefetch", prefetch=False),
         _spec("pcr-lru", "PCR with plain LRU instead of look-ahead LRU", eviction="lru"),
+        _spec("pcr-remote", "PCR cold replica behind a shared Valkey warmed by another replica", remote=True),
     )
 })
 
