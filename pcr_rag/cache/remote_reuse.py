@@ -30,7 +30,7 @@ from pcr_rag.cache.tiers.remote_value import RemoteHeader
 __all__ = ["RemoteReuse"]
 
 _BIT = tier_bit(Tier.REMOTE)
-_EWMA = 0.2  # weight of the newest compute-speed sample
+_DECAY = 0.8  # weight of the older compute-speed samples each time a new one comes
 
 
 class RemoteReuse:
@@ -45,6 +45,7 @@ class RemoteReuse:
         self.writer = RemoteWriter(sync, index, tier, capacity=write_queue, inline=inline)
         self._speed_lock = threading.Lock()
         self.compute_s_per_token: float | None = None
+        self._compute = [0.0, 0.0]  # decayed sums of (seconds, tokens): steps weigh by their tokens
 
     # ------------------------------------------------------------------ discovery (no lock held)
     def discover(self, keys: Sequence[bytes]) -> int:
@@ -123,13 +124,15 @@ class RemoteReuse:
         return cut
 
     def record_compute(self, tokens: int, seconds: float) -> None:
-        """A measured prefill: ``tokens`` computed in ``seconds``."""
+        """A measured prefill step: ``tokens`` computed in ``seconds``. The estimate is a decayed, token-weighted
+        mean (a step of one token, mostly fixed costs, barely moves it)."""
         if tokens <= 0 or seconds <= 0:
             return
-        sample = seconds / tokens
         with self._speed_lock:
-            old = self.compute_s_per_token
-            self.compute_s_per_token = sample if old is None else (1 - _EWMA) * old + _EWMA * sample
+            c = self._compute
+            c[0] = _DECAY * c[0] + seconds
+            c[1] = _DECAY * c[1] + tokens
+            self.compute_s_per_token = c[0] / c[1]
 
     # ------------------------------------------------------------------ writes and stats
     def offer(self, chunk: ChunkRecord, payload: Payload) -> None:
