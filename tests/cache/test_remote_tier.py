@@ -226,3 +226,20 @@ def test_remote_failures_are_os_errors_the_engine_treats_as_misses(chunks):
     with pytest.raises(RemoteMissError):
         tier.read(rec)
     assert isinstance(RemoteMissError("x"), OSError)
+
+
+def test_chunks_loaded_from_the_store_are_kept_on_the_local_ssd(store_name, chunks, make_payload):
+    from pcr_rag.cache import MemoryBackend
+
+    specs = chunks.path([[1] * 4, [2] * 4])
+    cfg = CacheConfig(chunk_size=4, dram_bytes=1 << 20, ssd_bytes=1 << 20, sync_io=True,
+                      remote=RemoteConfig(f"memory://{store_name}"))
+    with engine(store_name) as a, CacheEngine(cfg, clock=ManualClock(), storage=MemoryBackend()) as b:
+        fill(a, specs, make_payload)
+        b.acquire(specs).release()
+        assert b.load([s.key for s in specs]) == 2
+        assert all(b.tiers_of(s.key) == {Tier.DRAM, Tier.SSD, Tier.REMOTE} for s in specs)
+        b.evict(Tier.DRAM, 1 << 20)
+        assert torch.equal(b.read_layer(specs[1].key, 1), make_payload(specs[1])[1])  # from the local SSD now
+        assert b.stats().remote_io["hits"] == 2
+        b.check_invariants()
