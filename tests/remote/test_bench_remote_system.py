@@ -1,5 +1,5 @@
-"""`pcr-rag bench`'s ``pcr-remote`` system on a tiny model: a cold replica (empty local tiers every run) reuses
-what the warm first replica wrote to the shared Valkey."""
+"""`pcr-rag bench`'s new-replica systems on a tiny model: ``pcr-remote`` (empty local tiers every run) reuses what
+the warm first replica wrote to the shared Valkey; ``pcr-remote-down`` reuses exactly what ``pcr-cold`` does."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pcr_rag.testing import tiny_model
 
 
 def test_pcr_remote_is_a_cold_replica_behind_the_warm_store(valkey, tmp_path):
-    assert SYSTEMS["pcr-remote"].remote and "pcr-remote" in SYSTEMS
+    assert SYSTEMS["pcr-remote"].remote == "warm" and SYSTEMS["pcr-remote"].cold
     EngineConfig(**SYSTEMS["pcr-remote"].config_kwargs({"cache_dir": tmp_path, "remote_url": valkey.url}))
     words = ["cache", "prefix", "tree", "chunk", "layer", "prefetch", "queue", "window", "tier", "disk"]
     corpus = tmp_path / "docs.jsonl"
@@ -24,9 +24,13 @@ def test_pcr_remote_is_a_cold_replica_behind_the_warm_store(valkey, tmp_path):
     model, tok = tiny_model("llama", seed=0)
     cfg = BenchConfig(corpus=str(corpus), tokens_per_passage=40, num_passages=None, top_k=2, num_topics=3,
                       num_requests=5, warmup_requests=6, rates=(float("inf"),), repeats=2, windows=(),
-                      systems=("pcr", "pcr-remote"), max_new_tokens=3, chunk_size=16, threads=1,
+                      systems=("pcr-cold", "pcr-remote", "pcr-remote-down"), max_new_tokens=3, chunk_size=16, threads=1,
                       limit_ratio=False, work_dir=str(tmp_path / "work"), extra={"remote_url": valkey.url})
     report = run_bench(cfg, model=model, tokenizer=tok, progress=False)
-    runs = [r for r in report["runs"] if r["system"] == "pcr-remote"]
-    assert len(runs) == 1 and runs[0]["repeats"] == 2 and runs[0]["hit_ratio"]["remote"] > 0
+    runs = {r["system"]: r for r in report["runs"]}
+    assert runs["pcr-remote"]["repeats"] == 2 and runs["pcr-remote"]["hit_ratio"]["remote"] > 0
+    cold_reuse = sum(runs["pcr-cold"]["hit_ratio"].values())
+    assert sum(runs["pcr-remote"]["hit_ratio"].values()) > cold_reuse  # the store adds what a new replica lacks
+    assert runs["pcr-remote-down"]["hit_ratio"]["remote"] == 0
+    assert sum(runs["pcr-remote-down"]["hit_ratio"].values()) == cold_reuse  # down: exactly a new replica's reuse
     assert all(r["extra"]["failed_requests"] == 0 for r in report["runs"])
