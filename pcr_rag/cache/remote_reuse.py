@@ -30,7 +30,7 @@ from pcr_rag.cache.tiers.remote_value import RemoteHeader
 __all__ = ["RemoteReuse"]
 
 _BIT = tier_bit(Tier.REMOTE)
-_DECAY = 0.8  # weight of the older compute-speed samples each time a new one comes
+_DECAY = 0.95  # weight of the older prefill-step samples each time a new one comes
 
 
 class RemoteReuse:
@@ -45,7 +45,7 @@ class RemoteReuse:
         self.writer = RemoteWriter(sync, index, tier, capacity=write_queue, inline=inline)
         self._speed_lock = threading.Lock()
         self.compute_s_per_token: float | None = None
-        self._compute = [0.0, 0.0]  # decayed sums of (seconds, tokens): steps weigh by their tokens
+        self._fit = [0.0] * 5  # decayed sums of 1, tokens, seconds, tokens^2, tokens x seconds
 
     # ------------------------------------------------------------------ discovery (no lock held)
     def discover(self, keys: Sequence[bytes]) -> int:
@@ -124,15 +124,20 @@ class RemoteReuse:
         return cut
 
     def record_compute(self, tokens: int, seconds: float) -> None:
-        """A measured prefill step: ``tokens`` computed in ``seconds``. The estimate is a decayed, token-weighted
-        mean (a step of one token, mostly fixed costs, barely moves it)."""
+        """A measured prefill step: ``tokens`` computed in ``seconds``. A step costs a fixed part (paid whatever
+        is reused: the last token is always computed) plus a part per token; the estimate is the slope of a
+        decayed least-squares fit of seconds on tokens (the mean seconds per token until steps of different
+        sizes have been seen)."""
         if tokens <= 0 or seconds <= 0:
             return
         with self._speed_lock:
-            c = self._compute
-            c[0] = _DECAY * c[0] + seconds
-            c[1] = _DECAY * c[1] + tokens
-            self.compute_s_per_token = c[0] / c[1]
+            f = self._fit
+            for i, v in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
+                f[i] = _DECAY * f[i] + v
+            n, x, y, xx, xy = f
+            spread = n * xx - x * x
+            slope = (n * xy - x * y) / spread if spread > 1e-9 * n * xx else -1.0
+            self.compute_s_per_token = slope if slope > 0 else y / x
 
     # ------------------------------------------------------------------ writes and stats
     def offer(self, chunk: ChunkRecord, payload: Payload) -> None:

@@ -149,8 +149,8 @@ def test_values_of_another_model_or_namespace_are_never_matched(valkey, tiny, tm
         assert res.metrics.reused_by_tier["remote"] == 0 and other.stats().cache.remote_io["lookup_found"] == 0
 
 
-def _chain(n: int, tokens: int = 4, layers: int = 2, heads: int = 2, head_dim: int = 64):
-    root = namespace_key("remote-test", "float32", tokens)
+def _chain(n: int, tokens: int = 4, layers: int = 2, heads: int = 2, head_dim: int = 64, model: str = "remote-test"):
+    root = namespace_key(model, "float32", tokens)
     specs, parent = [], root
     for i in range(n):
         key = chunk_key(parent, [i] * tokens)
@@ -177,7 +177,7 @@ def test_values_the_store_evicts_are_misses(tmp_path):
             assert specs[100].key not in b and specs[150].key not in b  # its subtree goes with it
             assert torch.equal(b.get_payload(specs[99].key), payloads[99])
             assert b.stats().remote_io["misses"] == 1 and b.stats().corrupt_chunks_dropped == 0
-            big, big_payloads = _chain(300, head_dim=256)
+            big, big_payloads = _chain(300, head_dim=256, model="another-model")
             for s, p in zip(big, big_payloads, strict=True):
                 a.insert(s, p)
             assert server.client().info("stats")["evicted_keys"] > 0
