@@ -184,10 +184,10 @@ class PrefillTask:
             waited = sum(self.ctx.copy.waits.seconds) - waits_before
             self.load_wait_s += waited
             compute_s -= waited
-        if self.ctx.cache is not None:  # the load-or-recompute decision's compute speed
-            self.ctx.cache.record_compute(end - start, compute_s)
             self._load = None
             self._promote_ssd_chunks()
+        if self.ctx.cache is not None:  # the load-or-recompute decision's compute speed
+            self.ctx.cache.record_compute(end - start, compute_s)
         self.position = end
         if offload is not None:
             self._insert_completed(offload)
