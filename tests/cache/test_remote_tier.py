@@ -243,3 +243,12 @@ def test_chunks_loaded_from_the_store_are_kept_on_the_local_ssd(store_name, chun
         assert torch.equal(b.read_layer(specs[1].key, 1), make_payload(specs[1])[1])  # from the local SSD now
         assert b.stats().remote_io["hits"] == 2
         b.check_invariants()
+
+
+def test_compute_speed_is_the_per_token_slope_not_the_fixed_step_cost(store_name):
+    with engine(store_name) as eng:
+        eng.record_compute(256, 0.3 + 256 * 0.002)
+        assert eng.remote.compute_s_per_token == pytest.approx((0.3 + 0.512) / 256)  # one size: the mean
+        for tokens in (1, 1, 30, 256, 1, 12):  # full hits compute one token: mostly the fixed 0.3 s
+            eng.record_compute(tokens, 0.3 + tokens * 0.002)
+        assert eng.remote.compute_s_per_token == pytest.approx(0.002)
