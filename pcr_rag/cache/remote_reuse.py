@@ -127,7 +127,7 @@ class RemoteReuse:
         """A measured prefill step: ``tokens`` computed in ``seconds``. A step costs a fixed part (paid whatever
         is reused: the last token is always computed) plus a part per token; the estimate is the slope of a
         decayed least-squares fit of seconds on tokens (the mean seconds per token until steps of different
-        sizes have been seen)."""
+        sizes have been seen; a degenerate fit keeps the previous estimate)."""
         if tokens <= 0 or seconds <= 0:
             return
         with self._speed_lock:
@@ -137,7 +137,10 @@ class RemoteReuse:
             n, x, y, xx, xy = f
             spread = n * xx - x * x
             slope = (n * xy - x * y) / spread if spread > 1e-9 * n * xx else -1.0
-            self.compute_s_per_token = slope if slope > 0 else y / x
+            if slope > 0:
+                self.compute_s_per_token = slope
+            elif self.compute_s_per_token is None:  # no spread of step sizes yet: the plain mean
+                self.compute_s_per_token = y / x
 
     # ------------------------------------------------------------------ writes and stats
     def offer(self, chunk: ChunkRecord, payload: Payload) -> None:
