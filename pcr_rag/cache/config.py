@@ -4,12 +4,65 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from pcr_rag.units import parse_bytes
 
-__all__ = ["CacheConfig", "POLICIES"]
+__all__ = ["REMOTE_SCHEMES", "CacheConfig", "POLICIES", "RemoteConfig"]
 
 POLICIES = ("lookahead-lru", "lru")
+#: URL schemes of the remote tier; valkey(s):// are spelled redis(s):// for the client. "memory://name" is an
+#: in-process store (``MemoryRemoteStore``: the simulator, unit tests), shared by every engine using the same name.
+REMOTE_SCHEMES = ("redis", "rediss", "valkey", "valkeys", "memory")
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    """The shared remote tier (Valkey/Redis) below SSD. Times in seconds, sizes in bytes.
+
+    - ``url``: ``redis://[:password@]host:port/db``, ``rediss://`` (TLS), ``valkey://``/``valkeys://`` (same), or
+      ``memory://name`` (in-process).
+    - ``capacity_bytes``: bytes of remote values this engine keeps track of in its prefix tree (the store's own
+      ``maxmemory`` bounds what it really holds; values it evicts are misses).
+    - ``ttl_s``: expiry of written values (0: none, the store's eviction policy decides).
+    - ``namespace``: prefix of every key (``<namespace>:<chunk key hex>``); engines share chunks only within one.
+    - ``connect_timeout_s`` / ``timeout_s``: bound every connect and every operation; no call waits longer.
+    - ``breaker_errors`` / ``breaker_backoff_s``: after this many consecutive errors the tier is skipped for the
+      back-off, then one trial operation decides whether it is used again.
+    - ``write_queue``: chunks waiting to be written; a full queue drops new writes (counted), never blocks.
+    - ``max_connections``: connection pool size.
+    """
+
+    url: str
+    capacity_bytes: int | str = "64GiB"
+    ttl_s: float = 0.0
+    namespace: str = "pcr-rag"
+    connect_timeout_s: float = 0.25
+    timeout_s: float = 1.0
+    breaker_errors: int = 3
+    breaker_backoff_s: float = 5.0
+    write_queue: int = 64
+    max_connections: int = 8
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "capacity_bytes", parse_bytes(self.capacity_bytes))
+        scheme = urlsplit(str(self.url)).scheme
+        if scheme not in REMOTE_SCHEMES:
+            raise ValueError(
+                f"remote url {self.url!r} must start with one of {[s + '://' for s in REMOTE_SCHEMES]}"
+            )
+        for name in ("connect_timeout_s", "timeout_s", "breaker_backoff_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 s, got {getattr(self, name)!r}")
+        if self.ttl_s < 0:
+            raise ValueError(f"ttl_s must be >= 0 s (0: no expiry), got {self.ttl_s!r}")
+        for name in ("breaker_errors", "write_queue", "max_connections"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if not self.namespace or ":" in self.namespace:
+            raise ValueError(f"namespace must be a non-empty string without ':', got {self.namespace!r}")
+        if int(self.capacity_bytes) <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {self.capacity_bytes!r}")
 
 
 @dataclass
@@ -33,6 +86,7 @@ class CacheConfig:
       disk (O_DIRECT is used where the filesystem supports it).
     - ``writeback_wait_s``: how long an insert may wait for pending write-backs to finish when the only DRAM
       eviction candidates are chunks not yet on SSD (backpressure instead of losing data).
+    - ``remote``: a shared remote tier below SSD (:class:`RemoteConfig`), or None.
     """
 
     chunk_size: int = 256
@@ -48,6 +102,7 @@ class CacheConfig:
     fsync: bool = False
     drop_page_cache: bool = True
     writeback_wait_s: float = 10.0
+    remote: RemoteConfig | None = None
 
     def __post_init__(self) -> None:
         self.dram_bytes = parse_bytes(self.dram_bytes)

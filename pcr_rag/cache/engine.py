@@ -1,11 +1,11 @@
 """CacheEngine: the locked front of the cache. It wires the parts and owns the request-facing calls.
 
 Parts, each testable on its own: ``ResidencyIndex`` (prefix tree, which tier holds what, budgets, eviction), the
-tiers behind ``tiers.base.KVTier`` (device and DRAM memory, SSD files), ``WriteBack`` (memory -> storage, and
-write-through), ``Loader`` (storage -> DRAM, verified reads) and the objects callers hold (``lease``). One
-``EngineLock`` guards all metadata; payload copies and I/O run outside it. The contract is in docs/DESIGN.md
-("Cache engine"); an insert that finds no memory room is written through to SSD, so a small DRAM never switches
-caching off.
+tiers behind ``tiers.base.KVTier`` (device and DRAM memory, SSD files, the shared remote store), ``WriteBack``
+(memory -> SSD, and write-through), ``RemoteReuse`` (remote lookups, load-or-recompute, remote write-through),
+``Loader`` (storage -> DRAM, verified reads) and the objects callers hold (``lease``). One ``EngineLock`` guards
+all metadata; payload copies and I/O run outside it. The contract is in docs/DESIGN.md ("Cache engine"); an insert
+that finds no memory room is written through to SSD, so a small DRAM never switches caching off.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pcr_rag.cache.node import CacheNode, fastest_tier
 from pcr_rag.cache.payload import Payload, VirtualPayload, payload_num_layers, validate_payload
 from pcr_rag.cache.policy import make_policy
 from pcr_rag.cache.recovery import recover
+from pcr_rag.cache.remote_reuse import RemoteReuse
 from pcr_rag.cache.residency import ResidencyIndex
 from pcr_rag.cache.stats import CacheStats
 from pcr_rag.cache.storage import StorageBackend
@@ -49,11 +50,12 @@ class CacheEngine:
         self._sync = EngineLock()
         self._lock = self._sync.lock
         self._stats = CacheStats()
-        self._tiers = build_tiers(config, storage)
+        self._tiers = build_tiers(config, storage, self.clock)
         self._memory = [t for t in self._tiers if t.kind is TierKind.MEMORY]
         self._dram = next(t for t in self._memory if t.tier is Tier.DRAM)
         self._memory_bits = sum(tier_bit(t.tier) for t in self._memory)
-        self._storage = next((t for t in self._tiers if t.kind is TierKind.STORAGE), None)
+        # the write-back target: local storage (SSD); the shared remote tier is written through by RemoteReuse
+        self._storage = next((t for t in self._tiers if t.kind is TierKind.STORAGE and not t.shared), None)
         self._index = ResidencyIndex(self._tiers, make_policy(config.policy), self.clock, self._stats)
         try:
             recover(self._tiers, self._index, self._sync)
@@ -76,6 +78,11 @@ class CacheEngine:
             self._stats,
             workers=None if config.sync_io else config.io_workers,
         )
+        remote = next((t for t in self._tiers if t.tier is Tier.REMOTE), None)
+        self._remote: RemoteReuse | None = None
+        if remote is not None and config.remote is not None:
+            self._remote = RemoteReuse(self._sync, self._index, remote,  # type: ignore[arg-type]
+                                       write_queue=config.remote.write_queue, inline=config.sync_io)
 
     # ================================================================== queries
     @property
@@ -86,6 +93,15 @@ class CacheEngine:
     @property
     def ssd_enabled(self) -> bool:
         return self._storage is not None
+
+    @property
+    def remote_enabled(self) -> bool:
+        return self._remote is not None
+
+    @property
+    def remote(self) -> RemoteReuse | None:
+        """The remote tier's lookups, decisions and measured speeds (None without one)."""
+        return self._remote
 
     def __len__(self) -> int:
         return len(self._index.tree)
@@ -135,12 +151,17 @@ class CacheEngine:
 
         ``keys`` may be chunk keys or ``ChunkSpec``s (then miss tokens are exact); with plain keys, pass
         ``total_tokens`` (tokens covered by the considered keys) to count miss tokens. ``max_chunks`` caps the
-        match (and the chunks considered for hit/miss counting)."""
+        match (and hit/miss counting). With a remote tier, the chunks after the local match are looked up there
+        first (``discover``); the match ends where loading from it would cost more than recomputing."""
         raw = [k.key if isinstance(k, ChunkSpec) else k for k in keys]
         limit = len(raw) if max_chunks is None else max(0, min(len(raw), max_chunks))
+        if self._remote is not None and limit:
+            self._remote.discover(raw[:limit])
         with self._lock:
             self._sync.check_open()
             nodes: list[CacheNode] = self._index.tree.match(raw, limit)  # type: ignore[assignment]
+            if self._remote is not None:
+                nodes = nodes[: self._remote.reuse_limit(nodes)]
             tiers = tuple(fastest_tier(n.resident_mask) for n in nodes)
             self._index.pin_and_touch(nodes)
             st = self._stats
@@ -157,6 +178,23 @@ class CacheEngine:
             elif total_tokens is not None:
                 st.miss_tokens += max(0, total_tokens - hit_tokens)
         return Lease(nodes, tiers, self._loader.release)  # type: ignore[arg-type]
+
+    def discover(self, keys: Sequence[bytes]) -> int:
+        """Look up in the remote tier the chunks of the chain ``keys`` after the local match (one round trip) and
+        add the ones found to the tree; returns how many (0 without a remote tier, or while it is skipped)."""
+        return self._remote.discover(keys) if self._remote is not None else 0
+
+    def reuse_limit(self, keys: Sequence[bytes]) -> int:
+        """How many leading chunks of ``keys`` are cached and worth reusing: the match, cut where loading from the
+        remote tier would cost more than recomputing (the prefetcher loads no further)."""
+        with self._lock:
+            nodes: list[CacheNode] = self._index.tree.match(keys)  # type: ignore[assignment]
+            return self._remote.reuse_limit(nodes, count=False) if self._remote is not None else len(nodes)
+
+    def record_compute(self, tokens: int, seconds: float) -> None:
+        """A measured prefill (``tokens`` computed in ``seconds``) for the load-or-recompute decision."""
+        if self._remote is not None:
+            self._remote.record_compute(tokens, seconds)
 
     def get_payload(self, key: bytes) -> Payload | None:
         """The chunk's payload when it is in device memory or DRAM (device preferred), else None. Hold a Lease
@@ -227,11 +265,16 @@ class CacheEngine:
         with self._lock:
             self._sync.check_open()
             existing = index.get(spec.key)
-            if existing is not None:
-                self._refresh_existing(existing, next(copy for t, copy in placed if t is self._dram))
-                return True
-            if spec.key in self._writeback.writing_through:
-                return True  # another thread is storing this very chunk
+            refresh = existing is not None and self._writeback.refresh(
+                existing, next(copy for t, copy in placed if t is self._dram))
+        if existing is not None:
+            if refresh:
+                self._writeback.write(existing)
+            return True
+        with self._lock:
+            self._sync.check_open()
+            if spec.key in self._writeback.writing_through or index.get(spec.key) is not None:
+                return True  # another thread is storing (or stored) this very chunk
             parent = None if chunk.parent_is_root else index.get(spec.parent)
             if not chunk.parent_is_root and parent is None:
                 self._stats.inserts_rejected += 1
@@ -269,27 +312,14 @@ class CacheEngine:
             finally:
                 if parent is not None and not through:
                     parent.tree_holds -= 1
+        stored = True
         if through:
-            return self._writeback.write_through(chunk, payload, parent, tokens)
-        if write_inline is not None:
+            stored = self._writeback.write_through(chunk, payload, parent, tokens)
+        elif write_inline is not None:
             self._writeback.write(write_inline)
-        return True
-
-    def _refresh_existing(self, node: CacheNode, dram_copy: Payload) -> None:
-        """Insert of a cached key: touch it; if it is only in storage, keep the fresh copy in DRAM when it fits."""
-        self._index.touch(node)
-        if node.resident_mask & self._memory_bits:
-            return
-        node.tree_holds += 1
-        try:
-            if self._writeback.make_room(Tier.DRAM, node.nbytes):
-                if node.removed or node.resident_mask & tier_bit(Tier.DRAM):
-                    self._index.release(Tier.DRAM, node.nbytes)
-                else:
-                    self._dram.store(node, dram_copy)
-                    self._index.mark_resident(node, Tier.DRAM)
-        finally:
-            node.tree_holds -= 1
+        if stored and self._remote is not None:
+            self._remote.offer(chunk, payload)  # landed locally: on to the shared store
+        return stored
 
     # ================================================================== protection / explicit eviction
     def set_lookahead(self, keys: Iterable[bytes]) -> None:
@@ -306,8 +336,11 @@ class CacheEngine:
 
     # ================================================================== lifecycle / stats
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until the write-back queue is drained; raise TimeoutError after ``timeout`` seconds."""
+        """Wait until the write-back queue (and the remote write queue) is drained; raise TimeoutError after
+        ``timeout`` seconds (for each)."""
         self._writeback.flush(timeout)
+        if self._remote is not None:
+            self._remote.flush(timeout)
 
     def close(self) -> None:
         """Flush write-back, stop the I/O threads, release the cache directory lock. Idempotent."""
@@ -318,6 +351,8 @@ class CacheEngine:
         with self._lock:
             self._sync.closed = True
         self._writeback.stop()
+        if self._remote is not None:
+            self._remote.stop()
         self._loader.shutdown()
         for tier in self._tiers:
             tier.close()
@@ -334,6 +369,8 @@ class CacheEngine:
                 **{k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(self._stats).items()}
             )
             st.writeback_queue_depth = self._writeback.depth
+            if self._remote is not None:
+                st.remote_io = self._remote.counters()
             st.pinned_chunks = self._index.pinned
             st.nodes = len(self._index.tree)
             for t, b in self._index.budgets.items():

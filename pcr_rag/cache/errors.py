@@ -8,6 +8,10 @@ __all__ = [
     "CacheDirLockedError",
     "ChunkNotFoundError",
     "CorruptChunkError",
+    "RemoteError",
+    "RemoteMissError",
+    "RemoteTimeoutError",
+    "RemoteUnavailableError",
 ]
 
 
@@ -32,3 +36,21 @@ class ChunkNotFoundError(CacheError, KeyError):
 
 class CacheClosedError(CacheError):
     """The engine was closed; create a new CacheEngine."""
+
+
+class RemoteError(OSError):
+    """A remote-tier operation did not return a usable value. An ``OSError``, so the engine handles it as any
+    failed storage read: a miss, the chunk is recomputed. Never raised into a request."""
+
+
+class RemoteMissError(RemoteError):
+    """The remote store no longer holds the value (it evicted or expired it): a miss, recompute the chunk."""
+
+
+class RemoteUnavailableError(RemoteError):
+    """The remote store could not be reached, refused the operation, or its circuit breaker is open (the tier is
+    skipped for a back-off period): the request runs on the local tiers."""
+
+
+class RemoteTimeoutError(RemoteUnavailableError, TimeoutError):
+    """A remote operation ran past its timeout (``remote_timeout_s`` / ``remote_connect_timeout_s``)."""

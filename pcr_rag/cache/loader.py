@@ -7,7 +7,8 @@ copies, in flight at most once per chunk, on an I/O pool), all through the one v
 - A load pins its nodes from ``begin`` until the batch ends, so a later chunk's room is never made by evicting
   an earlier one, and a node is never loaded twice at once: a second caller gets the first one's future.
 - Loads read from the fastest storage tier holding the chunk and land in DRAM (room made by policy; a load that
-  gets none counts in ``load_failures`` and the chunk stays where it is).
+  gets none counts in ``load_failures`` and the chunk stays where it is). A chunk loaded from the shared remote
+  tier is queued for write-back to the local SSD too.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from pcr_rag.cache.engine_lock import EngineLock
 from pcr_rag.cache.errors import CacheClosedError, ChunkNotFoundError, CorruptChunkError
 from pcr_rag.cache.lease import ChunkLayerReader
-from pcr_rag.cache.node import CacheNode, fastest_tier
+from pcr_rag.cache.node import CacheNode, WriteBackState, fastest_tier
 from pcr_rag.cache.payload import Payload, VirtualPayload
 from pcr_rag.cache.residency import ResidencyIndex
 from pcr_rag.cache.stats import CacheStats
@@ -278,6 +279,7 @@ class Loader:
                     with self._sync.lock:
                         index.release(Tier.DRAM, node.nbytes)
                     raise
+                write_back = False
                 with self._sync.lock:
                     if node.removed or node.resident_mask & self._dram_bit:
                         index.release(Tier.DRAM, node.nbytes)
@@ -289,11 +291,23 @@ class Loader:
                         if prefetch:
                             self._stats.prefetch_loads += 1
                         loaded += 1
+                        write_back = self._to_local_storage(node)
                     self._done_locked(node, done)
+                if write_back:
+                    self._writeback.write(node)
                 _resolve(done)
         finally:
             self._finish(nodes)
         return loaded
+
+    def _to_local_storage(self, node: CacheNode) -> bool:
+        """A chunk loaded from the shared remote tier also goes to the local SSD (write-back queued; lock held).
+        True: the caller writes it now (inline mode)."""
+        target = self._writeback.target
+        if target is None or node.resident_mask & tier_bit(target.tier) or node.writeback in (
+                WriteBackState.QUEUED, WriteBackState.WRITING):
+            return False
+        return self._writeback.enqueue(node)
 
     def shutdown(self) -> None:
         if self._pool is not None:

@@ -22,6 +22,7 @@ from enum import Enum
 
 from pcr_rag.cache.budget import TierBudget
 from pcr_rag.cache.clock import Clock
+from pcr_rag.cache.errors import RemoteError
 from pcr_rag.cache.keys import tokens_digest
 from pcr_rag.cache.node import CHILD_COUNT_MASK, CacheNode, WriteBackState, child_count_shift, children_in
 from pcr_rag.cache.policy import EvictionPolicy, LeafOrder
@@ -181,12 +182,16 @@ class ResidencyIndex:
         self._remove(node)
 
     def drop_bad_copy(self, node: CacheNode, tier: Tier, exc: BaseException) -> None:
-        """A read of ``tier``'s copy failed verification or I/O: drop that copy and count it. A node left in no
-        tier is removed with its subtree (its descendants are unreachable without it)."""
+        """A read of ``tier``'s copy failed verification or I/O: drop that copy and count it (in
+        ``corrupt_chunks_dropped``, except remote misses and outages, which the remote tier counts). A node left in
+        no tier is removed with its subtree (its descendants are unreachable without it)."""
         if node.removed or not node.resident_mask & tier_bit(tier):
             return
-        log.warning("dropping %s chunk %s: %s", tier.value, node.key.hex(), exc)
-        self.stats.corrupt_chunks_dropped += 1
+        if isinstance(exc, RemoteError):  # a miss or an unreachable store: counted by the remote tier itself
+            log.debug("dropping %s copy of chunk %s: %s", tier.value, node.key.hex(), exc)
+        else:
+            log.warning("dropping %s chunk %s: %s", tier.value, node.key.hex(), exc)
+            self.stats.corrupt_chunks_dropped += 1
         self.drop_copy(node, tier)
         if node.resident_mask == 0:
             for n in self.tree.subtree_postorder(node):

@@ -15,7 +15,7 @@ def _tiers() -> dict[str, int]:
 
 @dataclass
 class CacheStats:
-    """Counters since the engine started. Per-tier dicts are keyed ``"device"``, ``"dram"``, ``"ssd"``.
+    """Counters since the engine started. Per-tier dicts are keyed ``"device"``, ``"dram"``, ``"ssd"``, ``"remote"``.
 
     - ``hit_chunks`` / ``hit_tokens``: chunks/tokens matched by ``acquire``, by the fastest tier holding them.
     - ``miss_chunks`` / ``miss_tokens``: requested but not matched (tokens known when the caller passed
@@ -32,6 +32,14 @@ class CacheStats:
     - ``corrupt_chunks_dropped``: SSD chunks that failed verification (at read or at start-up) and were deleted;
       ``orphans_dropped``: chunks dropped at start-up because their parent was missing.
     - ``bytes_used`` / ``bytes_high_water`` / ``capacity_bytes`` / ``chunks``: per tier, now.
+    - ``remote_io``: the remote tier's counters (empty without one): ``lookups`` (round trips), ``lookup_found``
+      and ``misses`` (chunks), ``hits`` (values read and verified), ``errors``, ``skipped`` (calls the open
+      circuit breaker refused), ``corrupt`` (values that failed verification, deleted), ``bytes_read`` /
+      ``bytes_written``, ``writes`` / ``writes_existing`` (``SET NX`` found one) / ``writes_dropped`` (queue full
+      or breaker open) / ``writes_failed``, ``recompute_chosen`` (remote chunks not loaded because recomputing
+      was cheaper), ``breaker_open`` (0/1) and ``breaker_trips``, ``rtt_s``, ``read_bytes_per_s``,
+      ``compute_s_per_token`` (the measured speeds the load-or-recompute decision uses), ``write_queue_depth``,
+      ``latency_s`` (mean/p50/p95/p99 of recent calls, seconds).
     """
 
     hit_chunks: dict[str, int] = field(default_factory=_tiers)
@@ -61,6 +69,7 @@ class CacheStats:
     bytes_high_water: dict[str, int] = field(default_factory=_tiers)
     capacity_bytes: dict[str, int] = field(default_factory=_tiers)
     chunks: dict[str, int] = field(default_factory=_tiers)
+    remote_io: dict[str, object] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)

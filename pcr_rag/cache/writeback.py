@@ -61,6 +61,7 @@ class WriteBack:
         # host copies first: the write needs CPU bytes
         memory = [t for t in index.tiers.values() if t.kind is TierKind.MEMORY]
         self._sources = sorted(memory, key=lambda t: t.tier is not Tier.DRAM)
+        self._memory_bits = sum(tier_bit(t.tier) for t in memory)
         self._thread: threading.Thread | None = None
         if target is not None and not inline:
             self._thread = threading.Thread(target=self._run, name="pcr-cache-writeback", daemon=True)
@@ -184,6 +185,30 @@ class WriteBack:
                     index.mark_resident(node, target.tier)
                     self._stats.writes_done += 1
             cond.notify_all()
+
+    def refresh(self, node: CacheNode, dram_copy: Payload) -> bool:
+        """An insert of a cached key (lock held): touch it; if only storage holds it, keep the fresh copy in DRAM
+        when it fits, and queue its write-back when the local storage has no copy (e.g. one the remote store
+        served). True: the caller must run ``write(node)`` after releasing the lock (inline mode)."""
+        index = self._index
+        index.touch(node)
+        if node.resident_mask & self._memory_bits:
+            return False
+        node.tree_holds += 1
+        try:
+            if self.make_room(Tier.DRAM, node.nbytes):
+                if node.removed or node.resident_mask & tier_bit(Tier.DRAM):
+                    index.release(Tier.DRAM, node.nbytes)
+                    return False
+                index.tiers[Tier.DRAM].store(node, dram_copy)
+                index.mark_resident(node, Tier.DRAM)
+                target = self.target
+                if target is not None and not node.resident_mask & tier_bit(target.tier) and node.writeback not in (
+                        WriteBackState.QUEUED, WriteBackState.WRITING):
+                    return self.enqueue(node)
+        finally:
+            node.tree_holds -= 1
+        return False
 
     def reserve_through(self, chunk: ChunkRecord) -> bool:
         """Reserve storage room for a chunk no memory tier could take (lock held); its key is then in

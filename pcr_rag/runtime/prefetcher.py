@@ -2,8 +2,10 @@
 
 `plan_prefetch` is the decision, a pure function of the window and the cache state, shared by the runtime's
 `Prefetcher` thread and the simulator: every chunk a windowed request needs is protected from eviction
-(look-ahead LRU), and the matched-prefix chunks that sit on SSD but not in memory are loaded SSD -> DRAM while
-the requests wait. After each cycle the window slides with the queue.
+(look-ahead LRU), and the matched-prefix chunks that sit on SSD or in the remote store but not in memory are
+loaded into DRAM while the requests wait (remote ones only as far as loading beats recomputing:
+`CacheEngine.reuse_limit`). With a remote tier, each request entering the window is first looked up there
+(`CacheEngine.discover`). After each cycle the window slides with the queue.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PrefetchPlan:
-    """protect: every chunk key in the window. load: keys to bring SSD -> DRAM, in queue order, no duplicates."""
+    """protect: every chunk key in the window. load: keys to bring SSD/remote -> DRAM, in queue order, no
+    duplicates."""
 
     protect: frozenset[bytes]
     load: tuple[bytes, ...]
@@ -35,8 +38,9 @@ def plan_prefetch(window: Sequence[Sequence[bytes]], cache: CacheEngine) -> Pref
     for keys in window:
         protect.update(keys)
         match = cache.match(keys)
-        for key, tier in zip(match.keys, match.tiers):
-            if tier is Tier.SSD and key not in seen:
+        usable = cache.reuse_limit(keys) if cache.remote_enabled else match.num_chunks
+        for key, tier in zip(match.keys[:usable], match.tiers[:usable]):
+            if (tier is Tier.SSD or tier is Tier.REMOTE) and key not in seen:
                 seen.add(key)
                 load.append(key)
     return PrefetchPlan(frozenset(protect), tuple(load))
@@ -63,6 +67,7 @@ class Prefetcher:
         self._dirty = True
         self._stop = False
         self._inflight: dict[bytes, Future] = {}
+        self._looked_up: set[bytes] = set()  # last chunk key of each windowed request already looked up remotely
         self.cycles = 0
         self.loads_started = 0
         self.last_window: list[Sequence[bytes]] = []
@@ -77,6 +82,12 @@ class Prefetcher:
     def run_cycle(self) -> PrefetchPlan:
         window = self.window_source(self.window) if self.window > 0 else []
         self.last_window = window
+        if self.cache.remote_enabled and self.do_loads:  # look each request up once while it is in the window
+            ends = {keys[-1] for keys in window if keys}
+            for keys in window:
+                if keys and keys[-1] not in self._looked_up:
+                    self.cache.discover(keys)
+            self._looked_up = ends
         plan = plan_prefetch(window, self.cache)
         if self.protect:
             self.cache.set_lookahead(plan.protect)

@@ -36,6 +36,7 @@ from pcr_rag.runtime.transfer import ChunkOffload, CopyEngine, LoadSource, Prefi
 log = logging.getLogger(__name__)
 
 PREFETCH_WAIT_S = 30.0  # longest wait for an in-flight prefetch of a chunk this request needs
+_STORED = (Tier.SSD, Tier.REMOTE)  # tiers whose chunks are read (and may be prefetched into DRAM) before use
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ class PrefillTask:
 
     def _collect_sources(self, matched: int) -> None:
         cache, tiers = self.ctx.cache, self._lease.tiers
-        on_ssd = [self.plan[i].key for i in range(matched) if tiers[i] is Tier.SSD]
+        on_ssd = [self.plan[i].key for i in range(matched) if tiers[i] in _STORED]
         for fut in cache.pending_loads(on_ssd):  # a prefetch may be finishing: wait rather than read twice
             try:
                 fut.result(timeout=PREFETCH_WAIT_S)
@@ -143,7 +144,7 @@ class PrefillTask:
         for i in range(matched):
             spec = self.plan[i]
             payload = cache.get_payload(spec.key)
-            tier = tiers[i] if payload is None or tiers[i] is not Tier.SSD else Tier.DRAM
+            tier = tiers[i] if payload is None or tiers[i] not in _STORED else Tier.DRAM
             fill_end = min(spec.end, last)
             if fill_end <= spec.start:
                 continue
@@ -174,13 +175,19 @@ class PrefillTask:
         load = self._load
         offload = self._offload_for(end)
         waits_before = sum(self.ctx.copy.waits.seconds)
+        t0 = time.perf_counter()
         logits = self.ctx.forward.prefill(self.row, self._ids[start:end], start, hooks=_StepHooks(load, offload),
                                           want_logits=end == self.total)
+        compute_s = time.perf_counter() - t0
         if load is not None:
             load.wait_all()  # the first step waited for every layer; this only surfaces a late error
-            self.load_wait_s += sum(self.ctx.copy.waits.seconds) - waits_before
+            waited = sum(self.ctx.copy.waits.seconds) - waits_before
+            self.load_wait_s += waited
+            compute_s -= waited
             self._load = None
             self._promote_ssd_chunks()
+        if self.ctx.cache is not None:  # the load-or-recompute decision's compute speed
+            self.ctx.cache.record_compute(end - start, compute_s)
         self.position = end
         if offload is not None:
             self._insert_completed(offload)

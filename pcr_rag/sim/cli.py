@@ -29,6 +29,8 @@ from pcr_rag.sim.experiment import (
     sweep,
 )
 from pcr_rag.sim.profiles import ProfileError, get_profile, shipped_profile_names
+from pcr_rag.sim.remote_link import REMOTE_LINKS, get_link
+from pcr_rag.sim.replicas import two_replica_experiment
 from pcr_rag.sim.systems import DEFAULT_SYSTEMS, UnknownSystemError, get_system, parse_systems
 from pcr_rag.sim.validate import run_validation
 
@@ -73,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--no-belady", action="store_true", help="skip the hit-ratio study")
     o.add_argument("--speed", type=int, default=0, help="also time a pcr simulation of this many requests")
     o.add_argument("--quiet", action="store_true")
+    r = parser.add_argument_group("remote tier (a store shared by replicas)")
+    r.add_argument("--two-replicas", action="store_true",
+                   help="instead of the comparison: a cold pcr replica behind a store a warm replica filled, vs the "
+                        "same cold replica without the remote tier, per --remote-links, at the middle rate")
+    r.add_argument("--remote-links", default="100gbe,10gbe,1gbe",
+                   help=f"network profiles replica <-> store ({', '.join(REMOTE_LINKS)})")
     v = parser.add_argument_group("validation against a real bench run")
     v.add_argument("--validate", default=None, metavar="BENCH_JSON",
                    help="re-simulate the runs of this `pcr-rag bench --json` report with a measured --profile and "
@@ -127,9 +135,11 @@ def run(args: argparse.Namespace) -> int:
     def extra(rate: float) -> dict[str, Any]:
         return {"load": load_of.get(rate)}
 
-    runs = sweep(profile, scenario, systems, rates, settings, chunk_size=wl.chunk_size, extra=extra, progress=say)
     finite = [i for i, r in enumerate(rates) if not math.isinf(r)]
     mid = finite[(len(finite) - 1) // 2] if finite else None
+    if args.two_replicas:
+        return _two_replicas(args, profile, scenario, settings, rates, mid, wl.chunk_size, say)
+    runs = sweep(profile, scenario, systems, rates, settings, chunk_size=wl.chunk_size, extra=extra, progress=say)
     pcr_window = get_system("pcr").window
     sweep_windows = [w for w in windows if w != pcr_window]
     if sweep_windows and mid is not None:
@@ -178,6 +188,31 @@ def run(args: argparse.Namespace) -> int:
         print(markdown_report(report, title=f"pcr-rag simulate ({profile.name})"))
         if "hit_ratio_study" in report:
             print(json.dumps(report["hit_ratio_study"], indent=2))
+    return 0
+
+
+def _two_replicas(args: argparse.Namespace, profile: Any, scenario: Any, settings: SimSettings,
+                  rates: list[float], mid: int | None, chunk_size: int, say: Any) -> int:
+    try:
+        links = [get_link(n.strip()) for n in args.remote_links.split(",") if n.strip()]
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    slot = mid if mid is not None else 0
+    say(f"two replicas at {rates[slot]:.3g} req/s: cold replica behind a warm store, links "
+        f"{', '.join(link.name for link in links)}")
+    out = two_replica_experiment(profile, scenario, settings, links, rate=rates[slot], slot=slot,
+                                 chunk_size=chunk_size)
+    base = out["cold_no_remote"]["mean_ttft_s"]
+    say(f"  cold replica, no remote tier: mean TTFT {base:.4g} s")
+    for name, r in out["links"].items():
+        c = r["cold_with_remote"]
+        say(f"  {name:>9s}: mean TTFT {c['mean_ttft_s']:.4g} s ({c['ttft_over_no_remote']:.2f}x), "
+            f"{c['reused_tokens']['remote']} tokens from the store, {c['recompute_chosen']} chunks recomputed "
+            "instead of loaded")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
     return 0
 
 

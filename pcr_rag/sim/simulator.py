@@ -15,6 +15,12 @@ admission bounded by the device KV pool (tokens).
 Resources: one compute stream; the SSD as one FIFO read channel shared by prefetches and on-demand reads; DRAM ->
 SSD write-back on a separate write channel (background; it never delays a read, its busy time is reported).
 Times are seconds of virtual time, sizes bytes / tokens.
+
+Remote tier (``SimConfig.remote``: a `RemoteLink`, and ``remote_store``: the name of an in-process store that
+replicas simulated one after the other share): the engine's remote tier runs for real on that store (lookups,
+write-through of metadata-only values, the load-or-recompute decision with the link's speeds and the profile's
+compute speed); a request fetches its remote chunks whole before its prefill starts, as the runtime does (one
+round trip + bytes / bandwidth), then uses them like DRAM hits. Remote chunks are not prefetched here.
 """
 
 from __future__ import annotations
@@ -35,12 +41,14 @@ from pcr_rag.cache import (
     CacheStats,
     ManualClock,
     MemoryBackend,
+    RemoteConfig,
     Tier,
     VirtualPayload,
 )
 from pcr_rag.runtime.prefetcher import plan_prefetch
 from pcr_rag.sim.costmodel import CostModel, PrefillWork
 from pcr_rag.sim.profiles import Profile
+from pcr_rag.sim.remote_link import RemoteLink
 from pcr_rag.sim.systems import SimSystem
 from pcr_rag.sim.trace import SimRequest
 
@@ -76,6 +84,8 @@ class SimConfig:
     kv_pool_tokens: int | None = None
     prefill_steps: str | None = None
     record_trace: bool = False
+    remote: RemoteLink | None = None
+    remote_store: str = ""
 
     @property
     def steps_mode(self) -> str:
@@ -93,7 +103,7 @@ class RequestOutcome:
     done_s: float = math.nan
     prompt_tokens: int = 0
     computed_tokens: int = 0
-    reused: dict[str, int] = field(default_factory=lambda: {"device": 0, "dram": 0, "ssd": 0})
+    reused: dict[str, int] = field(default_factory=lambda: {"device": 0, "dram": 0, "ssd": 0, "remote": 0})
     output_tokens: int = 0
     itl_s: list[float] = field(default_factory=list)
     prefetch_hit_chunks: int = 0
@@ -167,7 +177,7 @@ class Simulator:
             (
                 "prefetch_issued", "prefetch_loaded", "prefetch_wasted", "ssd_read_bytes", "ssd_read_busy_s",
                 "ssd_write_bytes", "ssd_write_busy_s", "h2d_bytes", "d2h_bytes", "compute_busy_s", "decode_steps",
-                "inserts_rejected", "max_queue", "prefetch_skipped",
+                "inserts_rejected", "max_queue", "prefetch_skipped", "remote_read_bytes", "remote_read_s",
             ),
             0,
         )
@@ -187,7 +197,16 @@ class Simulator:
             pin_memory=False, fsync=False, drop_page_cache=False,
         )
         storage = MemoryBackend() if ssd > 0 else None
-        return CacheEngine(cache_cfg, clock=self.clock, storage=storage)
+        link = cfg.remote
+        if link is not None and not sysm.device_cache:
+            cache_cfg.remote = RemoteConfig(f"memory://{cfg.remote_store}", capacity_bytes=1 << 50)
+        engine = CacheEngine(cache_cfg, clock=self.clock, storage=storage)
+        if engine.remote is not None and link is not None:  # the decision sees the link's and the model's speeds
+            engine.remote.client.observe(rtt_s=link.rtt_s, read_bytes_per_s=link.bytes_per_s)
+            tokens = cfg.chunk_size
+            chunk_s = self.cm.compute_only_s((tokens,), cached_tokens=tokens) - cfg.profile.request_overhead_s
+            engine.record_compute(tokens, chunk_s)
+        return engine
 
     def _push(self, t: float, kind: int, data: Any) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, data))
@@ -297,11 +316,15 @@ class Simulator:
         ssd_tokens = ssd_chunks = 0
         ssd_keys = self.ssd_at_entry.pop(req.rid, frozenset())
         ssd_read: list[int] = []
+        remote_tokens = 0
         for idx, (c, tier) in enumerate(zip(plan, tiers, strict=False)):
             if self.sys.device_cache:
                 tier = Tier.DEVICE
             reused[tier.value] += c.num_tokens
-            if tier is Tier.SSD:
+            if tier is Tier.REMOTE:
+                remote_tokens += c.num_tokens
+                ssd_read.append(idx)  # kept in DRAM afterwards, like a chunk read from SSD
+            elif tier is Tier.SSD:
                 ssd_tokens += c.num_tokens
                 ssd_chunks += 1
                 ssd_read.append(idx)
@@ -327,7 +350,7 @@ class Simulator:
                 cached_tokens=cached,
                 compute_steps=steps,
                 device_tokens=reused["device"],
-                dram_tokens=reused["dram"],
+                dram_tokens=reused["dram"] + remote_tokens,
                 ssd_tokens=ssd_tokens,
                 ssd_chunks=ssd_chunks,
                 ssd_wait_s=ssd_wait,
@@ -336,6 +359,12 @@ class Simulator:
             )
             cost = self.cm.prefill(work, overlap=self.sys.overlap)
             prefill_s, stall = cost.total_s, cost.stall_s
+            if remote_tokens and self.cfg.remote is not None:  # fetched whole before the prefill starts
+                fetch = self.cfg.remote.fetch_s(remote_tokens * kb)
+                prefill_s += fetch
+                stall += fetch
+                self.counters["remote_read_bytes"] += remote_tokens * kb
+                self.counters["remote_read_s"] += fetch
             if ssd_tokens:
                 busy = cost.ssd_read_s
                 self.ssd_demand_free = now + ssd_wait + busy

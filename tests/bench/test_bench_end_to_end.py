@@ -80,7 +80,7 @@ def test_bench_cli_end_to_end(tmp_path, tiny_model_dir, corpus_file, capsys):
         assert r["num_requests"] == 6
         assert r["extra"]["failed_requests"] == 0
         assert 0 < r["ttft"]["p50"] <= r["ttft"]["p99"] <= r["e2el"]["p99"]
-        assert set(r["hit_ratio"]) == {"device", "dram", "ssd"}
+        assert set(r["hit_ratio"]) == {"device", "dram", "ssd", "remote"}
         if r["extra"]["dram_capacity_bytes"]:
             assert r["extra"]["dram_high_water_bytes"] <= r["extra"]["dram_capacity_bytes"]
     by = {(r["system"], r["rate"]): r for r in runs}

@@ -85,7 +85,7 @@ def test_run_record_json_keys_and_values():
         assert key in d
     assert d["system"] == "pcr" and d["rate"] == 0.5 and d["num_requests"] == 2
     assert d["ttft"]["mean"] == 2.0
-    assert d["hit_ratio"] == {"device": 0.0, "dram": 0.25, "ssd": 0.125}
+    assert d["hit_ratio"] == {"device": 0.0, "dram": 0.25, "ssd": 0.125, "remote": 0.0}
     assert d["reuse_ratio"] == pytest.approx(0.375)
     assert d["tpot"]["mean"] == pytest.approx(0.1)  # one-token request has no TPOT
     assert d["itl"]["p50"] == pytest.approx(0.1)
@@ -173,5 +173,5 @@ def test_sample_from_metrics_duck_typed():
         prompt_tokens, computed_tokens, reused_by_tier, generated_tokens = 10, 4, {"dram": 6}, 3
 
     s = RequestSample.from_metrics(M())
-    assert s.reused_by_tier == {"device": 0, "dram": 6, "ssd": 0}
+    assert s.reused_by_tier == {"device": 0, "dram": 6, "ssd": 0, "remote": 0}
     assert s.output_tokens == 3 and s.tpot_s == pytest.approx(0.2)

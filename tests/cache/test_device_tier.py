@@ -35,7 +35,7 @@ def test_device_tier_holds_the_hottest_chunks_and_demotes_to_dram(chunks, make_p
     for s in specs:
         assert eng.insert(s, make_payload(s))
     st = eng.stats()
-    assert st.chunks == {"device": 2, "dram": 3, "ssd": 3}
+    assert st.chunks == {"device": 2, "dram": 3, "ssd": 3, "remote": 0}
     assert st.evictions["device"] == 1 and st.demotions["device"] == 1
     assert eng.tiers_of(specs[0].key) == {Tier.DRAM, Tier.SSD}
     assert eng.match([specs[2].key]).tiers == (Tier.DEVICE,)

@@ -18,14 +18,15 @@ from pcr_rag.cache import (
     Tier,
     VirtualPayload,
 )
+from pcr_rag.cache.config import RemoteConfig
 from pcr_rag.cache.engine_lock import EngineLock
 from pcr_rag.cache.loader import Loader
 from pcr_rag.cache.node import WriteBackState
 from pcr_rag.cache.policy import make_policy
 from pcr_rag.cache.residency import Evictability, ResidencyIndex, Room
 from pcr_rag.cache.stats import CacheStats
-from pcr_rag.cache.tiers import KVTier, MemoryTier, SsdTier, TierKind
-from pcr_rag.cache.tiers.base import ChunkRecord
+from pcr_rag.cache.tiers import KVTier, MemoryTier, SsdTier, TierKind, open_remote_tier
+from pcr_rag.cache.tiers.base import ChunkRecord, TierRecovery
 from pcr_rag.cache.tiers.chunk_file import ChunkMeta, chunk_file_bytes, chunk_name
 from pcr_rag.cache.tiers.ssd_store import SSDStore
 from pcr_rag.cache.writeback import WriteBack
@@ -60,7 +61,11 @@ def ssd_tier_on_disk(tmp_path) -> KVTier:
     return SsdTier(SSDStore(LocalDirBackend(tmp_path)), 1 << 20)
 
 
-@pytest.mark.parametrize("make_tier", [memory_tier, ssd_tier_in_memory, ssd_tier_on_disk])
+def remote_tier_in_memory(tmp_path) -> KVTier:
+    return open_remote_tier(RemoteConfig(f"memory://contract-{tmp_path.name}", capacity_bytes=1 << 20))
+
+
+@pytest.mark.parametrize("make_tier", [memory_tier, ssd_tier_in_memory, ssd_tier_on_disk, remote_tier_in_memory])
 def test_every_tier_keeps_the_tier_contract(tmp_path, chunks, make_payload, make_tier):
     """What a new tier (e.g. a remote store) must pass too: exact round trips, charged bytes, drop, recovery,
     metadata-only chunks without bytes."""
@@ -79,6 +84,8 @@ def test_every_tier_keeps_the_tier_contract(tmp_path, chunks, make_payload, make
     layers.close()
     if tier.kind is TierKind.MEMORY:
         assert tier.get(chunk) is not None and tier.recover().chunks == ()
+    elif tier.shared:  # a store other engines use: learned by lookups, never scanned at start-up
+        assert tier.get(chunk) is None and tier.recover() == TierRecovery()
     else:
         assert tier.get(chunk) is None  # storage copies are read, and verified, before use
         found = tier.recover()

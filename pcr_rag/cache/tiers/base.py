@@ -6,8 +6,11 @@ only stores, reads and forgets copies. Two kinds:
 - ``TierKind.MEMORY`` (device, DRAM): a copy is a payload object usable in place. ``store``/``drop`` are
   metadata only (run under the engine lock, never fail); ``place`` moves a payload into the tier's memory (a
   device or pinned copy) and runs outside the lock.
-- ``TierKind.STORAGE`` (SSD; a remote store would be one more): a copy must be read, and verified, before use.
-  ``store`` and the reads do I/O outside the engine lock and may fail; ``drop`` runs under the lock.
+- ``TierKind.STORAGE`` (SSD, the remote store): a copy must be read, and verified, before use. ``store`` and the
+  reads do I/O outside the engine lock and may fail; ``drop`` runs under the lock. A *shared* storage tier (the
+  remote store: ``shared = True``) holds copies other engines wrote too: its ``drop`` only forgets the copy
+  locally, ``recover`` lists nothing (the engine learns its chunks by lookups), and the store may evict a value
+  at any time (a read then fails as a miss).
 
 The contract a tier must keep (the engine relies on it, tests check it through the engine):
 
@@ -26,7 +29,7 @@ The contract a tier must keep (the engine relies on it, tests check it through t
   ones that fail verification; a volatile tier returns an empty recovery.
 
 Adding a tier: a ``Tier`` member in speed order, a module implementing ``KVTier``, and one line in
-``CacheEngine._build_tiers``.
+``tiers.build_tiers``.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class Tier(str, Enum):
     DEVICE = "device"
     DRAM = "dram"
     SSD = "ssd"
+    REMOTE = "remote"  # a store shared by replicas (Valkey/Redis), below SSD
 
     # the value's hash, in C: Enum's own __hash__ is Python code, and tiers key the dicts of every insert and
     # eviction (consistent with equality: a member equals its value string)
@@ -153,6 +157,7 @@ class KVTier(Protocol):
     tier: Tier
     kind: TierKind
     capacity_bytes: int
+    shared: bool  # copies live in a store other engines use too (see the module docstring)
 
     def charge(self, chunk: ChunkRef) -> int:
         """Bytes a copy of ``chunk`` occupies in this tier."""

@@ -36,7 +36,9 @@ __all__ = [
     "ALIGN",
     "ChunkHeader",
     "ChunkMeta",
+    "NO_DIGEST",
     "align",
+    "announced_header_len",
     "byte_view",
     "check_layers",
     "chunk_file_bytes",
@@ -110,6 +112,15 @@ def stored_header_len(raw: bytes) -> int | None:
         return None
     hlen = _FIXED.unpack_from(raw, 0)[3]
     return hlen if ALIGN < hlen <= _MAX_HEADER else None
+
+
+def announced_header_len(raw: bytes) -> int | None:
+    """The header length (bytes before the header padding) that a chunk's first bytes announce, when they hold
+    the fixed part of a header and the length is plausible; None otherwise (the decoder then says what is wrong)."""
+    if len(raw) < _FIXED.size:
+        return None
+    hlen = _FIXED.unpack_from(raw, 0)[3]
+    return hlen if _FIXED.size < hlen <= _MAX_HEADER else None
 
 
 def chunk_file_bytes(payload_nbytes: int, ndim: int = 5, num_layers: int = 1) -> int:

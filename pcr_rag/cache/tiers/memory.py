@@ -21,6 +21,7 @@ class MemoryTier:
     """Copies kept as payload objects. ``device`` None means host DRAM."""
 
     kind = TierKind.MEMORY
+    shared = False
 
     def __init__(
         self, tier: Tier, capacity_bytes: int, *, device: torch.device | None = None, pin_memory: bool = False

@@ -43,6 +43,7 @@ class SsdTier:
 
     tier = Tier.SSD
     kind = TierKind.STORAGE
+    shared = False
 
     def __init__(self, store: SSDStore, capacity_bytes: int) -> None:
         self.files = store

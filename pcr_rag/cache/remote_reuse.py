@@ -1,0 +1,175 @@
+"""The engine's side of the remote tier: learning what the shared store holds, deciding whether loading a chunk
+from it beats recomputing it, and the write-through queue.
+
+- ``discover(keys)``: after the local match of a chunk chain ends, one pipelined lookup of the rest; the longest
+  run of verified values that continues the chain is added to the prefix tree as remote copies (within the
+  tier's budget). Skipped, without any network call, while the circuit breaker is open.
+- ``reuse_limit(nodes)``: how many leading chunks of a matched path to reuse. A remote chunk costs a load
+  (measured round trip + bytes / measured read bandwidth, for the remote chunks up to it together) and saves its
+  recompute (tokens x measured compute seconds per token); the cut maximises the saving, so no chunk is loaded
+  when recomputing it and everything after it would be cheaper. Until both speeds are measured every chunk is
+  reused; while the breaker is open, the path ends before its first remote-only chunk.
+- ``record_compute(tokens, seconds)``: the runtime reports measured prefill speed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from pcr_rag.cache.engine_lock import EngineLock
+from pcr_rag.cache.errors import RemoteUnavailableError
+from pcr_rag.cache.node import CacheNode
+from pcr_rag.cache.payload import Payload
+from pcr_rag.cache.remote_writer import RemoteWriter
+from pcr_rag.cache.residency import ResidencyIndex, Room
+from pcr_rag.cache.tiers.base import ChunkRecord, Tier, tier_bit
+from pcr_rag.cache.tiers.remote import RemoteTier
+from pcr_rag.cache.tiers.remote_value import RemoteHeader
+
+__all__ = ["RemoteReuse"]
+
+_BIT = tier_bit(Tier.REMOTE)
+_DECAY = 0.95  # weight of the older prefill-step samples each time a new one comes
+
+
+class RemoteReuse:
+    """Discovery, load-or-recompute and write-through for one engine's remote tier (see the module docstring)."""
+
+    def __init__(self, sync: EngineLock, index: ResidencyIndex, tier: RemoteTier, *, write_queue: int,
+                 inline: bool) -> None:
+        self.tier = tier
+        self.client = tier.client
+        self._sync = sync
+        self._index = index
+        self.writer = RemoteWriter(sync, index, tier, capacity=write_queue, inline=inline)
+        self._speed_lock = threading.Lock()
+        self.compute_s_per_token: float | None = None
+        self._fit = [0.0] * 5  # decayed sums of 1, tokens, seconds, tokens^2, tokens x seconds
+
+    # ------------------------------------------------------------------ discovery (no lock held)
+    def discover(self, keys: Sequence[bytes]) -> int:
+        """Look up the chunks of ``keys`` after the local match; returns how many were added to the tree."""
+        if not keys or not self.client.available():
+            return 0
+        with self._sync.lock:
+            local = self._index.tree.match(keys)
+            start = len(local)
+            parent = local[-1].key if local else None
+        if start >= len(keys):
+            return 0
+        todo = keys[start:]
+        try:
+            headers = self.tier.probe(todo)
+        except RemoteUnavailableError:
+            return 0
+        found = _chain(todo, headers, parent)
+        self.client.count("lookup_found", len(found))
+        self.client.count("misses", sum(1 for h in headers if h is None))
+        return self._learn(found) if found else 0
+
+    def _learn(self, found: list[RemoteHeader]) -> int:
+        index, tier = self._index, self.tier
+        learned = 0
+        with self._sync.lock:
+            for h in found:
+                rec = h.record
+                node = index.get(rec.key)
+                if node is None:
+                    parent_ok = rec.parent_is_root or index.get(rec.parent_key) is not None
+                    if not parent_ok or index.make_room(Tier.REMOTE, tier.charge(rec)) is not Room.RESERVED:
+                        break
+                    node = index.add_node(rec)
+                elif node.resident_mask & _BIT:
+                    continue
+                elif index.make_room(Tier.REMOTE, tier.charge(node)) is not Room.RESERVED:
+                    break
+                tier.learn(node)
+                index.mark_resident(node, Tier.REMOTE)
+                index.touch(node)
+                learned += 1
+        return learned
+
+    # ------------------------------------------------------------------ load or recompute (lock held)
+    def reuse_limit(self, nodes: Sequence[CacheNode], *, count: bool = True) -> int:
+        """How many leading ``nodes`` (a matched path) to reuse (see the module docstring); ``count`` adds the
+        remote chunks left out to ``recompute_chosen`` (a request's decision, not a prefetch plan's)."""
+        remote = [i for i, n in enumerate(nodes) if n.resident_mask & _BIT and n.fastest() is Tier.REMOTE]
+        if not remote:
+            return len(nodes)
+        if not self.client.available():
+            cut = remote[0]
+        else:
+            cut = self._best_cut(nodes)
+        skipped = sum(1 for i in remote if i >= cut)
+        if skipped and count:
+            self.client.count("recompute_chosen", skipped)
+        return cut
+
+    def _best_cut(self, nodes: Sequence[CacheNode]) -> int:
+        spt = self.compute_s_per_token
+        if spt is None or self.client.load_seconds(0) is None:
+            return len(nodes)  # nothing measured yet: load (the load itself measures the network)
+        best, cut = 0.0, 0
+        tokens = 0
+        remote_bytes = 0
+        for i, n in enumerate(nodes):
+            tokens += n.num_tokens
+            if n.fastest() is Tier.REMOTE:
+                remote_bytes += n.nbytes
+            load_s = self.client.load_seconds(remote_bytes) if remote_bytes else 0.0
+            saving = tokens * spt - (load_s or 0.0)
+            if saving > best or (saving == best and n.fastest() is not Tier.REMOTE):
+                best, cut = saving, i + 1
+        return cut
+
+    def record_compute(self, tokens: int, seconds: float) -> None:
+        """A measured prefill step: ``tokens`` computed in ``seconds``. A step costs a fixed part (paid whatever
+        is reused: the last token is always computed) plus a part per token; the estimate is the slope of a
+        decayed least-squares fit of seconds on tokens (the mean seconds per token until steps of different
+        sizes have been seen; a degenerate fit keeps the previous estimate)."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        with self._speed_lock:
+            f = self._fit
+            for i, v in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
+                f[i] = _DECAY * f[i] + v
+            n, x, y, xx, xy = f
+            spread = n * xx - x * x
+            slope = (n * xy - x * y) / spread if spread > 1e-9 * n * xx else -1.0
+            if slope > 0:
+                self.compute_s_per_token = slope
+            elif self.compute_s_per_token is None:  # no spread of step sizes yet: the plain mean
+                self.compute_s_per_token = y / x
+
+    # ------------------------------------------------------------------ writes and stats
+    def offer(self, chunk: ChunkRecord, payload: Payload) -> None:
+        self.writer.offer(chunk, payload)
+
+    def counters(self) -> dict[str, object]:
+        out: dict[str, object] = dict(self.client.counters())
+        out["write_queue_depth"] = self.writer.depth
+        out["compute_s_per_token"] = self.compute_s_per_token or 0.0
+        return out
+
+    def flush(self, timeout: float | None = None) -> None:
+        self.writer.flush(timeout)
+
+    def stop(self) -> None:
+        self.writer.stop()
+
+
+def _chain(keys: Sequence[bytes], headers: Sequence[RemoteHeader | None], parent: bytes | None) -> list[RemoteHeader]:
+    """The leading headers that exist and continue the chain (each one's parent is the key before it)."""
+    found: list[RemoteHeader] = []
+    for key, h in zip(keys, headers, strict=True):
+        if h is None or h.record.key != key:
+            break
+        if parent is None:
+            if not h.record.parent_is_root:
+                break
+        elif h.record.parent_key != parent or h.record.parent_is_root:
+            break
+        found.append(h)
+        parent = key
+    return found

@@ -1,0 +1,216 @@
+"""Key-value stores behind the remote tier: ``RedisStore`` (Valkey/Redis through the maintained ``redis``
+client: a connection pool, pipelining, TLS and AUTH from the URL) and ``MemoryRemoteStore`` (in-process; the
+simulator and unit tests). Both speak ``RemoteStore``; ``open_store`` picks one from a URL.
+
+Every failure of a store call raises ``RemoteUnavailableError`` (``RemoteTimeoutError`` past a timeout); a value
+the store does not hold reads as None. A ``RedisStore`` never retries and never waits without a bound: connects
+and operations have timeouts, and a call waits at most ``timeout_s`` for a free pooled connection.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Protocol
+from urllib.parse import urlsplit, urlunsplit
+
+from pcr_rag.cache.config import RemoteConfig
+from pcr_rag.cache.errors import RemoteTimeoutError, RemoteUnavailableError
+
+__all__ = ["MemoryRemoteStore", "RedisStore", "RemoteStore", "open_store", "redacted_url"]
+
+
+class RemoteStore(Protocol):
+    """A shared key-value store of chunk values (see the module docstring)."""
+
+    def probe(self, names: Sequence[str], nbytes: int) -> list[bytes | None]:
+        """The first ``nbytes`` of each value (None where there is none), in one round trip."""
+        ...
+
+    def get_many(self, names: Sequence[str]) -> list[bytes | None]:
+        """Whole values (None where there is none), in one round trip."""
+        ...
+
+    def set_nx(self, name: str, value: bytes, ttl_s: float) -> bool:
+        """Store ``value`` unless ``name`` exists (True when written); ``ttl_s`` > 0 sets an expiry."""
+        ...
+
+    def delete(self, name: str) -> None: ...
+
+    def describe(self) -> str: ...
+
+    def close(self) -> None: ...
+
+
+def redacted_url(url: str) -> str:
+    """``url`` without its password (for logs and ``describe``)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    netloc = f"{user}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+class RedisStore:
+    """A Valkey/Redis server through ``redis``'s blocking connection pool (see the module docstring)."""
+
+    def __init__(self, config: RemoteConfig) -> None:
+        import redis  # optional dependency: only a remote tier needs it
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        self._errors = redis.exceptions
+        url = str(config.url)
+        scheme = urlsplit(url).scheme
+        if scheme in ("valkey", "valkeys"):
+            url = ("rediss" if scheme == "valkeys" else "redis") + url[len(scheme) :]
+        self.url = url
+        self._pool = redis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=config.max_connections,
+            timeout=config.timeout_s,  # longest wait for a free connection
+            socket_connect_timeout=config.connect_timeout_s,
+            socket_timeout=config.timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+            health_check_interval=0,
+        )
+        self._client = redis.Redis(connection_pool=self._pool, retry=Retry(NoBackoff(), 0))
+
+    def _fail(self, exc: Exception) -> RemoteUnavailableError:
+        if isinstance(exc, self._errors.TimeoutError):
+            return RemoteTimeoutError(f"{redacted_url(self.url)}: {exc}")
+        return RemoteUnavailableError(f"{redacted_url(self.url)}: {type(exc).__name__}: {exc}")
+
+    def _pipeline(self, commands: Sequence[tuple]) -> list:
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for name, *args in commands:
+                getattr(pipe, name)(*args)
+            results = pipe.execute(raise_on_error=False)
+        except (self._errors.RedisError, OSError) as exc:
+            raise self._fail(exc) from exc
+        for r in results:  # a connection-level failure inside the pipeline fails the call; a per-key one is a miss
+            if isinstance(r, (self._errors.ConnectionError, self._errors.TimeoutError)):
+                raise self._fail(r)
+        return results
+
+    def probe(self, names: Sequence[str], nbytes: int) -> list[bytes | None]:
+        results = self._pipeline([("getrange", n, 0, nbytes - 1) for n in names])
+        return [r if isinstance(r, bytes) and r else None for r in results]
+
+    def get_many(self, names: Sequence[str]) -> list[bytes | None]:
+        if len(names) == 1:
+            return [self._call(self._client.get, names[0])]
+        results = self._pipeline([("get", n) for n in names])
+        return [r if isinstance(r, bytes) else None for r in results]
+
+    def _call(self, fn, *args, **kwargs):  # noqa: ANN001, ANN202 - a thin wrapper
+        try:
+            return fn(*args, **kwargs)
+        except (self._errors.RedisError, OSError) as exc:
+            raise self._fail(exc) from exc
+
+    def set_nx(self, name: str, value: bytes, ttl_s: float) -> bool:
+        px = int(ttl_s * 1000) if ttl_s > 0 else None
+        return bool(self._call(self._client.set, name, value, nx=True, px=px))
+
+    def delete(self, name: str) -> None:
+        self._call(self._client.delete, name)
+
+    def describe(self) -> str:
+        return redacted_url(self.url)
+
+    def close(self) -> None:
+        self._pool.disconnect()
+
+
+class MemoryRemoteStore:
+    """An in-process store shared by every ``memory://<name>`` URL in the process: a dict in LRU order bounded
+    by ``maxmemory`` bytes (the least recently used values are evicted, as Valkey's ``allkeys-lru`` does).
+    ``down = True`` makes every call fail (fault injection)."""
+
+    _registry: dict[str, MemoryRemoteStore] = {}
+    _registry_lock = threading.Lock()
+
+    def __init__(self, name: str = "", maxmemory: int = 1 << 62) -> None:
+        self.name = name
+        self.maxmemory = maxmemory
+        self.values: OrderedDict[str, bytes] = OrderedDict()
+        self.used = 0
+        self.down = False
+        self.evicted = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def named(cls, name: str) -> MemoryRemoteStore:
+        """The process-wide store of ``memory://<name>``."""
+        with cls._registry_lock:
+            store = cls._registry.get(name)
+            if store is None:
+                store = cls._registry[name] = cls(name)
+            return store
+
+    @classmethod
+    def forget(cls, name: str) -> None:
+        """Drop the process-wide store of ``memory://<name>``."""
+        with cls._registry_lock:
+            cls._registry.pop(name, None)
+
+    def _check(self) -> None:
+        if self.down:
+            raise RemoteUnavailableError(f"memory://{self.name} is down")
+
+    def _get(self, name: str) -> bytes | None:
+        value = self.values.get(name)
+        if value is not None:
+            self.values.move_to_end(name)
+        return value
+
+    def probe(self, names: Sequence[str], nbytes: int) -> list[bytes | None]:
+        with self._lock:
+            self._check()
+            return [v[:nbytes] if (v := self._get(n)) is not None else None for n in names]
+
+    def get_many(self, names: Sequence[str]) -> list[bytes | None]:
+        with self._lock:
+            self._check()
+            return [self._get(n) for n in names]
+
+    def set_nx(self, name: str, value: bytes, ttl_s: float) -> bool:
+        with self._lock:
+            self._check()
+            if name in self.values:
+                return False
+            if len(value) > self.maxmemory:
+                raise RemoteUnavailableError(f"value of {len(value)} bytes exceeds maxmemory {self.maxmemory}")
+            while self.used + len(value) > self.maxmemory:
+                _, old = self.values.popitem(last=False)
+                self.used -= len(old)
+                self.evicted += 1
+            self.values[name] = bytes(value)
+            self.used += len(value)
+            return True
+
+    def delete(self, name: str) -> None:
+        with self._lock:
+            self._check()
+            old = self.values.pop(name, None)
+            if old is not None:
+                self.used -= len(old)
+
+    def describe(self) -> str:
+        return f"memory://{self.name}"
+
+    def close(self) -> None:
+        """The store outlives its clients (other engines may share it)."""
+
+
+def open_store(config: RemoteConfig) -> RemoteStore:
+    """The store a remote tier's URL names (``memory://name``: the shared in-process store)."""
+    parts = urlsplit(str(config.url))
+    if parts.scheme == "memory":
+        return MemoryRemoteStore.named(parts.netloc + parts.path)
+    return RedisStore(config)

@@ -1,0 +1,36 @@
+"""`pcr-rag bench`'s new-replica systems on a tiny model: ``pcr-remote`` (empty local tiers every run) reuses what
+the warm first replica wrote to the shared Valkey; ``pcr-remote-down`` reuses exactly what ``pcr-cold`` does."""
+
+from __future__ import annotations
+
+import json
+
+from pcr_rag.bench.config import BenchConfig
+from pcr_rag.bench.serving import run_bench
+from pcr_rag.bench.systems import SYSTEMS
+from pcr_rag.config import EngineConfig
+from pcr_rag.testing import tiny_model
+
+
+def test_pcr_remote_is_a_cold_replica_behind_the_warm_store(valkey, tmp_path):
+    assert SYSTEMS["pcr-remote"].remote == "warm" and SYSTEMS["pcr-remote"].cold
+    EngineConfig(**SYSTEMS["pcr-remote"].config_kwargs({"cache_dir": tmp_path, "remote_url": valkey.url}))
+    words = ["cache", "prefix", "tree", "chunk", "layer", "prefetch", "queue", "window", "tier", "disk"]
+    corpus = tmp_path / "docs.jsonl"
+    with corpus.open("w") as fh:
+        for i in range(8):
+            text = "\n\n".join(" ".join(words[(i + j + k) % len(words)] for k in range(25)) for j in range(3))
+            fh.write(json.dumps({"id": f"d{i}", "title": f"Doc {i}", "text": text}) + "\n")
+    model, tok = tiny_model("llama", seed=0)
+    cfg = BenchConfig(corpus=str(corpus), tokens_per_passage=40, num_passages=None, top_k=2, num_topics=3,
+                      num_requests=5, warmup_requests=6, rates=(float("inf"),), repeats=2, windows=(),
+                      systems=("pcr-cold", "pcr-remote", "pcr-remote-down"), max_new_tokens=3, chunk_size=16, threads=1,
+                      limit_ratio=False, work_dir=str(tmp_path / "work"), extra={"remote_url": valkey.url})
+    report = run_bench(cfg, model=model, tokenizer=tok, progress=False)
+    runs = {r["system"]: r for r in report["runs"]}
+    assert runs["pcr-remote"]["repeats"] == 2 and runs["pcr-remote"]["hit_ratio"]["remote"] > 0
+    cold_reuse = sum(runs["pcr-cold"]["hit_ratio"].values())
+    assert sum(runs["pcr-remote"]["hit_ratio"].values()) > cold_reuse  # the store adds what a new replica lacks
+    assert runs["pcr-remote-down"]["hit_ratio"]["remote"] == 0
+    assert sum(runs["pcr-remote-down"]["hit_ratio"].values()) == cold_reuse  # down: exactly a new replica's reuse
+    assert all(r["extra"]["failed_requests"] == 0 for r in report["runs"])
