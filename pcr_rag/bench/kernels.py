@@ -530,10 +530,14 @@ def run_kernel_bench(cfg: KernelBenchConfig, loaded: Any = None, *, progress: bo
         bench = _Bench(loaded, cfg, progress)
         log.info("kernel bench: %s, %s, %d threads, prompt %d tokens", loaded.name, loaded.dtype,
                  torch.get_num_threads(), len(bench.prompt))
-        prefill = bench.prefill()
-        decode, memory = bench.decode()
-        profile = bench.profile()
-        perplexity = bench.perplexity()
+        sections = {}
+        for name, section in (("prefill", bench.prefill), ("decode", bench.decode), ("profile", bench.profile),
+                              ("perplexity", bench.perplexity)):
+            t0 = time.perf_counter()
+            sections[name] = section()
+            log.info("kernel bench: %s measured in %.0f s", name, time.perf_counter() - t0)
+        prefill, (decode, memory), profile, perplexity = (sections[k] for k in ("prefill", "decode", "profile",
+                                                                                 "perplexity"))
         peer = bench.peer_report(decode)
         report = {
             "roofline_ms": memory["roofline_ms_by_weights"]["bf16"],

@@ -197,7 +197,7 @@ class MissCostResult:
 
     ``ratios``: per request, TTFT with the cache on / TTFT with it off (same prompt, same pass); target <= 1.05.
     Seconds are medians. ``on_breakdown_s``: medians of the cache-on requests' queue, prefill and load-wait times.
-    ``flush_s``: median wait, after each cache-on pass, for its SSD write-back to finish (untimed in TTFT).
+    ``flush_s``: median wait, after each cache-on request, for its SSD write-back to finish (not in any TTFT).
     """
 
     requests: int
@@ -254,10 +254,11 @@ def measure_miss_cost(model=None, tokenizer=None, *, requests: int = 13, passes:
                       workdir: str | Path | None = None, dtype="auto", corpus: str | None = None,
                       progress: bool = True) -> MissCostResult:
     """Run the same trace of requests that reuse nothing through an engine with the cache on (DRAM + SSD tiers in
-    ``workdir``, defaults otherwise) and one with the cache off, pass by pass, interleaved (the first engine
-    alternates per pass); each cache-on pass is followed by an untimed flush so that its write-back does not
-    spill into the cache-off pass (within a pass, background work overlaps the next requests as in serving).
-    A request is sequential: submitted when the previous one finished, one output token (TTFT is the whole cost).
+    ``workdir``, defaults otherwise) and one with the cache off, interleaved request by request (ABAB.., the first
+    engine alternating) so that each pair of tries is adjacent in time. After each cache-on request its SSD
+    write-back is waited for (``flush_s``, not part of any TTFT) so that it never runs during a cache-off request;
+    write-back that overlaps the request's own later prefill steps stays in its TTFT. Requests are sequential (each
+    submitted when the previous one finished), one output token each (TTFT is the whole cost).
     """
     from tqdm import tqdm
 
@@ -281,15 +282,15 @@ def measure_miss_cost(model=None, tokenizer=None, *, requests: int = 13, passes:
         on.flush()
         bar = tqdm(total=2 * passes * requests, desc="miss cost", disable=not progress, leave=False)
         for p in range(passes):
-            order = (("on", on), ("off", off)) if p % 2 == 0 else (("off", off), ("on", on))
-            for name, eng in order:
-                for q, docs in trace[p]:
+            for i, (q, docs) in enumerate(trace[p]):
+                order = (("on", on), ("off", off)) if (p * requests + i) % 2 == 0 else (("off", off), ("on", on))
+                for name, eng in order:
                     results[name].append(eng.generate(q, docs).metrics)
                     bar.update()
-                if name == "on":
-                    t0 = time.perf_counter()
-                    on.flush()
-                    flushes.append(time.perf_counter() - t0)
+                    if name == "on":  # its write-back must not run during the cache-off request
+                        t0 = time.perf_counter()
+                        on.flush()
+                        flushes.append(time.perf_counter() - t0)
         bar.close()
         cache_stats = on.stats().cache.as_dict()
     finally:
