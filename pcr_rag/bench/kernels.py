@@ -94,6 +94,8 @@ class KernelBenchConfig:
     bandwidth_bytes: int = 512 * MiB  # copy buffer (larger than the last-level cache)
     profile_top: int = 12
     peer: bool = True
+    tile_rows: int | None = None        # FastForward's prefill GEMM rows; None = its default
+    attention_block: int | None = None  # FastForward's prefill attention block; None = its default
 
     @classmethod
     def quick(cls, **changes: Any) -> KernelBenchConfig:
@@ -126,6 +128,10 @@ class KernelBenchConfig:
                 raise ValueError(f"unknown weight format {fmt!r}; valid: {list(WEIGHT_FORMATS)}")
         if "bf16" not in self.weight_formats:
             raise ValueError("weight_formats must include 'bf16' (the reference of the other formats)")
+        for name in ("tile_rows", "attention_block"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
 
@@ -223,8 +229,10 @@ class _Bench:
         formats = dict.fromkeys((*cfg.weight_formats, *cfg.prefill_formats))
         self.ran_as = {fmt: resolve_weight_format(fmt, loaded.dtype, loaded.device) for fmt in formats}
         capacity = max(len(self.prompt), cfg.decode_context + cfg.decode_steps + 1, cfg.ppl_tokens)
+        shape = {k: v for k, v in (("tile_rows", cfg.tile_rows), ("attention_block", cfg.attention_block))
+                 if v is not None}
         self.forwards = {fmt: FastForward(loaded, weights=self.ran_as[fmt], batch_rows=cfg.batch_rows,
-                                          max_positions=capacity + 1) for fmt in formats}
+                                          max_positions=capacity + 1, **shape) for fmt in formats}
         self.capacity = capacity
 
     # -------------------------------------------------------------------------------------------- prefill
@@ -548,6 +556,7 @@ def run_kernel_bench(cfg: KernelBenchConfig, loaded: Any = None, *, progress: bo
             "config": {**dataclasses.asdict(cfg), "default_plan": cfg.default_plan},
             "environment": {
                 "model": loaded.name, "dtype": str(loaded.dtype).replace("torch.", ""), "device": str(loaded.device),
+                "plan_id": bench.forwards["bf16"].plan_id,
                 "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                 "machine": platform.machine(), "load_average_start": list(load_start),
                 "load_average_end": list(os.getloadavg()), "wall_s": time.perf_counter() - t_start,
@@ -688,7 +697,8 @@ _OPTIONS = {  # argument name -> KernelBenchConfig field
     "model": "model", "dtype": "dtype", "threads": "threads", "corpus": "corpus", "prompt_tokens": "prompt_tokens",
     "chunk_sizes": "chunk_sizes", "weights": "weight_formats", "reps": "prefill_reps", "decode_reps": "decode_reps",
     "decode_context": "decode_context", "decode_steps": "decode_steps", "batches": "decode_batches",
-    "ppl_passages": "ppl_passages", "ppl_tokens": "ppl_tokens",
+    "ppl_passages": "ppl_passages", "ppl_tokens": "ppl_tokens", "tile_rows": "tile_rows",
+    "attention_block": "attention_block",
 }
 
 
@@ -715,6 +725,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=_ints, help="decode batch sizes (default 1,4,8)")
     parser.add_argument("--ppl-passages", type=int, help="perplexity passages (default 8)")
     parser.add_argument("--ppl-tokens", type=int, help="tokens per perplexity passage (default 384)")
+    parser.add_argument("--tile-rows", type=int, help="FastForward prefill GEMM rows (default: the forward's)")
+    parser.add_argument("--attention-block", type=int,
+                        help="FastForward prefill attention block (default: the forward's)")
 
 
 def config_from_args(args: argparse.Namespace) -> KernelBenchConfig:

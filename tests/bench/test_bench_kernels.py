@@ -128,7 +128,9 @@ def test_emulated_model_leaves_the_model_alone_and_measures():
 
 @pytest.mark.slow
 def test_quick_on_the_real_model_is_split_invariant():
-    report = run_kernel_bench(KernelBenchConfig.quick(peer=False), progress=False)
+    cfg = KernelBenchConfig.quick(peer=False, chunk_sizes=(64,), prefill_formats=("bf16",),
+                                  weight_formats=("bf16", "int8"), decode_batches=(1, 8), ppl_passages=1)
+    report = run_kernel_bench(cfg, progress=False)
     check_report(report)
     assert all(r["split_invariant"] for r in report["prefill"] if r["impl"] == "fast")
     ppl = report["perplexity"]["by_weights"]
