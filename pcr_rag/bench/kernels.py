@@ -276,7 +276,7 @@ class _Bench:
         for fmt in cfg.prefill_formats:  # one untimed one-step run: the split-invariance reference of the format
             if f"{fmt}/{n}" not in last:
                 fast(fmt, n)()
-        self.peer_prefill_s = _median(peer_variant.times) if peer_variant else None
+        self.peer_prefill_s = _median(peer_variant.times) if peer_variant and self._peer_obj else None
         base = _median(variants[0].times)
         self.one_shot_s = base
         out = []
@@ -367,7 +367,7 @@ class _Bench:
         out.append({"batch": 1, "weights": "bf16", "ran_as": "bf16", "impl": "transformers", "context": ctx,
                     "ms_per_step": ms, "tokens_per_s": 1e3 / ms, "vs_roofline": ms / roofline["bf16"],
                     "tries": len(hf_variant.times)})
-        self.peer_decode_ms = _median(peer_variant.times) * 1e3 if peer_variant else None
+        self.peer_decode_ms = _median(peer_variant.times) * 1e3 if peer_variant and self._peer_obj else None
         memory = {
             "bandwidth_gb_s": bw, "bandwidth_median_gb_s": _median(bandwidth), "copy_buffer_bytes": cfg.bandwidth_bytes,
             "weight_bytes": {fmt: self.forwards[fmt].weight_bytes for fmt in cfg.weight_formats},
@@ -454,21 +454,43 @@ class _Bench:
             if gguf is None:
                 self.peer_skip_reason = "no single-file GGUF behind this model"
             else:
-                peer = llamacpp_peer.LlamaCppPeer(gguf, threads=torch.get_num_threads(),
-                                                  n_ctx=self.capacity + 16)
-                vocab = len(self.loaded.tokenizer)
-                if peer.n_vocab != vocab and peer.n_vocab != self.loaded.model.config.vocab_size:
-                    self.peer_skip_reason = f"the GGUF vocabulary ({peer.n_vocab}) differs from the tokenizer's ({vocab})"
-                    peer.close()
+                try:
+                    peer = llamacpp_peer.LlamaCppPeer(gguf, threads=torch.get_num_threads(),
+                                                      n_ctx=self.capacity + 16)
+                except llamacpp_peer.PeerError as exc:
+                    self.peer_skip_reason = str(exc)
                 else:
-                    self._peer_obj = peer
+                    vocab = len(self.loaded.tokenizer)
+                    if peer.n_vocab != vocab and peer.n_vocab != self.loaded.model.config.vocab_size:
+                        self.peer_skip_reason = (f"the GGUF vocabulary ({peer.n_vocab}) differs from the "
+                                                 f"tokenizer's ({vocab})")
+                        peer.close()
+                    else:
+                        self._peer_obj = peer
         if self.peer_skip_reason:
             log.info("llama.cpp peer skipped: %s", self.peer_skip_reason)
         return self._peer_obj
 
+    def _peer_try(self, fn: Callable[[], float]) -> float:
+        """One peer try; a failed worker drops the peer row (with the reason) instead of failing the bench."""
+        from pcr_rag.bench.llamacpp_peer import PeerError
+
+        if self._peer_obj is None:
+            return math.nan
+        try:
+            return fn()
+        except PeerError as exc:
+            log.warning("llama.cpp peer dropped: %s", exc)
+            self.peer_skip_reason = str(exc)
+            self._peer_obj.close()
+            self._peer_obj = None
+            return math.nan
+
     def _peer_prefill_variant(self) -> _Variant | None:
         peer = self._peer()
-        return None if peer is None else _Variant("peer", lambda: peer.prefill_s(self.prompt))
+        if peer is None:
+            return None
+        return _Variant("peer", lambda: self._peer_try(lambda: peer.prefill_s(self.prompt)))
 
     def _peer_decode_variant(self) -> _Variant | None:
         peer = self._peer()
@@ -476,12 +498,15 @@ class _Bench:
             return None
         ctx = self.cfg.decode_context
         token = int(self.prompt[ctx]) if len(self.prompt) > ctx else 0
-        peer.prepare_decode(self.prompt[:ctx])
-        return _Variant("peer", lambda: _median(peer.decode_steps_s(token, self.cfg.decode_steps)))
+        self._peer_try(lambda: peer.prepare_decode(self.prompt[:ctx]) or 0.0)
+        if self._peer_obj is None:
+            return None
+        return _Variant("peer", lambda: self._peer_try(
+            lambda: _median(peer.decode_steps_s(token, self.cfg.decode_steps))))
 
     def peer_report(self, decode: list[dict]) -> dict | None:
         peer = getattr(self, "_peer_obj", None)
-        if peer is None:
+        if peer is None or self.peer_decode_ms is None or self.peer_prefill_s is None:
             return None
         ms = self.peer_decode_ms
         ours = {r["weights"]: r["ms_per_step"] for r in decode if r["impl"] == "fast" and r["batch"] == 1}

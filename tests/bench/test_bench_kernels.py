@@ -153,3 +153,15 @@ def test_miss_cost_runs_a_trace_that_reuses_nothing(tmp_path):
     # nothing but the chat preamble that every prompt starts with is reused
     assert res.reused_tokens_total / 4 < res.prompt_tokens_mean / 3 and res.computed_tokens_mean > 100
     assert "target <= 1.05" in res.summary()
+
+
+def test_llamacpp_peer_worker_failures_are_peer_errors(tmp_path):
+    from pcr_rag.bench.llamacpp_peer import LlamaCppPeer, PeerError, find_gguf
+
+    assert find_gguf(str(tmp_path)) is None  # a directory that is no alias and no .gguf
+    bogus = tmp_path / "missing.gguf"
+    bogus.write_bytes(b"not a gguf")
+    assert find_gguf(str(bogus)) == bogus
+    # whatever fails in the worker (llama_cpp missing, a bad file, a crash) surfaces as PeerError, never a hang
+    with pytest.raises(PeerError):
+        LlamaCppPeer(bogus, threads=1, n_ctx=16, timeout_s=120)
