@@ -21,6 +21,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("pcr_rag.server.cli", "OpenAI-compatible HTTP server: many processes share one engine and cache"),
 }
 
+# "pcr-rag <command> <name> ...": a sub-command of a sub-command, with its own module (same interface)
+NESTED: dict[tuple[str, str], tuple[str, str]] = {
+    ("bench", "kernels"): ("pcr_rag.bench.kernels", "kernel benchmark: prefill, decode vs the memory roofline, "
+                                                    "weight formats, perplexity, llama.cpp peer"),
+}
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pcr-rag", description=__doc__.splitlines()[0])
@@ -43,8 +49,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     module_name, help_text = SUBCOMMANDS[head.command]
+    prog = f"pcr-rag {head.command}"
+    if rest and (head.command, rest[0]) in NESTED:
+        module_name, help_text = NESTED[(head.command, rest[0])]
+        prog = f"{prog} {rest[0]}"
+        rest = rest[1:]
     module = importlib.import_module(module_name)
-    sub_parser = argparse.ArgumentParser(prog=f"pcr-rag {head.command}", description=help_text)
+    sub_parser = argparse.ArgumentParser(prog=prog, description=help_text)
     module.add_arguments(sub_parser)
     args = sub_parser.parse_args(rest)
     return int(module.run(args) or 0)

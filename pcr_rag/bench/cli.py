@@ -10,6 +10,9 @@ rate, 32 output tokens; about 2-3 hours on 2 CPU cores, since low rates are most
 
     pcr-rag bench --json results/bench.json
 
+The kernel benchmark (prefill and decode of the forward pass against the machine's limit) is its own command:
+``pcr-rag bench kernels --help`` (`pcr_rag.bench.kernels`).
+
 Outputs: the JSON report (``--json``), a Markdown table next to it (``--markdown``, default ``<json>.md``),
 PNG plots (``--plots``, default ``<json stem>-plots/``), and a summary on stdout. Exit status 0 even when a
 target is missed (the report says which); 2 on bad arguments, 1 when the benchmark could not run.

@@ -9,11 +9,15 @@ denominator only the suffix forward plus the argmax. Variants: prefix in DRAM, p
 dropped before each try), each with layer-wise overlap on and off.
 
 Run: ``python -m pcr_rag.bench.limit`` (default model) or call `measure_limit_ratio`.
+
+``python -m pcr_rag.bench.limit --miss`` measures the other end instead, the miss cost (`measure_miss_cost`): a
+trace whose requests reuse nothing, run with the cache on and off, TTFT ratio per request (target <= 1.05).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import statistics
 import tempfile
@@ -24,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 from transformers import DynamicCache
 
 from pcr_rag.bench.disk import drop_page_cache
@@ -193,6 +198,125 @@ def measure_chunk_step_cost(model, token_ids: Sequence[int], chunk_size: int = 2
     return ChunkStepCost(n, chunk_size, statistics.median(one), statistics.median(chunked))
 
 
+@dataclass
+class MissCostResult:
+    """A miss with the cache on vs the same request with the cache off (issue 10: "a miss costs what it computes").
+
+    ``ratios``: per request, TTFT with the cache on / TTFT with it off (same prompt, same pass); target <= 1.05.
+    Seconds are medians. ``on_breakdown_s``: medians of the cache-on requests' queue, prefill and load-wait times.
+    ``flush_s``: median wait, after each cache-on request, for its SSD write-back to finish (not in any TTFT).
+    """
+
+    requests: int
+    passes: int
+    prompt_tokens_mean: float
+    computed_tokens_mean: float
+    reused_tokens_total: int
+    ttft_on_s: float
+    ttft_off_s: float
+    ratio_median: float
+    ratio_mean: float
+    ratios: list[float]
+    on_breakdown_s: dict[str, float]
+    off_breakdown_s: dict[str, float]
+    flush_s: float
+    threads: int
+    cache_stats: dict
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        return (f"miss cost ({self.requests} requests x {self.passes} passes, {self.prompt_tokens_mean:.0f}-token "
+                f"prompts of distinct documents, {self.reused_tokens_total} tokens reused, {self.threads} threads): "
+                f"TTFT cache on / off per request: median {self.ratio_median:.3f}, mean {self.ratio_mean:.3f} "
+                f"(target <= 1.05); TTFT on {self.ttft_on_s * 1000:.0f} ms vs off {self.ttft_off_s * 1000:.0f} ms")
+
+
+def miss_trace(tokenizer, count: int, *, prompt_tokens: int = 650, docs_per_request: int = 2,
+               corpus: str | None = None) -> list[tuple[str, list[str]]]:
+    """``count`` (query, documents) requests whose documents are all distinct (nothing is reused between them):
+    corpus passages of about (prompt_tokens - 50) / docs_per_request tokens each, in corpus order."""
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+
+    target = max(16, (prompt_tokens - 50) // docs_per_request)
+    need = count * docs_per_request
+    texts: list[str] = []
+    for doc in load_corpus(corpus):  # split document by document, only as far as needed (token counting is slow)
+        texts += [p.text for p in split_passages([doc], tokens_per_passage=target, tokenizer=count_tokens)
+                  if count_tokens(p.text) >= 0.8 * target]
+        if len(texts) >= need:
+            break
+    if len(texts) < need:
+        raise ValueError(f"the corpus has {len(texts)} passages of ~{target} tokens; {count} requests of "
+                         f"{docs_per_request} distinct documents need {need}")
+    return [(f"Question {i}: what do these documents describe?", texts[i * docs_per_request:(i + 1) * docs_per_request])
+            for i in range(count)]
+
+
+def measure_miss_cost(model=None, tokenizer=None, *, requests: int = 13, passes: int = 3, prompt_tokens: int = 650,
+                      workdir: str | Path | None = None, dtype="auto", corpus: str | None = None,
+                      progress: bool = True) -> MissCostResult:
+    """Run the same trace of requests that reuse nothing through an engine with the cache on (DRAM + SSD tiers in
+    ``workdir``, defaults otherwise) and one with the cache off, interleaved request by request (ABAB.., the first
+    engine alternating) so that each pair of tries is adjacent in time. After each cache-on request its SSD
+    write-back is waited for (``flush_s``, not part of any TTFT) so that it never runs during a cache-off request;
+    write-back that overlaps the request's own later prefill steps stays in its TTFT. Requests are sequential (each
+    submitted when the previous one finished), one output token each (TTFT is the whole cost).
+    """
+
+
+    loaded = load_model(model, tokenizer, dtype=dtype, device="cpu")
+    work = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="pcr-miss-"))
+    reqs = miss_trace(loaded.tokenizer, 1 + passes * requests, prompt_tokens=prompt_tokens, corpus=corpus)
+    warmup = reqs[0]  # warms both engines, never measured
+    trace = [reqs[1 + p * requests: 1 + (p + 1) * requests] for p in range(passes)]
+    on = PCREngine(model=loaded.model, tokenizer=loaded.tokenizer, config=EngineConfig(
+        cache_dir=work / "on", device="cpu", max_new_tokens=1))
+    off = PCREngine(model=loaded.model, tokenizer=loaded.tokenizer, config=EngineConfig(
+        cache_dir=work / "off", enable_cache=False, device="cpu", max_new_tokens=1))
+    results: dict[str, list] = {"on": [], "off": []}
+    flushes = []
+    try:
+        on.generate(*warmup)
+        off.generate(*warmup)
+        on.flush()
+        bar = tqdm(total=2 * passes * requests, desc="miss cost", disable=not progress, leave=False)
+        for p in range(passes):
+            for i, (q, docs) in enumerate(trace[p]):
+                order = (("on", on), ("off", off)) if (p * requests + i) % 2 == 0 else (("off", off), ("on", on))
+                for name, eng in order:
+                    results[name].append(eng.generate(q, docs).metrics)
+                    bar.update()
+                    if name == "on":  # its write-back must not run during the cache-off request
+                        t0 = time.perf_counter()
+                        on.flush()
+                        flushes.append(time.perf_counter() - t0)
+        bar.close()
+        cache_stats = on.stats().cache.as_dict()
+    finally:
+        on.close()
+        off.close()
+    m_on, m_off = results["on"], results["off"]
+    ratios = [a.ttft_s / b.ttft_s for a, b in zip(m_on, m_off)]
+
+    def breakdown(ms) -> dict[str, float]:
+        return {k: statistics.median(getattr(m, k) for m in ms) for k in ("ttft_s", "queue_s", "prefill_s",
+                                                                           "load_wait_s")}
+
+    return MissCostResult(
+        requests=requests, passes=passes, prompt_tokens_mean=statistics.mean(m.prompt_tokens for m in m_on),
+        computed_tokens_mean=statistics.mean(m.computed_tokens for m in m_on),
+        reused_tokens_total=sum(m.reused_tokens for m in m_on),
+        ttft_on_s=statistics.median(m.ttft_s for m in m_on), ttft_off_s=statistics.median(m.ttft_s for m in m_off),
+        ratio_median=statistics.median(ratios), ratio_mean=statistics.mean(ratios), ratios=ratios,
+        on_breakdown_s=breakdown(m_on), off_breakdown_s=breakdown(m_off), flush_s=statistics.median(flushes),
+        threads=torch.get_num_threads(), cache_stats=cache_stats,
+    )
+
+
 def default_documents(target_tokens: int = 1536, tokenizer=None) -> list[str]:
     """Passages of the offline corpus adding up to about ``target_tokens`` tokens (whitespace estimate)."""
     passages = split_passages(load_corpus(max_docs=40), tokens_per_passage=300)
@@ -212,8 +336,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=1536, help="document prefix size (tokens)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--miss", action="store_true",
+                        help="measure the miss cost instead: TTFT with the cache on / off on a trace that reuses "
+                             "nothing (13 requests x 3 passes of ~650-token prompts; see --requests, --passes)")
+    parser.add_argument("--requests", type=int, default=13, help="--miss: requests per pass")
+    parser.add_argument("--passes", type=int, default=3, help="--miss: passes of the trace")
+    parser.add_argument("--prompt-tokens", type=int, default=650, help="--miss: tokens per prompt (about)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's setting)")
+    parser.add_argument("--json", metavar="PATH", help="--miss: write the result as JSON here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.miss:
+        res = measure_miss_cost(args.model, requests=args.requests, passes=args.passes,
+                                prompt_tokens=args.prompt_tokens, dtype=args.dtype)
+        print(res.summary())
+        for k, v in res.as_dict().items():
+            if k not in ("ratios", "cache_stats"):
+                print(f"  {k}: {v:.4f}" if isinstance(v, float) else f"  {k}: {v}")
+        print("  ratios: " + " ".join(f"{r:.3f}" for r in res.ratios))
+        if args.json:
+            Path(args.json).write_text(json.dumps(res.as_dict(), indent=2) + "\n")
+        return 0
+
     loaded = load_model(args.model, dtype=args.dtype)
     docs = default_documents(args.tokens, loaded.tokenizer)
     res = measure_limit_ratio(loaded.model, loaded.tokenizer, documents=docs, reps=args.reps, dtype=args.dtype)
