@@ -114,7 +114,7 @@ def _text_model(model: Any) -> Any:
     return base
 
 
-def _fuse(mods: Sequence[Any], fmt: str, decode_rows: int) -> Linear:
+def _fuse(mods: Sequence[Any], fmt: str, pack_rows: tuple[int, ...]) -> Linear:
     """One `Linear` over the concatenated outputs of ``mods``. Dense: the modules' weights become views of the
     fused tensor (no second copy of the weights)."""
     weight = torch.cat([m.weight.detach() for m in mods]).contiguous()
@@ -130,7 +130,7 @@ def _fuse(mods: Sequence[Any], fmt: str, decode_rows: int) -> Linear:
             rows = m.weight.shape[0]
             m.weight.data = weight[offset: offset + rows]
             offset += rows
-    return make_linear(fmt, weight, bias, decode_rows=decode_rows)
+    return make_linear(fmt, weight, bias, pack_rows=pack_rows)
 
 
 class FastForward:
@@ -155,13 +155,14 @@ class FastForward:
         self.tile_rows = tile_rows
         self.attention_block = attention_block
         base = _text_model(model)
-        # the decode batch's M, for weight formats that prepack (compiled row pieces trace plain linears instead)
-        packed_rows = batch_rows if prepack and not compile else 0
+        # the fixed row counts (decode batch, prefill tile), for weight formats that prepack per M (compiled row
+        # pieces trace plain linears instead)
+        packed_rows = (batch_rows, tile_rows) if prepack and not compile else ()
         self._embed = base.embed_tokens
         self._final_norm = RMSNorm.of(base.norm, config.model_type == "gemma3_text")
         self._lm_head = make_linear(weights, model.lm_head.weight.detach(),
                                     None if model.lm_head.bias is None else model.lm_head.bias.detach(),
-                                    decode_rows=packed_rows)
+                                    pack_rows=(batch_rows,) if packed_rows else ())
         self._softcap = getattr(config, "final_logit_softcapping", None)
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = loaded.kv.num_kv_heads
@@ -182,9 +183,9 @@ class FastForward:
                 qkv=_fuse([attn.q_proj, attn.k_proj, attn.v_proj], weights, packed_rows),
                 o=make_linear(weights, attn.o_proj.weight.detach(),
                               None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
-                              decode_rows=packed_rows),
+                              pack_rows=packed_rows),
                 gate_up=_fuse([mlp.gate_proj, mlp.up_proj], weights, packed_rows),
-                down=make_linear(weights, mlp.down_proj.weight.detach(), None, decode_rows=packed_rows),
+                down=make_linear(weights, mlp.down_proj.weight.detach(), None, pack_rows=packed_rows),
                 input_norm=norm(layer.input_layernorm), post_attn_norm=norm(layer.post_attention_layernorm),
                 pre_ff_norm=norm(layer.pre_feedforward_layernorm) if gemma else None,
                 post_ff_norm=norm(layer.post_feedforward_layernorm) if gemma else None,
@@ -258,50 +259,53 @@ class FastForward:
         ids[:n] = token_ids.to(self.device)
         pos = torch.full((padded,), end - 1, dtype=torch.long, device=self.device)
         pos[:n] = torch.arange(start, end, device=self.device)
-        x = self._embed(ids)
-        q_all = torch.empty(n, self.num_heads, self.head_dim, dtype=x.dtype, device=self.device)
-        attn = torch.zeros(padded, self.num_heads * self.head_dim, dtype=x.dtype, device=self.device)
+        xs = list(self._embed(ids).split(tile))  # one [tile, hidden] tensor per tile (no copies between layers)
+        first = start // block
+        blocks = (end - 1) // block + 1 - first
+        offset = start - first * block  # row of position `start` in the block-aligned query buffer
+        heads, d = self.num_heads, self.head_dim
+        # queries in block-aligned layout: rows of positions this step does not compute stay zero
+        qb = torch.zeros(blocks * block, heads, d, dtype=xs[0].dtype, device=self.device)
+        out = torch.empty(blocks * block, heads * d, dtype=xs[0].dtype, device=self.device)
+        attn_rows = torch.zeros(padded, heads * d, dtype=xs[0].dtype, device=self.device)
         for li, lw in enumerate(self.layers):
             cos, sin = self._cos[lw.rope], self._sin[lw.rope]
-            for t0 in range(0, n, tile):
+            for t, x in enumerate(xs):
+                t0 = t * tile
                 real = min(tile, n - t0)
-                q, k, v = self._qkv(lw, x[t0: t0 + tile], cos[pos[t0: t0 + tile]], sin[pos[t0: t0 + tile]])
+                q, k, v = self._qkv(lw, x, cos[pos[t0: t0 + tile]], sin[pos[t0: t0 + tile]])
                 row.write(li, start + t0, k[:real], v[:real])
-                q_all[t0: t0 + real] = q[:real]
+                qb[offset + t0: offset + t0 + real] = q[:real]
             if hooks is not None:
                 hooks.before_attention(li)
-            attn[:n] = self._prefill_attention(li, lw, row, q_all, start)
+            self._prefill_attention(li, lw, row, qb, out, first)
             if hooks is not None:
                 hooks.after_layer(li, start, end)
-            for t0 in range(0, n, tile):
-                x[t0: t0 + tile] = self._mlp_block(lw, x[t0: t0 + tile], attn[t0: t0 + tile])
+            attn_rows[:n] = out[offset: offset + n]
+            xs = [self._mlp_block(lw, x, attn_rows[t * tile: (t + 1) * tile]) for t, x in enumerate(xs)]
         self._log_first_call("prefill", started)
         if not want_logits:
             return None
-        return self._logits(x[n - 1: n])[0]
+        last = n - 1
+        return self._logits(xs[last // tile][last % tile: last % tile + 1])[0]
 
-    def _prefill_attention(self, li: int, lw: LayerWeights, row: RowKV, q: torch.Tensor,
-                           start: int) -> torch.Tensor:
-        """Attention of queries [start, start + n) in whole blocks aligned to absolute positions (see module)."""
-        n = q.shape[0]
-        end = start + n
+    def _prefill_attention(self, li: int, lw: LayerWeights, row: RowKV, qb: torch.Tensor, out: torch.Tensor,
+                           first: int) -> None:
+        """Attention in whole blocks aligned to absolute positions (see the module docstring): ``qb`` holds the
+        queries of blocks first, first + 1, ... (``[blocks * A, heads, D]``); results go to ``out``
+        (``[blocks * A, heads * D]``)."""
         block = self.attention_block
-        first = start // block
-        blocks = (end - 1) // block + 1 - first
-        qb = torch.zeros(blocks * block, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
-        offset = start - first * block
-        qb[offset: offset + n] = q
-        qb = qb.view(blocks, block, self.num_heads, self.head_dim).transpose(1, 2)  # [blocks, heads, A, D]
-        out = torch.empty(blocks, block, self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
+        blocks = qb.shape[0] // block
+        qv = qb.view(blocks, block, self.num_heads, self.head_dim).transpose(1, 2)  # [blocks, heads, A, D]
+        ov = out.view(blocks, block, -1)
         for j in range(blocks):
             bs = (first + j) * block
             be = bs + block
             ks = 0 if lw.window is None else max(0, bs - lw.window + 1)
             o = F.scaled_dot_product_attention(
-                qb[j: j + 1], row.keys(li, ks, be).unsqueeze(0), row.values(li, ks, be).unsqueeze(0),
-                attn_mask=self._mask(bs - ks, be - ks, lw.window, q.dtype), scale=self.scale, enable_gqa=True)
-            out[j] = o[0].transpose(0, 1).reshape(block, -1)
-        return out.view(blocks * block, -1)[offset: offset + n]
+                qv[j: j + 1], row.keys(li, ks, be).unsqueeze(0), row.values(li, ks, be).unsqueeze(0),
+                attn_mask=self._mask(bs - ks, be - ks, lw.window, qb.dtype), scale=self.scale, enable_gqa=True)
+            ov[j] = o[0].transpose(0, 1).reshape(block, -1)
 
     def _mask(self, query_offset: int, keys: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask ``[A, keys]`` for queries at key offsets query_offset + i: 0 where key j is visible

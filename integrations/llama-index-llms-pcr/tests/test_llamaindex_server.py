@@ -71,7 +71,7 @@ def test_pcr_llm_base_url_matches_local_and_announces(served, index) -> None:
     assert meta.model_name == engine.loaded.name and meta.num_output == 6
     assert remote.count_tokens("pathlib joins") == reference.count_tokens("pathlib joins")
     raw = remote.complete("Q: what is json?").raw
-    assert raw["prompt_tokens"] > 0 and set(raw["reused_by_tier"]) == {"device", "dram", "ssd"}
+    assert raw["prompt_tokens"] > 0 and set(raw["reused_by_tier"]) == {"device", "dram", "ssd", "remote"}
     with pytest.raises(PCRRequestError, match="exceeds"):
         remote.complete("x " * 1500, max_new_tokens=1000)
     with pytest.raises(ValueError, match="base_url"):
