@@ -340,7 +340,7 @@ def split_passages(
 _PYDOC_CLASS = re.compile(r"^    class ([A-Za-z]\w*)")
 _PYDOC_FUNCTION = re.compile(r"^    ([A-Za-z]\w*)\(")
 _PYDOC_METHOD = re.compile(r"^     \|  ([A-Za-z]\w*)\(")
-_PYDOC_GROUP = re.compile(r"^     \|  (\w[\w ]*):$")  # "Methods defined here:", "Methods inherited from X:"
+_PYDOC_GROUP = re.compile(r"^     \|  ([A-Z][^()]*):$")  # "Methods defined here:", "Methods inherited from X:"
 _PYDOC_RULE = re.compile(r"^     \|  -{10,}$")
 _MARKDOWN_HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$")
 

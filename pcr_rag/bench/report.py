@@ -640,12 +640,17 @@ def markdown_report(report: Mapping[str, Any], *, title: str | None = None) -> s
         lines.append("")
     skipped = report.get("skipped") or []
     aliases = report.get("aliases") or {}
-    if skipped or aliases:
+    same = {a: b for a, b in aliases.items() if a.split("@", 1)[0] != b}
+    in_order = [a for a in aliases if a not in same]
+    if skipped or same:
         lines += ["## Systems not run", ""]
         lines += [f"- `{s['system']}` skipped: {s['reason']}" for s in skipped]
         lines += [f"- `{a}` has the same configuration as `{b}`: run once, its figures are `{b}`'s"
-                  for a, b in aliases.items()]
+                  for a, b in same.items()]
         lines.append("")
+    if in_order:
+        lines += [f"Document order of the cached systems: {', '.join(f'`{a}` is `{aliases[a]}`' for a in in_order)}.",
+                  ""]
     ratio_table = report.get("ratios") or []
     if ratio_table:
         lines += ["## Ratios with 95% bootstrap intervals (paired by request; n.s. = the interval holds 1)", "",

@@ -275,6 +275,8 @@ class BenchRunner:
                     continue
                 identities[identity] = spec.name
                 self.servers[spec.name] = self._engine(spec, config, work)
+                if spec.uses_cache and spec.order is None:  # "X@<the run's order>" is X
+                    self.aliases.setdefault(f"{spec.name}@{self.config.order}", spec.name)
             else:
                 reason = self._external_unavailable(spec)
                 if reason is not None:
@@ -539,7 +541,7 @@ class BenchRunner:
                 notes.append(f"retrieval: {info.get('questions')} questions from {cfg.questions}, top-{cfg.top_k} "
                              "from Chroma + MiniLM (no gold passages: no hit@k)")
         for row in report.get("answers") or []:
-            if "@" in row["system"] or "@" in row["baseline"]:
+            if "@" in row["system"] and row["baseline"] == row["system"].split("@", 1)[0]:
                 notes.append(f"answer agreement {row['system']} vs {row['baseline']} at "
                              f"{'all-at-once' if row['rate'] == 'inf' else format(float(row['rate']), '.3g') + ' req/s'}"
                              f": {row['equal']}/{row['n']} requests generated the same tokens (a different document "
@@ -553,19 +555,21 @@ class BenchRunner:
             return []
         at = math.inf if rate == "inf" else float(rate)
         parts = []
+        seen: set[tuple[str, str]] = set()
         for t in report.get("targets") or []:
             if t["stat"] != "ttft.mean" or t["ratio"] is None:
                 continue
             a, b = run_for(report, t["system"], at), run_for(report, t["baseline"], at)
-            if a is None or b is None or a is b:
+            if a is None or b is None or a is b or (a["system"], b["system"]) in seen:
                 continue
+            seen.add((a["system"], b["system"]))
             ka = {tuple(k): v for k, v in zip(a["requests"]["key"], a["requests"]["ttft"], strict=True)}
             kb = {tuple(k): v for k, v in zip(b["requests"]["key"], b["requests"]["ttft"], strict=True)}
             keys = sorted(set(ka) & set(kb))
             if len(keys) < 2:
                 continue
             n = requests_to_resolve([ka[k] for k in keys], [kb[k] for k in keys], difference=_RESOLVE_DIFFERENCE)
-            parts.append(f"{t['system']} vs {t['baseline']} ~{n}")
+            parts.append(f"{a['system']} vs {b['system']} ~{n}")
         if not parts:
             return []
         return [f"paired requests a {_RESOLVE_DIFFERENCE:.0%} mean-TTFT difference needs (95% interval, 80% power; "
