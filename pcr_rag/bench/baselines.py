@@ -233,36 +233,36 @@ class LlamaCppServer(SerialServer):
         self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=min(n_ctx, _LLAMA_CPP_MAX_CTX), n_threads=threads,
                                    n_threads_batch=threads, seed=0, verbose=False)
         self.llm.set_cache(llama_cpp.LlamaRAMCache(capacity_bytes=LLAMA_CPP_CACHE_BYTES))
-        self._eos = {self.llm.token_eos()}
         super().__init__("llama-cpp", PromptBuilder(tokenizer), clock)
 
     def _reusable_tokens(self, prompt_ids: list[int]) -> int:
-        """Prompt tokens llama.cpp will not recompute: the longest prefix shared with the context's current
-        tokens or with a state in the RAM cache (the same rule ``Llama.generate`` applies)."""
-        longest = self.llm.longest_token_prefix
-        best = longest(self.llm._input_ids.tolist(), prompt_ids)  # noqa: SLF001 - the context's tokens
-        cache = self.llm.cache
-        for key in getattr(cache, "cache_state", {}):
-            best = max(best, longest(list(key), prompt_ids))
-        return min(best, len(prompt_ids) - 1)  # the last prompt token is always evaluated
+        """Prompt tokens llama.cpp will not recompute: the longest prefix shared with the context's tokens or with
+        the best state in the RAM cache (the rule ``Llama.create_completion`` applies); the last prompt token is
+        always evaluated."""
+        longest = self._llama_cpp.Llama.longest_token_prefix
+        best = longest(self.llm.input_ids[: self.llm.n_tokens].tolist(), prompt_ids)
+        try:
+            best = max(best, longest(self.llm.cache[prompt_ids].input_ids.tolist(), prompt_ids))
+        except KeyError:  # nothing cached yet
+            pass
+        return max(0, min(best, len(prompt_ids) - 1))
 
     def _serve(self, prompt: str, max_new_tokens: int) -> _Served:
         started = self.clock()
-        ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        ids = list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
         reused = self._reusable_tokens(ids)
         times: list[float] = []
-        tokens: list[int] = []
+        pieces: list[str] = []
         finish = "length"
         for chunk in self.llm.create_completion(ids, max_tokens=max_new_tokens, temperature=0.0, top_k=1,
                                                 top_p=1.0, repeat_penalty=1.0, seed=0, stream=True):
-            times.append(self.clock())
             choice = chunk["choices"][0]
+            if choice.get("text"):
+                times.append(self.clock())
+                pieces.append(choice["text"])
             finish = choice.get("finish_reason") or finish
-        tokens = self._completion_tokens(len(ids))
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return _Served(tokens, text, list(ids), started, times[: max(len(tokens), 1)], reused, finish)
-
-    def _completion_tokens(self, prompt_len: int) -> list[int]:
-        """The generated ids: what the context holds after the prompt (EOS excluded)."""
-        out = [int(t) for t in self.llm._input_ids.tolist()[prompt_len:]]  # noqa: SLF001
-        return [t for t in out if t not in self._eos]
+        text = "".join(pieces)
+        # The stream carries text, not ids: the answer's ids are its text tokenized again (exact for the
+        # length; the bench compares llama.cpp's answers only with themselves).
+        tokens = list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+        return _Served(tokens, text, ids, started, times, reused, finish)

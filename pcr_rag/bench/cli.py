@@ -126,7 +126,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                      "pcr-max-active-N, pcr-schedule-{fcfs,cache-aware}, <cached system>@ORDER "
                                      f"(default: {','.join(BENCH_DEFAULT_SYSTEMS)})")
     s.add_argument("--saturation", type=parse_ints,
-                   help="max_active values compared at saturation, all requests at once (default 1,8; '' = none)")
+                   help="max_active values compared at saturation, all requests at once (presets: 1,8; "
+                        "otherwise none; '' = none)")
     s.add_argument("--saturation-requests", type=int,
                    help="requests of a saturation run (default: --requests)")
     s.add_argument("--windows", type=parse_ints,

@@ -52,7 +52,7 @@ class BenchConfig:
     MiniLM. ``order``: the document order of the cached systems, ``relevance`` or ``cache-aware`` (a system
     named ``X@order`` overrides it). ``windows``: prefetch windows swept at ``sweep_rates`` ("mid" or "all").
     ``saturation``: ``max_active`` values compared at saturation (all ``saturation_requests`` requests at once,
-    default ``num_requests``; ``()`` = skip). ``repeats``: measured traces per rate, systems interleaved in a
+    default ``num_requests``; ``()`` = skip, the default outside the presets). ``repeats``: measured traces per rate, systems interleaved in a
     rotated order within each. ``threads``: torch (and llama.cpp) compute threads (None: CPUs - 1, leaving a
     core for I/O, prefetch and write-back). ``limit_tokens``: document prefix of the limit-ratio measurement.
     """
@@ -80,7 +80,7 @@ class BenchConfig:
     systems: tuple[str, ...] = BENCH_DEFAULT_SYSTEMS
     windows: tuple[int, ...] = (2, 4, 8, 10)
     sweep_rates: str = "mid"
-    saturation: tuple[int, ...] = (1, 8)
+    saturation: tuple[int, ...] = ()
     saturation_requests: int | None = None
     max_new_tokens: int = 32
     chunk_size: int = 256
@@ -135,7 +135,8 @@ def quick_config(**overrides: Any) -> BenchConfig:
     system and rate, the saturation pair, window 2; about 10-15 minutes on 2 shared CPU cores."""
     base = BenchConfig(
         tokens_per_passage=120, num_passages=96, top_k=3, num_topics=16, num_requests=12, warmup_requests=8,
-        loads=(0.7, 1.0), windows=(2,), max_new_tokens=8, limit_tokens=512, limit_reps=3, quick=True,
+        loads=(0.7, 1.0), windows=(2,), saturation=(1, 8), max_new_tokens=8, limit_tokens=512, limit_reps=3,
+        quick=True,
     )
     return replace(base, **overrides)
 
@@ -151,7 +152,8 @@ def standard_config(*, retrieval: bool = False, **overrides: Any) -> BenchConfig
     requests_to_resolve`); the pilot asked for at most ~100 for the pairs the targets compare.
     """
     base = BenchConfig(
-        tokens_per_passage=120, num_passages=96, top_k=3, num_topics=16, num_requests=30, repeats=4,
+        tokens_per_passage=120, num_passages=RETRIEVAL_PASSAGES if retrieval else 96, top_k=3, num_topics=16,
+        num_requests=30, repeats=4,
         warmup_requests=8, loads=(0.7,), windows=(), max_new_tokens=8, limit_ratio=False, standard=True,
         systems=STANDARD_RETRIEVAL_SYSTEMS if retrieval else STANDARD_SYSTEMS,
         saturation=() if retrieval else (1, 8), saturation_requests=24,

@@ -10,7 +10,7 @@ import torch
 
 from pcr_rag.bench import baselines
 from pcr_rag.bench.baselines import TransformersServer, llama_cpp_unavailable, locate_gguf
-from pcr_rag.bench.config import SYSTEM_PROMPT, BenchConfig
+from pcr_rag.bench.config import QUICK_CAVEAT, SYSTEM_PROMPT, BenchConfig
 from pcr_rag.prompt import PromptBuilder
 from pcr_rag.runtime.model import load_model
 from pcr_rag.testing import tiny_model
@@ -102,10 +102,11 @@ def test_llama_cpp_skip_path(monkeypatch, tmp_path):
     cfg = BenchConfig(corpus=str(corpus), tokens_per_passage=40, num_passages=None, top_k=2, num_topics=3,
                       num_requests=3, warmup_requests=1, rates=(50.0,), windows=(), saturation=(),
                       systems=("no-reuse", "transformers", "llama-cpp"), max_new_tokens=2, chunk_size=16, threads=1,
-                      limit_ratio=False)
+                      limit_ratio=False, quick=True)
     report = run_bench(cfg, model=model, tokenizer=tokenizer, progress=False)
     assert {r["system"] for r in report["runs"]} == {"no-reuse", "transformers"}
     assert report["skipped"] == [{"system": "llama-cpp", "reason": reason}]
+    assert report["caveat"] == QUICK_CAVEAT and QUICK_CAVEAT in report["notes"]
     trans = next(r for r in report["runs"] if r["system"] == "transformers")
     assert trans["num_requests"] == 3 and trans["reuse_ratio"] == 0.0 and trans["extra"]["kind"] == "transformers"
 

@@ -49,7 +49,7 @@ def test_quick_preset_and_overrides():
     assert cfg.systems == ("pcr", "no-reuse") and cfg.rates == (0.5, float("inf"))
     full = bench_cli.config_from_args(_parse([]))
     assert not full.quick and full.systems == BENCH_DEFAULT_SYSTEMS and full.loads == (0.4, 0.7, 1.0)
-    assert full.order == "relevance" and full.saturation == (1, 8)
+    assert full.order == "relevance" and full.saturation == () and cfg.saturation == (1, 8)
 
 
 def test_bad_arguments_exit_2(capsys):
@@ -62,8 +62,9 @@ def test_bench_cli_end_to_end(tmp_path, tiny_model_dir, corpus_file, capsys):
     out = tmp_path / "res" / "bench.json"
     rc = main(["bench", "--model", str(tiny_model_dir), "--corpus", str(corpus_file), "--passage-tokens", "40",
                "--passages", "0", "--top-k", "2", "--topics", "5", "--requests", "6", "--warmup", "2",
-               "--loads", "0.5,1.0", "--windows", "2", "--max-new-tokens", "3", "--chunk-size", "16",
-               "--threads", "1", "--no-progress", "--json", str(out), "--work-dir", str(tmp_path / "work")])
+               "--loads", "0.5,1.0", "--windows", "2", "--saturation", "1,8", "--max-new-tokens", "3",
+               "--chunk-size", "16", "--threads", "1", "--no-progress", "--json", str(out),
+               "--work-dir", str(tmp_path / "work")])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "what a user would see: at " in printed and "indicative only" not in printed
