@@ -446,6 +446,8 @@ def answer_rows(report: Mapping[str, Any]) -> list[dict[str, Any]]:
             hb = _hashes(b)
             keys = [k for k in ha if k in hb and ha[k] is not None and hb[k] is not None]
             hits = [h for h in (a.get("requests") or {}).get("answer_hit", []) if h is not None]
+            if not keys and not hits:  # no answers recorded (e.g. a simulation)
+                continue
             rows.append({"rate": _rate_to_json(rate), "system": system, "baseline": baseline,
                          "equal": sum(ha[k] == hb[k] for k in keys), "n": len(keys),
                          "hit": sum(hits) if hits else None, "checked": len(hits) if hits else None})

@@ -210,7 +210,7 @@ class BenchRunner:
         }
         targets = SERVING_TARGETS + (RETRIEVAL_TARGETS if cfg.retrieval else ())
         report = build_report(records, kind="bench", config=config_out, environment=environment,
-                              targets=targets, target_rate=rates[(len(rates) - 1) // 2], limit_ratio=limit,
+                              targets=targets, limit_ratio=limit,
                               notes=(), aliases=self.aliases, skipped=self.skipped,
                               caveat=QUICK_CAVEAT if cfg.quick else None)
         report["notes"] = self.notes + self._analysis_notes(report, load_start, load_end)
@@ -261,6 +261,8 @@ class BenchRunner:
         identities: dict[Any, str] = {}
         running: list[str] = []
         for spec in specs:
+            if spec.name in self.specs:  # named twice (e.g. in --systems and by --windows)
+                continue
             self.specs[spec.name] = spec
             if spec.kind == "engine":
                 missing = sorted(set(spec.overrides) - options)
@@ -521,8 +523,7 @@ class BenchRunner:
         notes: list[str] = []
         b = traces.reuse_bound
         if b is not None:
-            online = any(self._order(self.specs[n]) == "cache-aware" and hasattr(self.servers.get(n), "order_for_reuse")
-                         for n in self.main)
+            online = any(r["extra"].get("order_source") == "engine.order_for_reuse" for r in report["runs"])
             source = ("the engine's order_for_reuse at submission" if online else
                       "the offline order of pcr_rag.bench.reorder (this engine has no order_for_reuse)")
             notes.append(

@@ -181,3 +181,28 @@ def test_retrieval_with_generated_questions_and_both_orders(markdown_corpus):
     assert 0 <= agree["equal"] <= agree["n"] == 6 and agree["checked"] == 6
     assert any(n.startswith("answer agreement pcr@relevance vs pcr") for n in report["notes"])
     assert any("hit@2" in n for n in report["notes"])
+
+
+def test_cache_aware_order_comes_from_the_engine_when_it_has_order_for_reuse(monkeypatch, corpus_file):
+    """With ``PCREngine.order_for_reuse`` (the lead's runtime) the bench asks the engine at submission instead of
+    using its offline order."""
+    from pcr_rag.bench.config import BenchConfig
+    from pcr_rag.bench.serving import run_bench
+    from pcr_rag.engine import PCREngine
+
+    calls: list[int] = []
+
+    def order_for_reuse(self, documents):
+        calls.append(len(documents))
+        return list(reversed(documents))
+
+    monkeypatch.setattr(PCREngine, "order_for_reuse", order_for_reuse, raising=False)
+    model, tokenizer = tiny_model("llama", seed=0)
+    cfg = BenchConfig(corpus=str(corpus_file), tokens_per_passage=40, num_passages=None, top_k=2, num_topics=3,
+                      num_requests=4, warmup_requests=2, rates=(50.0,), windows=(), systems=("no-reuse", "pcr"),
+                      order="cache-aware", max_new_tokens=2, chunk_size=16, threads=1, limit_ratio=False)
+    report = run_bench(cfg, model=model, tokenizer=tokenizer, progress=False)
+    by = {r["system"]: r for r in report["runs"]}
+    assert by["pcr"]["extra"]["order_source"] == "engine.order_for_reuse"
+    assert len(calls) == 6 and set(calls) == {2}  # warm-up (2) + measured (4), pcr only
+    assert any("the engine's order_for_reuse" in n for n in report["notes"])
