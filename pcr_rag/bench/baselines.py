@@ -49,7 +49,7 @@ __all__ = [
 #: Bytes of llama.cpp context states the RAM cache keeps (LRU); llama-cpp-python's server default (2 GiB).
 LLAMA_CPP_CACHE_BYTES = 2 << 30
 #: llama.cpp context size at most (tokens); the bench's prompts are far shorter.
-_LLAMA_CPP_MAX_CTX = 8192
+_LLAMA_CPP_MAX_CTX = 4096
 
 
 @dataclass

@@ -277,7 +277,7 @@ class BenchRunner:
                     continue
                 identities[identity] = spec.name
                 self.servers[spec.name] = self._engine(spec, config, work)
-                if spec.uses_cache and spec.order is None:  # "X@<the run's order>" is X
+                if spec.uses_cache and spec.order is None and spec in self.systems:  # "X@<the run's order>" is X
                     self.aliases.setdefault(f"{spec.name}@{self.config.order}", spec.name)
             else:
                 reason = self._external_unavailable(spec)
