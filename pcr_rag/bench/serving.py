@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import logging
 import math
 import os
@@ -461,6 +462,9 @@ class BenchRunner:
         cfg = self.config
         server = self.servers[name]
         reorder = self._online_order(name)
+        order_kwargs: dict[str, Any] = {}
+        if reorder and "system" in inspect.signature(server.order_for_reuse).parameters:  # type: ignore[union-attr]
+            order_kwargs["system"] = SYSTEM_PROMPT  # the requests' layout: the same head as generate's
         results: list[GenerationResult | None] = [None] * len(trace)
         done_at: list[float] = [0.0] * len(trace)
         errors: list[BaseException] = []
@@ -474,7 +478,7 @@ class BenchRunner:
             try:
                 docs = self.traces.documents(req)
                 if reorder:
-                    docs = list(server.order_for_reuse(docs))  # type: ignore[union-attr]
+                    docs = list(server.order_for_reuse(docs, **order_kwargs))  # type: ignore[union-attr]
                 results[i] = server.generate(req.question, documents=docs, system=SYSTEM_PROMPT,
                                              max_new_tokens=cfg.max_new_tokens, temperature=0.0)
             except Exception as exc:  # noqa: BLE001 - a failed request is counted and reported, not fatal

@@ -186,14 +186,14 @@ def test_retrieval_with_generated_questions_and_both_orders(markdown_corpus):
 def test_cache_aware_order_comes_from_the_engine_when_it_has_order_for_reuse(monkeypatch, corpus_file):
     """With ``PCREngine.order_for_reuse`` (the lead's runtime) the bench asks the engine at submission instead of
     using its offline order."""
-    from pcr_rag.bench.config import BenchConfig
+    from pcr_rag.bench.config import SYSTEM_PROMPT, BenchConfig
     from pcr_rag.bench.serving import run_bench
     from pcr_rag.engine import PCREngine
 
-    calls: list[int] = []
+    calls: list[tuple[int, str | None]] = []
 
-    def order_for_reuse(self, documents):
-        calls.append(len(documents))
+    def order_for_reuse(self, documents, *, system=None):
+        calls.append((len(documents), system))
         return list(reversed(documents))
 
     monkeypatch.setattr(PCREngine, "order_for_reuse", order_for_reuse, raising=False)
@@ -204,5 +204,5 @@ def test_cache_aware_order_comes_from_the_engine_when_it_has_order_for_reuse(mon
     report = run_bench(cfg, model=model, tokenizer=tokenizer, progress=False)
     by = {r["system"]: r for r in report["runs"]}
     assert by["pcr"]["extra"]["order_source"] == "engine.order_for_reuse"
-    assert len(calls) == 6 and set(calls) == {2}  # warm-up (2) + measured (4), pcr only
+    assert len(calls) == 6 and set(calls) == {(2, SYSTEM_PROMPT)}  # warm-up (2) + measured (4), pcr only
     assert any("the engine's order_for_reuse" in n for n in report["notes"])
