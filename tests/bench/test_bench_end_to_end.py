@@ -77,9 +77,12 @@ def test_bench_cli_end_to_end(tmp_path, tiny_model_dir, corpus_file, capsys):
     rates = sorted({r["rate"] for r in runs if r["rate"] != "inf"})
     assert len(rates) == 2 and rates[0] < rates[1]
     assert report["target_rate"] == rates[0]
+    # the schedule pair runs where the engine has the option (the default schedule's twin is an alias of pcr)
+    schedules = {n for n in ("pcr-schedule-fcfs", "pcr-schedule-cache-aware")
+                 if n not in report["aliases"] and n not in {s["system"] for s in report["skipped"]}}
     for rate in rates:
-        assert {r["system"] for r in runs if r["rate"] == rate} == {*DEFAULT_SYSTEMS, "transformers",
-                                                                    "pcr-window-2"} - ({"pcr-window-2"} if rate == rates[1] else set())
+        expected = {*DEFAULT_SYSTEMS, "transformers", *schedules} | ({"pcr-window-2"} if rate == rates[0] else set())
+        assert {r["system"] for r in runs if r["rate"] == rate} == expected
     assert {r["rate"] for r in runs if r["system"] == "pcr-window-2"} == {rates[0]}
     # saturation: both max_active engines on one trace sent at once, their throughput ratio with an interval
     sat = {r["system"]: r for r in runs if r["rate"] == "inf"}
@@ -91,6 +94,9 @@ def test_bench_cli_end_to_end(tmp_path, tiny_model_dir, corpus_file, capsys):
     assert "llama-cpp" in skipped  # not importable, or (when installed) no GGUF for a directory model
     if "schedule" not in {f.name for f in dataclasses.fields(EngineConfig)}:
         assert skipped["pcr-schedule-fcfs"].endswith("has no schedule option")
+    else:  # one of the pair is the engine's default: the same configuration as pcr, run once
+        default = EngineConfig.__dataclass_fields__["schedule"].default
+        assert report["aliases"][f"pcr-schedule-{default}"] == "pcr" and len(schedules) == 1
     # every request of every system is keyed by (repeat, trace index) and paired across systems
     keys = {tuple(map(tuple, r["requests"]["key"])) for r in runs if r["rate"] == rates[0]}
     assert len(keys) == 1
