@@ -3,13 +3,13 @@
 Every ratio comes with a 95% bootstrap interval over requests (systems run interleaved on the same trace); a
 target counts as met only when the interval's unfavourable end meets it.
 
-Quick smoke run (all systems, two rates, 12 requests each; ratios indicative only; ~10-15 minutes on 2 CPU
+Quick smoke run (all systems, two rates, 12 requests each; ratios indicative only; ~15 minutes on 2 quiet CPU
 cores with the default model)::
 
     pcr-rag bench --quick --json results/bench-quick.json
 
-Standard run (few systems, one rate, 4 interleaved repeats of 30 requests: resolves a 10% difference; about 20
-minutes on 2 CPU cores); with real questions from the corpus's titles, pcr in both document orders::
+Standard run (few systems, one rate, 4 interleaved repeats of 20 requests: resolves a 10% difference; about 20
+minutes on 2 quiet CPU cores); with real questions from the corpus's titles, pcr in both document orders::
 
     pcr-rag bench --standard --json results/bench-standard.json
     pcr-rag bench --standard --retrieval --json results/bench-standard-retrieval.json
@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "ratios indicative only")
     g.add_argument("--standard", action="store_true",
                    help="preset that resolves a 10%% difference in ~20 minutes: few systems, load 0.7, 4 "
-                        "interleaved repeats x 30 requests (with --retrieval: cached systems in cache-aware order "
+                        "interleaved repeats x 20 requests (with --retrieval: cached systems in cache-aware order "
                         "plus pcr@relevance)")
     g.add_argument("--json", metavar="PATH", help="write the JSON report here")
     g.add_argument("--markdown", metavar="PATH", help="Markdown report (default: next to --json, .md)")

@@ -132,7 +132,8 @@ class BenchConfig:
 
 def quick_config(**overrides: Any) -> BenchConfig:
     """The ``--quick`` preset (a smoke run, ratios indicative only): every system, two rates, 12 requests per
-    system and rate, the saturation pair, window 2; about 10-15 minutes on 2 shared CPU cores."""
+    system and rate, the saturation pair, window 2; about 15 minutes on 2 quiet CPU cores (the rates follow the
+    no-reuse service time measured at the start: a busy start makes a slow run)."""
     base = BenchConfig(
         tokens_per_passage=120, num_passages=96, top_k=3, num_topics=16, num_requests=12, warmup_requests=8,
         loads=(0.7, 1.0), windows=(2,), saturation=(1, 8), max_new_tokens=8, limit_tokens=512, limit_reps=3,
@@ -142,21 +143,26 @@ def quick_config(**overrides: Any) -> BenchConfig:
 
 
 def standard_config(*, retrieval: bool = False, **overrides: Any) -> BenchConfig:
-    """The ``--standard`` preset: resolves a 10% difference in mean TTFT between two systems (95% interval,
-    ~80% power) in about 20 minutes on 2 shared CPU cores. Few systems (`STANDARD_SYSTEMS`, or
-    `STANDARD_RETRIEVAL_SYSTEMS` with cache-aware order for ``--retrieval``), one rate (load 0.7), 4 interleaved
-    repeats of 30 requests = 120 paired requests per system, no window sweep, no ablations, no limit ratio.
+    """The ``--standard`` preset: resolves a 10% difference in mean TTFT between pcr and its cached or uncached
+    engine baselines (95% interval, ~80% power) in about 20 minutes on 2 quiet CPU cores. Few systems
+    (`STANDARD_SYSTEMS`, or `STANDARD_RETRIEVAL_SYSTEMS` in cache-aware order for ``--retrieval``), one rate
+    (load 0.7), 4 interleaved repeats of 20 requests = 80 paired requests per system, saturation 4 x 16 requests,
+    no window sweep, no ablations, no limit ratio.
 
-    Sizing (docs/DESIGN.md, "Benchmarks"): from the pilot's paired per-request TTFTs, the requests needed to
-    resolve a 10% ratio are ``((1.96 + 0.84) sd(a - R b) / (0.1 mean(b)))^2`` (`pcr_rag.bench.stats.
-    requests_to_resolve`); the pilot asked for at most ~100 for the pairs the targets compare.
+    Sizing (docs/DESIGN.md, "Telling systems apart"): the paired requests a 10% difference needs are
+    ``((1.96 + 0.84) sd(a - R b) / (0.1 mean(b)))^2`` (`pcr_rag.bench.stats.requests_to_resolve`); the pilot (a
+    ``--quick`` run, 12 paired requests) asked for 29 (pcr vs no-reuse), 53 (vs ssd-on-demand) and 70 (vs
+    dram-only). pcr vs transformers pairs a hit-dependent TTFT with a flat one (sd ~3x larger): 80 requests
+    resolve ~27% there, enough for its 0.35x target. Time: every measured run lasts ~n / rate = 20 x 2.25 s / 0.7
+    (the quiet-machine no-reuse service time) ~ 65 s; 4 systems x 4 repeats ~ 17 min, plus warm-up, saturation
+    and the traces ~ 4 min.
     """
     base = BenchConfig(
         tokens_per_passage=120, num_passages=RETRIEVAL_PASSAGES if retrieval else 96, top_k=3, num_topics=16,
-        num_requests=30, repeats=4,
-        warmup_requests=8, loads=(0.7,), windows=(), max_new_tokens=8, limit_ratio=False, standard=True,
+        num_requests=20, repeats=4, warmup_requests=8, loads=(0.7,), windows=(), max_new_tokens=8,
+        limit_ratio=False, standard=True,
         systems=STANDARD_RETRIEVAL_SYSTEMS if retrieval else STANDARD_SYSTEMS,
-        saturation=() if retrieval else (1, 8), saturation_requests=24,
+        saturation=() if retrieval else (1, 8), saturation_requests=16,
         retrieval=retrieval, order="cache-aware" if retrieval else "relevance",
     )
     return replace(base, **overrides)

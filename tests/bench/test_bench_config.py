@@ -32,7 +32,7 @@ def test_standard_preset_config():
     cfg = standard_config()
     cfg.validate()
     assert cfg.standard and not cfg.quick
-    assert cfg.num_requests * cfg.repeats >= 120 and cfg.repeats >= 4  # paired requests per system (sizing)
+    assert cfg.num_requests * cfg.repeats >= 80 and cfg.repeats >= 4  # paired requests per system (sizing)
     assert len(cfg.loads) == 1 and cfg.windows == () and not cfg.limit_ratio
     assert cfg.systems == STANDARD_SYSTEMS and len(cfg.systems) < len(quick_config().systems)
     assert cfg.saturation == (1, 8) and cfg.order == "relevance"
