@@ -10,7 +10,9 @@ Sources:
 * a ``.jsonl`` file: one ``{"id": ..., "title": ..., "text": ...}`` object per line (``text`` is required).
 
 :func:`split_passages` cuts documents on paragraph boundaries into passages of about ``tokens_per_passage``
-tokens (whitespace words when no tokenizer is given), the unit a retriever returns.
+tokens (whitespace words when no tokenizer is given), the unit a retriever returns. :func:`section_titles`
+lists the entry and section titles the documents themselves carry (pydoc classes, functions and methods;
+Markdown headings), each with the passage that holds it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +37,9 @@ __all__ = [
     "CorpusError",
     "CorpusNotFoundError",
     "EmptyCorpusError",
+    "SectionTitle",
     "load_corpus",
+    "section_titles",
     "split_passages",
     "stdlib_corpus",
 ]
@@ -328,4 +332,75 @@ def split_passages(
             pieces.append("\n\n".join(current))
         for i, piece in enumerate(pieces):
             out.append(CorpusDocument(f"{doc.doc_id}#{i}", f"{doc.title} (part {i + 1})", piece))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------- titles
+
+_PYDOC_CLASS = re.compile(r"^    class ([A-Za-z]\w*)")
+_PYDOC_FUNCTION = re.compile(r"^    ([A-Za-z]\w*)\(")
+_PYDOC_METHOD = re.compile(r"^     \|  ([A-Za-z]\w*)\(")
+_PYDOC_GROUP = re.compile(r"^     \|  ([A-Z][^()]*):$")  # "Methods defined here:", "Methods inherited from X:"
+_PYDOC_RULE = re.compile(r"^     \|  -{10,}$")
+_MARKDOWN_HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$")
+
+
+@dataclass(frozen=True)
+class SectionTitle:
+    """A title a document carries: a pydoc ``class`` / ``function`` / ``method`` entry or a Markdown
+    ``section`` heading. ``name`` is the entry's own name (``"decode"``) or the heading text; ``title`` is
+    qualified with the document (and class): ``"json.JSONDecoder.decode"``. ``passage_id``: the passage whose
+    text holds the title's line (its gold passage)."""
+
+    passage_id: str
+    document: str
+    kind: Literal["class", "function", "method", "section"]
+    name: str
+    title: str
+
+
+def section_titles(passages: Sequence[CorpusDocument]) -> list[SectionTitle]:
+    """The titles in ``passages`` (as cut by :func:`split_passages`, in document and text order), first
+    occurrence of each qualified title only.
+
+    pydoc text (the stdlib corpus): a class under ``CLASSES`` (``    class Name(...)``), its own public methods
+    (not the inherited ones, not the constructor signature line), and a public function under ``FUNCTIONS``. Markdown: ``#`` headings outside fenced
+    code blocks. The section context (pydoc heading, current class, code fence) carries across the passages of
+    one document, so pass all of a document's passages, not a sample of them.
+    """
+    out: list[SectionTitle] = []
+    seen: set[str] = set()
+    current_doc: str | None = None
+    section = cls = ""
+    inherited = fenced = False
+    for passage in passages:
+        doc = passage.doc_id.rsplit("#", 1)[0]
+        if doc != current_doc:
+            current_doc, section, cls, inherited, fenced = doc, "", "", False, False
+        document = re.sub(r" \(part \d+\)$", "", passage.title)
+        for line in passage.text.splitlines():
+            found: tuple[Literal["class", "function", "method", "section"], str, str] | None = None
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+                continue
+            if line and not line[0].isspace():
+                section = line.strip()
+                heading = _MARKDOWN_HEADING.match(line)
+                if heading and not fenced:
+                    found = ("section", heading.group(1), heading.group(1))
+            elif section == "CLASSES":
+                if m := _PYDOC_CLASS.match(line):
+                    cls, inherited = m.group(1), False
+                    found = ("class", cls, f"{document}.{cls}")
+                elif m := _PYDOC_GROUP.match(line):
+                    inherited = "inherited from" in m.group(1)
+                elif _PYDOC_RULE.match(line):
+                    inherited = False
+                elif (m := _PYDOC_METHOD.match(line)) and cls and not inherited and m.group(1) != cls:
+                    found = ("method", m.group(1), f"{document}.{cls}.{m.group(1)}")
+            elif section == "FUNCTIONS" and (m := _PYDOC_FUNCTION.match(line)):
+                found = ("function", m.group(1), f"{document}.{m.group(1)}")
+            if found is not None and found[2] not in seen:
+                seen.add(found[2])
+                out.append(SectionTitle(passage.doc_id, document, found[0], found[1], found[2]))
     return out

@@ -1,8 +1,18 @@
 """`pcr-rag bench`: the RAG serving benchmark (baselines, ablations, window sweep, percentiles, plots).
 
-Quick run (all systems, two rates, a small trace; under 10 minutes on 2 CPU cores with the default model)::
+Every ratio comes with a 95% bootstrap interval over requests (systems run interleaved on the same trace); a
+target counts as met only when the interval's unfavourable end meets it.
+
+Quick smoke run (all systems, two rates, 12 requests each; ratios indicative only; ~15 minutes on 2 quiet CPU
+cores with the default model)::
 
     pcr-rag bench --quick --json results/bench-quick.json
+
+Standard run (few systems, one rate, 4 interleaved repeats of 20 requests: resolves a 10% difference; about 20
+minutes on 2 quiet CPU cores); with real questions from the corpus's titles, pcr in both document orders::
+
+    pcr-rag bench --standard --json results/bench-standard.json
+    pcr-rag bench --standard --retrieval --json results/bench-standard-retrieval.json
 
 Full run (load factors 0.4, 0.7, 1.0 of the measured no-reuse capacity, 32 measured requests per system and
 rate, top-3 passages of ~300 tokens from 64 Zipf-popular topics, prefetch windows 2/4/6/8/10 at the middle
@@ -28,10 +38,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pcr_rag.bench.config import BenchConfig, BenchError, quick_config
+from pcr_rag.bench.config import (
+    QUICK_CAVEAT,
+    RETRIEVAL_PASSAGES,
+    BenchConfig,
+    BenchError,
+    quick_config,
+    standard_config,
+)
 from pcr_rag.bench.report import markdown_report, write_report
 from pcr_rag.bench.serving import run_bench
-from pcr_rag.bench.systems import DEFAULT_SYSTEMS, SYSTEMS, UnknownSystemError
+from pcr_rag.bench.systems import BENCH_DEFAULT_SYSTEMS, ORDERS, SYSTEMS, UnknownSystemError
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     g = parser.add_argument_group("run")
     g.add_argument("--quick", action="store_true",
-                   help="small preset: all systems, loads 0.7,1.0, 12 requests per run, window sweep {2,6}")
+                   help="smoke preset: all systems, loads 0.7,1.0, 12 requests per run, window sweep {2,6}; "
+                        "ratios indicative only")
+    g.add_argument("--standard", action="store_true",
+                   help="preset that resolves a 10%% difference in ~20 minutes: few systems, load 0.7, 4 "
+                        "interleaved repeats x 20 requests (with --retrieval: cached systems in cache-aware order "
+                        "plus pcr@relevance)")
     g.add_argument("--json", metavar="PATH", help="write the JSON report here")
     g.add_argument("--markdown", metavar="PATH", help="Markdown report (default: next to --json, .md)")
     g.add_argument("--plots", metavar="DIR", help="PNG plots directory (default: <json stem>-plots)")
@@ -84,7 +106,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--retrieval", action="store_true",
                    help="topics are real questions with their top-k passages from Chroma + MiniLM")
     w.add_argument("--questions", metavar="FILE",
-                   help="questions for --retrieval, one per line (default: built-in questions on the stdlib docs)")
+                   help="questions for --retrieval, one per line (default: questions generated from the corpus's "
+                        "own titles, pydoc entries or Markdown headings, each with its gold passage)")
+    w.add_argument("--num-questions", type=int,
+                   help="generated questions at most (default 200; the stdlib corpus needs --passages >= ~300)")
+    w.add_argument("--order", choices=ORDERS,
+                   help="document order of the cached systems (default relevance; with --retrieval cache-aware, "
+                        "plus pcr@relevance to compare); a system named X@ORDER overrides it")
     w.add_argument("--zipf", type=float, help="Zipf exponent of popularity (default 1.0)")
     w.add_argument("--requests", type=int, help="measured requests per system and rate (default 32; quick 12)")
     w.add_argument("--warmup", type=int, help="warm-up requests per cached system, not measured: the most popular topics (default 16; quick 8)")
@@ -97,8 +125,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--max-new-tokens", type=int, help="output tokens per request (default 32; quick 8)")
     w.add_argument("--seed", type=int, help="workload seed (default 0)")
     s = parser.add_argument_group("systems and cache")
-    s.add_argument("--systems", help=f"comma-separated, from: {', '.join(SYSTEMS)} (default: all of "
-                                     f"{','.join(DEFAULT_SYSTEMS)})")
+    s.add_argument("--systems", help=f"comma-separated, from: {', '.join(SYSTEMS)}, pcr-window-N, "
+                                     "pcr-max-active-N, pcr-schedule-{fcfs,cache-aware}, <cached system>@ORDER "
+                                     f"(default: {','.join(BENCH_DEFAULT_SYSTEMS)})")
+    s.add_argument("--saturation", type=parse_ints,
+                   help="max_active values compared at saturation, all requests at once (presets: 1,8; "
+                        "otherwise none; '' = none)")
+    s.add_argument("--saturation-requests", type=int,
+                   help="requests of a saturation run (default: --requests)")
     s.add_argument("--windows", type=parse_ints,
                    help="prefetch windows to sweep besides pcr's own (default 2,4,8,10; quick 2; '' = none)")
     s.add_argument("--sweep-rates", choices=("mid", "all"), help="rates of the window sweep (default mid)")
@@ -114,13 +148,26 @@ _FIELDS = {
     "loads": "loads", "rates": "rates", "burstiness": "burstiness", "repeats": "repeats",
     "max_new_tokens": "max_new_tokens", "seed": "seed", "windows": "windows", "sweep_rates": "sweep_rates",
     "chunk_size": "chunk_size", "dram_fraction": "dram_fraction", "ssd_fraction": "ssd_fraction",
-    "work_dir": "work_dir", "questions": "questions",
+    "work_dir": "work_dir", "questions": "questions", "num_questions": "num_questions", "order": "order",
+    "saturation": "saturation", "saturation_requests": "saturation_requests",
 }
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    """A `BenchConfig` from parsed arguments (preset first, then every option given)."""
-    cfg = quick_config() if args.quick else BenchConfig()
+    """A `BenchConfig` from parsed arguments (preset first, then every option given).
+
+    ``--retrieval`` (or ``--questions``) without ``--passages`` samples `RETRIEVAL_PASSAGES` passages (enough
+    titles for the generated questions); without ``--order`` the cached systems use cache-aware order and, unless
+    ``--systems`` is given, ``pcr@relevance`` joins them so both orders are compared."""
+    retrieval = bool(args.retrieval or args.questions)
+    if args.quick and args.standard:
+        raise BenchError("choose one preset: --quick or --standard")
+    if args.standard:
+        cfg = standard_config(retrieval=retrieval)
+    else:
+        cfg = quick_config() if args.quick else BenchConfig()
+        if retrieval:
+            cfg = replace(cfg, retrieval=True, num_passages=RETRIEVAL_PASSAGES, order="cache-aware")
     changes: dict[str, Any] = {}
     for arg, fld in _FIELDS.items():
         value = getattr(args, arg, None)
@@ -132,11 +179,15 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         changes["num_topics"] = None
     if args.systems:
         changes["systems"] = tuple(x.strip() for x in args.systems.split(",") if x.strip())
-    if args.retrieval or args.questions:
+    if retrieval:
         changes["retrieval"] = True
     if args.no_limit_ratio:
         changes["limit_ratio"] = False
-    return replace(cfg, **changes)
+    cfg = replace(cfg, **changes)
+    if retrieval and not args.systems:  # compare both orders: pcr in the other one joins
+        other = next(o for o in ORDERS if o != cfg.order)
+        cfg = replace(cfg, systems=(*(n for n in cfg.systems if not n.startswith("pcr@")), f"pcr@{other}"))
+    return cfg
 
 
 def output_paths(args: argparse.Namespace) -> tuple[Path | None, Path | None, Path | None]:
@@ -165,6 +216,8 @@ def run(args: argparse.Namespace) -> int:
                        title="pcr-rag bench")
     print(markdown_report(report, title="pcr-rag bench"))
     print()
+    if cfg.quick:
+        print(QUICK_CAVEAT)
     print(f"what a user would see: {report.get('summary')}")
     for kind, path in (("json", out["json"]), ("markdown", out["markdown"])):
         if path:

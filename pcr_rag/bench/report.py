@@ -10,12 +10,20 @@ JSON layout (stable keys; times in seconds, ratios as fractions, sizes in bytes 
                "queue": {...}, "hit_ratio": {"device", "dram", "ssd"}, "reuse_ratio": f,
                "tokens": {"prompt", "computed", "reused", "output"},
                "throughput_rps": x, "output_tokens_per_s": x, "prefetch_hits": n,
-               "bytes": {...}, "extra": {...}}, ...],
+               "bytes": {...}, "extra": {...},
+               "requests": {"key": [[repeat, index], ...], "ttft": [...], ...}}, ...],   # per request
      "summary": "pcr: mean TTFT ... (one line)", "breakdown": [...], "targets": [...],
+     "ratios": [{"system", "baseline", "stat", "rate", "ratio", "low", "high", "n", "significant"}, ...],
+     "answers": [{"system", "baseline", "rate", "equal", "n", "hit", "checked"}, ...],
+     "aliases": {"name": "system whose runs it shares"}, "skipped": [{"system", "reason"}],
      "limit_ratio": {...} | null, "notes": [...]}
 
 A latency summary whose sample is empty has ``null`` values. Percentiles are linear-interpolated
 (:func:`pcr_rag.metrics.percentile`, numpy's default method), the one implementation used everywhere.
+
+Every ratio (targets, the ``ratios`` table, the breakdown, the summary line) carries a 95% bootstrap interval
+over requests, paired by ``(repeat, trace index)`` (`pcr_rag.bench.stats`); a target is judged on the interval's
+unfavourable end, and a ratio whose interval holds 1 is flagged as not significant.
 """
 
 from __future__ import annotations
@@ -32,12 +40,14 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from pcr_rag.bench.stats import RatioInterval, RequestTable, paired_ratio_interval
 from pcr_rag.bench.targets import RatioTarget
 from pcr_rag.metrics import TIERS, percentile, summarize
 
 __all__ = [
     "SCHEMA",
     "RequestSample",
+    "answer_rows",
     "RunRecord",
     "TargetResult",
     "breakdown",
@@ -50,6 +60,8 @@ __all__ = [
     "mid_rate",
     "percentile",
     "rates",
+    "ratio_interval",
+    "ratio_rows",
     "run_for",
     "user_summary",
     "write_json",
@@ -77,6 +89,10 @@ class RequestSample:
 
     ``reused_by_tier`` maps ``"device"/"dram"/"ssd"`` to prompt tokens whose KV came from that tier;
     ``computed_tokens + sum(reused_by_tier) == prompt_tokens``. ``itl_s``: gaps between generated tokens.
+    ``key``: ``(repeat, trace index)``, what pairs this request with the same request of another system (None:
+    its position in the run). ``arrival_s``: its arrival time in the trace. ``output_hash``: a digest of the
+    generated token ids (equal answers, equal hashes). ``answer_hit``: whether the answer names what the
+    question asked about (retrieval workload with gold passages; None otherwise).
     """
 
     ttft_s: float
@@ -88,6 +104,10 @@ class RequestSample:
     reused_by_tier: Mapping[str, int]
     output_tokens: int
     prefetch_hit_chunks: int = 0
+    key: tuple[int, int] | None = None
+    arrival_s: float = 0.0
+    output_hash: str | None = None
+    answer_hit: bool | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -97,8 +117,9 @@ class RequestSample:
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
     @classmethod
-    def from_metrics(cls, metrics: Any, output_tokens: int | None = None) -> RequestSample:
-        """From a runtime `RequestMetrics` (duck-typed: the fields named in DESIGN.md)."""
+    def from_metrics(cls, metrics: Any, output_tokens: int | None = None, **fields: Any) -> RequestSample:
+        """From a runtime `RequestMetrics` (duck-typed: the fields named in DESIGN.md); ``fields`` sets the
+        pairing and answer fields (``key``, ``arrival_s``, ``output_hash``, ``answer_hit``)."""
         itl = tuple(float(x) for x in (getattr(metrics, "itl_s", None) or ()))
         out = output_tokens if output_tokens is not None else getattr(metrics, "generated_tokens", len(itl) + 1)
         by_tier = dict(getattr(metrics, "reused_by_tier", None) or {})
@@ -112,6 +133,7 @@ class RequestSample:
             reused_by_tier={t: int(by_tier.get(t, 0)) for t in TIERS},
             output_tokens=int(out),
             prefetch_hit_chunks=int(getattr(metrics, "prefetch_hit_chunks", 0)),
+            **fields,
         )
 
 
@@ -172,7 +194,26 @@ class RunRecord:
             "prefetch_hits": self.prefetch_hits,
             "bytes": dict(self.bytes),
             "extra": _jsonable(self.extra),
+            "requests": _request_columns(s),
         }
+
+
+def _request_columns(samples: Sequence[RequestSample]) -> dict[str, list[Any]]:
+    """The per-request columns the bootstrap intervals are computed from (see `pcr_rag.bench.stats`)."""
+    return {
+        "key": [list(x.key) if x.key is not None else [0, i] for i, x in enumerate(samples)],
+        "arrival": [x.arrival_s for x in samples],
+        "ttft": [x.ttft_s for x in samples],
+        "e2el": [x.e2e_s for x in samples],
+        "queue": [x.queue_s for x in samples],
+        "tpot": [x.tpot_s for x in samples],
+        "itl": [list(x.itl_s) for x in samples],
+        "prompt_tokens": [x.prompt_tokens for x in samples],
+        **{f"reused_{t}": [x.reused_by_tier.get(t, 0) for x in samples] for t in TIERS},
+        "output_tokens": [x.output_tokens for x in samples],
+        "output_hash": [x.output_hash for x in samples],
+        "answer_hit": [x.answer_hit for x in samples],
+    }
 
 
 def latency_summary(values: Sequence[float]) -> dict[str, float | None]:
@@ -218,7 +259,9 @@ def mid_rate(report: Mapping[str, Any]) -> float:
 
 
 def run_for(report: Mapping[str, Any], system: str, rate: float) -> dict[str, Any] | None:
-    """The run dict of ``system`` at ``rate`` (matched within 1e-9 relative), or None."""
+    """The run dict of ``system`` at ``rate`` (matched within 1e-9 relative), or None. A name in the report's
+    ``aliases`` (a system with the same configuration as another, run once) resolves to that system."""
+    system = (report.get("aliases") or {}).get(system, system)
     for r in report["runs"]:
         rr = _rate_from_json(r["rate"])
         if r["system"] == system and (rr == rate or math.isclose(rr, rate, rel_tol=1e-9)):
@@ -254,9 +297,24 @@ def _fmt_rate(rate: float) -> str:
 # ---------------------------------------------------------------------------------------------- targets
 
 
+def ratio_interval(run: Mapping[str, Any] | None, baseline: Mapping[str, Any] | None, stat: str, *,
+                   baseline_stat: str | None = None) -> RatioInterval | None:
+    """``stat(run) / baseline_stat(baseline)`` with its paired bootstrap interval, from the runs' per-request
+    columns; None when a run is missing, carries no per-request data, or the ratio is undefined."""
+    if run is None or baseline is None:
+        return None
+    a, b = RequestTable.from_run(run), RequestTable.from_run(baseline)
+    if a is None or b is None:
+        return None
+    return paired_ratio_interval(a, b, stat, baseline_stat=baseline_stat)
+
+
 @dataclass(frozen=True)
 class TargetResult:
-    """How a target fared: ``ratio`` is None (and ``passed`` False) when a needed run is missing."""
+    """How a target fared: ``ratio`` is None (and ``passed`` False) when a needed run is missing.
+
+    ``ci_low``/``ci_high``: the ratio's 95% bootstrap interval (None without per-request data); ``passed`` is
+    judged on its unfavourable end (upper for ``max_ratio``, lower for ``min_ratio``), else on the ratio."""
 
     name: str
     system: str
@@ -268,6 +326,13 @@ class TargetResult:
     ratio: float | None
     max_ratio: float
     passed: bool
+    min_ratio: float | None = None
+    baseline_stat: str | None = None
+    ci_low: float | None = None
+    ci_high: float | None = None
+    significant: bool | None = None
+    n: int | None = None
+    missing: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return _jsonable(self.__dict__)
@@ -275,10 +340,31 @@ class TargetResult:
     def line(self) -> str:
         verdict = "PASS" if self.passed else "MISS"
         if self.ratio is None:
-            return f"[{verdict}] {self.name}: not measured ({self.system} or {self.baseline} missing)"
-        return (f"[{verdict}] {self.name}: {self.system} {self.stat} {format_seconds(self.value)} / "
-                f"{self.baseline} {format_seconds(self.baseline_value)} = {self.ratio:.2f}x "
-                f"(target <= {self.max_ratio:.2f}x) at {_fmt_rate(self.rate)}")
+            return (f"[{verdict}] {self.name}: not measured "
+                    f"({self.missing or f'{self.system} or {self.baseline} missing'})")
+        bstat = self.baseline_stat or self.stat
+        if self.min_ratio is not None:
+            goal, end = f">= {self.min_ratio:.2f}x", "lower"
+        else:
+            goal, end = f"<= {self.max_ratio:.2f}x", "upper"
+        if self.ci_low is None or self.ci_high is None:
+            interval = " (no interval: judged on the point ratio)"
+        else:
+            interval = (f" [{self.ci_low:.2f}, {self.ci_high:.2f}] (95% CI, n={self.n}; judged at the {end} end"
+                        f"{'' if self.significant else '; difference not significant'})")
+        return (f"[{verdict}] {self.name}: {self.system} {self.stat} {_fmt_value(self.stat, self.value)} / "
+                f"{self.baseline} {bstat} {_fmt_value(bstat, self.baseline_value)} = {self.ratio:.2f}x{interval}; "
+                f"target {goal} at {_fmt_rate(self.rate)}")
+
+
+def _fmt_value(stat: str, value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    if stat == "reuse_ratio" or stat.startswith("hit_ratio"):
+        return f"{value:.1%}"
+    if stat == "throughput_rps":
+        return f"{value:.3g} req/s"
+    return format_seconds(value)
 
 
 def evaluate_targets(
@@ -286,14 +372,91 @@ def evaluate_targets(
 ) -> list[TargetResult]:
     """Judge each target at ``rate`` (default: :func:`mid_rate`) from the report's measured runs only."""
     at = mid_rate(report) if rate is None else rate
+    skipped = {s["system"]: s["reason"] for s in report.get("skipped") or []}
     out: list[TargetResult] = []
     for t in targets:
-        v = _stat(run_for(report, t.system, at), t.stat)
-        b = _stat(run_for(report, t.baseline, at), t.stat)
+        run, base = run_for(report, t.system, at), run_for(report, t.baseline, at)
+        missing = "; ".join(f"{n} skipped: {skipped[n]}" if n in skipped else f"{n} not run at this rate"
+                            for n, r in ((t.system, run), (t.baseline, base)) if r is None) or None
+        v = _stat(run, t.stat)
+        b = _stat(base, t.baseline_stat or t.stat)
         ratio = v / b if (v is not None and b) else None
-        out.append(TargetResult(t.name, t.system, t.baseline, t.stat, at, v, b, ratio, t.max_ratio,
-                                ratio is not None and ratio <= t.max_ratio))
+        ci = ratio_interval(run, base, t.stat, baseline_stat=t.baseline_stat) if ratio is not None else None
+        if ci is not None:
+            ratio = ci.ratio
+        if ratio is None:
+            passed = False
+        elif t.min_ratio is not None:
+            passed = (ci.low if ci else ratio) >= t.min_ratio
+        else:
+            passed = (ci.high if ci else ratio) <= t.max_ratio
+        out.append(TargetResult(t.name, t.system, t.baseline, t.stat, at, v, b, ratio, t.max_ratio, passed,
+                                t.min_ratio, t.baseline_stat, ci.low if ci else None, ci.high if ci else None,
+                                ci.significant if ci else None, ci.n if ci else None, missing))
     return out
+
+
+def ratio_rows(report: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The report's ratio table: at every rate, pcr (or the first system) over every other system for mean and
+    P99 TTFT, over each ``@order`` twin also for the hit ratio, and at saturation the throughput of each
+    ``pcr-max-active-N`` over the smallest N; each with its interval (``low``/``high`` None without one)."""
+    rows: list[dict[str, Any]] = []
+    for rate in rates(report):
+        runs = [r for r in report["runs"] if _rate_from_json(r["rate"]) == rate]
+        names = [r["system"] for r in runs]
+        pairs: list[tuple[str, str, str]] = []
+        active = sorted((n for n in names if n.startswith("pcr-max-active-")),
+                        key=lambda n: int(n.removeprefix("pcr-max-active-")))
+        pairs += [(n, active[0], "throughput_rps") for n in active[1:]]
+        ref = "pcr" if "pcr" in names else (names[0] if names and not active else None)
+        if ref is not None:
+            for other in names:
+                if other == ref:
+                    continue
+                pairs += [(ref, other, "ttft.mean"), (ref, other, "ttft.p99")]
+                if "@" in other or "@" in ref:
+                    pairs.append((ref, other, "reuse_ratio"))
+        for system, baseline, stat in pairs:
+            run, base = run_for(report, system, rate), run_for(report, baseline, rate)
+            v, b = _stat(run, stat), _stat(base, stat)
+            ci = ratio_interval(run, base, stat)
+            ratio = ci.ratio if ci else (v / b if v is not None and b else None)
+            rows.append({"rate": _rate_to_json(rate), "system": system, "baseline": baseline, "stat": stat,
+                         "value": v, "baseline_value": b, "ratio": ratio,
+                         "low": ci.low if ci else None, "high": ci.high if ci else None,
+                         "n": ci.n if ci else None, "significant": ci.significant if ci else None})
+    return rows
+
+
+def answer_rows(report: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Answer agreement at every rate: each system against ``no-reuse`` (same prompt, same greedy tokens
+    expected from an exact cache), and each ``X@order`` system against ``X`` (a different document order is a
+    different prompt): ``equal`` of ``n`` paired requests generated the same tokens. ``hit``/``checked``: the
+    system's answers that name what a generated question asked about (None without gold questions)."""
+    rows: list[dict[str, Any]] = []
+    for rate in rates(report):
+        runs = {r["system"]: r for r in report["runs"] if _rate_from_json(r["rate"]) == rate}
+        pairs = [(n, "no-reuse") for n in runs if n != "no-reuse" and "no-reuse" in runs]
+        pairs += [(n, n.split("@", 1)[0]) for n in runs if "@" in n]
+        for system, baseline in dict.fromkeys(pairs):
+            a, b = runs[system], run_for(report, baseline, rate)
+            if b is None or b is a:
+                continue
+            ha = _hashes(a)
+            hb = _hashes(b)
+            keys = [k for k in ha if k in hb and ha[k] is not None and hb[k] is not None]
+            hits = [h for h in (a.get("requests") or {}).get("answer_hit", []) if h is not None]
+            if not keys and not hits:  # no answers recorded (e.g. a simulation)
+                continue
+            rows.append({"rate": _rate_to_json(rate), "system": system, "baseline": baseline,
+                         "equal": sum(ha[k] == hb[k] for k in keys), "n": len(keys),
+                         "hit": sum(hits) if hits else None, "checked": len(hits) if hits else None})
+    return rows
+
+
+def _hashes(run: Mapping[str, Any]) -> dict[tuple[int, int], str | None]:
+    cols = run.get("requests") or {}
+    return {tuple(k): h for k, h in zip(cols.get("key", []), cols.get("output_hash", []), strict=False)}
 
 
 # --------------------------------------------------------------------------------------------- breakdown
@@ -301,28 +464,36 @@ def evaluate_targets(
 
 def breakdown(report: Mapping[str, Any], rate: float, *, stat: str = "ttft.mean") -> list[dict[str, Any]]:
     """Table-1-like contribution of each PCR mechanism at ``rate``: for every ablation present,
-    ``reduction = (stat(without) - stat(pcr)) / stat(without)`` (positive = the mechanism helps).
+    ``reduction = (stat(without) - stat(pcr)) / stat(without)`` (positive = the mechanism helps), with its
+    interval ``[reduction_low, reduction_high]`` (1 - the paired interval of pcr / without; None without one).
 
     Also ``pcr`` against ``ssd-on-demand`` (all mechanisms together), when both ran."""
-    pcr = _stat(run_for(report, "pcr", rate), stat)
+    pcr_run = run_for(report, "pcr", rate)
+    pcr = _stat(pcr_run, stat)
     rows: list[dict[str, Any]] = []
     pairs = [*ABLATIONS, ("ssd-on-demand", "all PCR mechanisms (vs ssd-on-demand)")]
     for system, mechanism in pairs:
-        without = _stat(run_for(report, system, rate), stat)
+        other = run_for(report, system, rate)
+        without = _stat(other, stat)
         if pcr is None or without is None:
             continue
+        ci = ratio_interval(pcr_run, other, stat)
         rows.append({
             "rate": _rate_to_json(rate), "mechanism": mechanism, "without": system, "stat": stat,
             "value_without": without, "value_pcr": pcr,
             "reduction": (without - pcr) / without if without else None,
+            "reduction_low": 1 - ci.high if ci else None, "reduction_high": 1 - ci.low if ci else None,
+            "significant": ci.significant if ci else None,
         })
     return rows
 
 
 def user_summary(report: Mapping[str, Any], rate: float | None = None, *, system: str = "pcr",
-                 baselines: Sequence[str] = ("no-reuse", "dram-only", "ssd-on-demand")) -> str:
+                 baselines: Sequence[str] = ("no-reuse", "dram-only", "ssd-on-demand", "transformers",
+                                             "llama-cpp")) -> str:
     """One line a user would care about, e.g. ``"at 0.5 req/s, pcr: mean TTFT 0.62 s vs no-reuse 2.90 s (4.7x
-    faster), P99 1.10 s vs 5.30 s (4.8x); ..."``. Only measured numbers; missing runs are left out."""
+    faster [3.9-5.6]), P99 1.10 s vs 5.30 s (4.8x [...]); ..."`` (speed-ups with their 95% intervals, "n.s."
+    when the interval holds 1). Only measured numbers; missing runs are left out."""
     at = mid_rate(report) if rate is None else rate
     ours = run_for(report, system, at)
     if ours is None:
@@ -334,18 +505,23 @@ def user_summary(report: Mapping[str, Any], rate: float | None = None, *, system
             continue
         m, bm = _stat(ours, "ttft.mean"), _stat(theirs, "ttft.mean")
         p, bp = _stat(ours, "ttft.p99"), _stat(theirs, "ttft.p99")
-        parts.append(f"mean TTFT {format_seconds(m)} vs {base} {format_seconds(bm)} ({_speedup(bm, m)}), "
-                     f"P99 {format_seconds(p)} vs {format_seconds(bp)} ({_speedup(bp, p)})")
+        cm, cp = ratio_interval(ours, theirs, "ttft.mean"), ratio_interval(ours, theirs, "ttft.p99")
+        parts.append(f"mean TTFT {format_seconds(m)} vs {base} {format_seconds(bm)} ({_speedup(bm, m, cm)}), "
+                     f"P99 {format_seconds(p)} vs {format_seconds(bp)} ({_speedup(bp, p, cp)})")
     if not parts:
         return f"at {_fmt_rate(at)}, {system}: mean TTFT {format_seconds(_stat(ours, 'ttft.mean'))}"
     return f"at {_fmt_rate(at)}, {system}: " + "; ".join(parts)
 
 
-def _speedup(base: float | None, ours: float | None) -> str:
+def _speedup(base: float | None, ours: float | None, ci: RatioInterval | None = None) -> str:
     if base is None or ours is None or ours <= 0:
         return "n/a"
     x = base / ours
-    return f"{x:.2f}x faster" if x >= 1 else f"{1 / x:.2f}x slower"
+    text = f"{x:.2f}x faster" if x >= 1 else f"{1 / x:.2f}x slower"
+    if ci is None or ci.low <= 0:
+        return text
+    lo, hi = (1 / ci.high, 1 / ci.low) if x >= 1 else (ci.low, ci.high)
+    return f"{text} [{lo:.2f}-{hi:.2f}]{'' if ci.significant else ', n.s.'}"
 
 
 # ------------------------------------------------------------------------------------------------ build
@@ -361,8 +537,14 @@ def build_report(
     target_rate: float | None = None,
     limit_ratio: Mapping[str, Any] | None = None,
     notes: Iterable[str] = (),
+    aliases: Mapping[str, str] | None = None,
+    skipped: Mapping[str, str] | None = None,
+    caveat: str | None = None,
 ) -> dict[str, Any]:
-    """Assemble the report dict (see the module docstring). Runs with the same (system, rate) are merged."""
+    """Assemble the report dict (see the module docstring). Runs with the same (system, rate) are merged.
+
+    ``aliases``: system name -> the system whose runs it shares (same configuration, run once); ``skipped``:
+    system name -> why it did not run; ``caveat``: a line the Markdown prints first (e.g. "indicative only")."""
     merged: dict[tuple[str, float], RunRecord] = {}
     for run in runs:
         key = (run.system, run.rate)
@@ -378,9 +560,13 @@ def build_report(
         "config": _jsonable(dict(config or {})),
         "environment": _jsonable(dict(environment or default_environment())),
         "runs": [r.to_dict() for r in _ordered(merged)],
+        "aliases": dict(aliases or {}),
+        "skipped": [{"system": k, "reason": v} for k, v in (skipped or {}).items()],
+        "caveat": caveat,
     }
     if not report["runs"]:
-        report.update(summary="no runs", breakdown=[], targets=[], limit_ratio=_jsonable(limit_ratio),
+        report.update(summary="no runs", breakdown=[], targets=[], ratios=[], answers=[],
+                      limit_ratio=_jsonable(limit_ratio),
                       notes=list(notes))
         return report
     at = mid_rate(report) if target_rate is None else target_rate
@@ -388,6 +574,8 @@ def build_report(
     report["summary"] = user_summary(report, at)
     report["breakdown"] = [row for r in rates(report) for row in breakdown(report, r)]
     report["targets"] = [t.as_dict() for t in evaluate_targets(report, targets, at)]
+    report["ratios"] = _jsonable(ratio_rows(report))
+    report["answers"] = answer_rows(report)
     report["limit_ratio"] = _jsonable(limit_ratio) if limit_ratio is not None else None
     report["notes"] = list(notes)
     return report
@@ -428,6 +616,8 @@ def load_report(path: str | Path) -> dict[str, Any]:
 def markdown_report(report: Mapping[str, Any], *, title: str | None = None) -> str:
     """A Markdown page: per-rate latency tables, hit ratios, breakdown, targets, limit ratio, notes."""
     lines = [f"# {title or ('pcr-rag ' + str(report.get('kind', 'bench')))} report", ""]
+    if report.get("caveat"):
+        lines += [f"> **{report['caveat']}**", ""]
     if report.get("summary"):
         lines += [f"**{report['summary']}**", ""]
     cfg = report.get("config") or {}
@@ -450,21 +640,60 @@ def markdown_report(report: Mapping[str, Any], *, title: str | None = None) -> s
                 f"| {_num(r.get('throughput_rps'))} | {r.get('prefetch_hits', 0)} |"
             )
         lines.append("")
+    skipped = report.get("skipped") or []
+    aliases = report.get("aliases") or {}
+    same = {a: b for a, b in aliases.items() if a.split("@", 1)[0] != b}
+    in_order = [a for a in aliases if a not in same]
+    if skipped or same:
+        lines += ["## Systems not run", ""]
+        lines += [f"- `{s['system']}` skipped: {s['reason']}" for s in skipped]
+        lines += [f"- `{a}` has the same configuration as `{b}`: run once, its figures are `{b}`'s"
+                  for a, b in same.items()]
+        lines.append("")
+    if in_order:
+        lines += [f"Document order of the cached systems: {', '.join(f'`{a}` is `{aliases[a]}`' for a in in_order)}.",
+                  ""]
+    ratio_table = report.get("ratios") or []
+    if ratio_table:
+        lines += ["## Ratios with 95% bootstrap intervals (paired by request; n.s. = the interval holds 1)", "",
+                  "| rate | system | / baseline | stat | value | baseline | ratio | 95% CI | significant |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for row in ratio_table:
+            ci = "n/a" if row.get("low") is None else f"[{row['low']:.2f}, {row['high']:.2f}]"
+            sig = {True: "yes", False: "**no (n.s.)**", None: "n/a"}[row.get("significant")]
+            ratio = "n/a" if row.get("ratio") is None else f"{row['ratio']:.2f}x"
+            lines.append(f"| {_fmt_rate(_rate_from_json(row['rate']))} | {row['system']} | {row['baseline']} "
+                         f"| {row['stat']} | {_fmt_value(row['stat'], row.get('value'))} "
+                         f"| {_fmt_value(row['stat'], row.get('baseline_value'))} | {ratio} | {ci} | {sig} |")
+        lines.append("")
+    answers = report.get("answers") or []
+    if answers:
+        lines += ["## Answers", "",
+                  "| rate | system | vs | same tokens | answers naming what was asked |", "|---|---|---|---|---|"]
+        for row in answers:
+            named = "n/a" if row.get("checked") is None else f"{row['hit']}/{row['checked']}"
+            lines.append(f"| {_fmt_rate(_rate_from_json(row['rate']))} | {row['system']} | {row['baseline']} "
+                         f"| {row['equal']}/{row['n']} | {named} |")
+        lines.append("")
     rows = report.get("breakdown") or []
     if rows:
         lines += ["## Breakdown (like the PCR paper's Table 1): mean TTFT with and without each mechanism", "",
-                  "| rate | mechanism | without | TTFT without | TTFT pcr | reduction |", "|---|---|---|---|---|---|"]
+                  "| rate | mechanism | without | TTFT without | TTFT pcr | reduction | 95% CI |",
+                  "|---|---|---|---|---|---|---|"]
         for row in rows:
             red = row.get("reduction")
+            lo, hi = row.get("reduction_low"), row.get("reduction_high")
+            ci = "n/a" if lo is None else f"[{lo:+.1%}, {hi:+.1%}]{'' if row.get('significant') else ' n.s.'}"
             lines.append(f"| {_fmt_rate(_rate_from_json(row['rate']))} | {row['mechanism']} | {row['without']} "
                          f"| {format_seconds(row['value_without'])} | {format_seconds(row['value_pcr'])} "
-                         f"| {'n/a' if red is None else f'{red:+.1%}'} |")
+                         f"| {'n/a' if red is None else f'{red:+.1%}'} | {ci} |")
         lines.append("")
     targets = report.get("targets") or []
     if targets:
         lines += ["## Targets", ""]
         for t in targets:
-            res = TargetResult(**{**t, "rate": _rate_from_json(t["rate"])})
+            res = TargetResult(**{**t, "rate": _rate_from_json(t["rate"]),
+                                  "max_ratio": _rate_from_json(t["max_ratio"])})
             lines.append(f"- {res.line()}")
         lines.append("")
     if report.get("limit_ratio") is not None:

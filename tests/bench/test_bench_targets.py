@@ -15,6 +15,7 @@ from pcr_rag.bench.targets import (
     PAPER_MIN_SPEEDUP_VS_NO_REUSE,
     PAPER_MIN_TTFT_REDUCTION_VS_SSD_ON_DEMAND,
     PAPER_TARGETS,
+    RETRIEVAL_TARGETS,
     SERVING_TARGETS,
 )
 
@@ -22,8 +23,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_target_names_carry_their_thresholds():
-    for t in SERVING_TARGETS:
-        assert f"{t.max_ratio:g}x" in t.name and t.system == "pcr" and t.baseline in t.name
+    for t in (*SERVING_TARGETS, *RETRIEVAL_TARGETS):
+        threshold = t.min_ratio if t.min_ratio is not None else t.max_ratio
+        assert f"{threshold:g}x" in t.name and t.system in t.name and t.baseline in t.name, t.name
+        assert t.system.startswith("pcr")
+    assert any(t.baseline == "transformers" for t in SERVING_TARGETS)
+    assert {t.baseline for t in RETRIEVAL_TARGETS} >= {"pcr@relevance", "no-reuse"}
     vs_sod, vs_nr = PAPER_TARGETS
     assert vs_sod.max_ratio == pytest.approx(1 - PAPER_MIN_TTFT_REDUCTION_VS_SSD_ON_DEMAND)
     assert vs_nr.max_ratio == pytest.approx(1 / PAPER_MIN_SPEEDUP_VS_NO_REUSE)
@@ -33,7 +38,7 @@ def test_target_names_carry_their_thresholds():
 
 def test_readme_quotes_every_target():
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    for t in (*SERVING_TARGETS, *PAPER_TARGETS):
+    for t in (*SERVING_TARGETS, *RETRIEVAL_TARGETS, *PAPER_TARGETS):
         assert f"`{t.name}`" in readme, t.name
     assert f"DRAM `<= {LIMIT_RATIO_DRAM_MAX:.2f}`" in readme and f"SSD `<= {LIMIT_RATIO_SSD_MAX:.2f}`" in readme
 
