@@ -58,7 +58,11 @@ class EngineConfig:
         weights: "bf16" (the model's own dtype), "int8" or "int4" weight-only quantization (CPU kernels PyTorch
             ships; falls back to the model dtype with a warning where unavailable). Part of the chunk keys' root.
         compile: True = `torch.compile` the forward's per-row pieces with static shapes (one graph per row count,
-            shared by all layers; the first request pays the compile, logged). Part of the chunk keys' root.
+            shared by all layers; compiled during the warm-up, or by the first request without one, logged). Part of
+            the chunk keys' root.
+        warmup: run one prefill tile and one decode step on a scratch row when the engine starts, so the first
+            request does not pay one-time kernel setup (oneDNN kernel generation and weight reorders, first-touch
+            allocation: about 1 s for SmolLM2-135M on a 2-core CPU). Changes no number.
         io_workers: threads for SSD reads (prefetch and on-demand loads).
         model_cache_dir: where converted models are kept (None: the model loader's default).
         remote_url: a Valkey/Redis server shared by replicas, as a tier below SSD: "redis://[:password@]host:port/0",
@@ -97,6 +101,7 @@ class EngineConfig:
     schedule: str = "cache-aware"
     weights: str = "bf16"
     compile: bool = False
+    warmup: bool = True
     io_workers: int = 2
     model_cache_dir: str | Path | None = None
     remote_url: str | None = None
@@ -139,6 +144,8 @@ class EngineConfig:
             raise ConfigError(f"schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
         if not isinstance(self.compile, bool):
             raise ConfigError(f"compile must be True or False, got {self.compile!r}")
+        if not isinstance(self.warmup, bool):
+            raise ConfigError(f"warmup must be True or False, got {self.warmup!r}")
         if self.weights not in WEIGHT_FORMATS:
             raise ConfigError(f"weights must be one of {list(WEIGHT_FORMATS)}, got {self.weights!r}")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -122,6 +122,8 @@ class PCREngine:
         self.forward = FastForward(self.loaded, weights=weights, batch_rows=config.max_active,
                                    max_positions=self.max_model_len, compile=config.compile)
         self.arena = self.forward.new_arena(config.max_active, self.max_model_len)
+        if config.warmup:
+            log.info("forward warm-up: %.2f s", self.forward.warm_up(self.arena))
         # the root covers everything that fixes the KV's bits: model, dtype, chunk size, the forward's tile
         # sizes and weight format, and the tenant namespace (config.namespace, plus a request's own namespace)
         self._roots: dict[str, bytes] = {}

@@ -237,6 +237,22 @@ class FastForward:
         capacity = -(-row_capacity // block) * block
         return KVArena(self.loaded.kv, rows, capacity, self.device)
 
+    @torch.inference_mode()
+    def warm_up(self, arena: KVArena) -> float:
+        """One prefill tile and one decode step on ``arena``'s scratch row, so that one-time costs (oneDNN kernel
+        generation and weight reorders per shape, first-touch allocations, ``compile``'s graphs) are paid here and
+        not by the first request. Changes no number of any later call. Returns the seconds it took."""
+        started = time.perf_counter()
+        scratch = arena.row(arena.scratch_row)
+        n = min(self.tile_rows, arena.row_capacity - 1, self.max_positions - 1)
+        if n >= 1:
+            self.prefill(scratch, torch.zeros(n, dtype=torch.long), 0)
+            rows: list[int | None] = [None] * self.batch_rows
+            rows[0] = arena.scratch_row
+            self.decode(arena, rows, torch.zeros(self.batch_rows, dtype=torch.long),
+                        torch.full((self.batch_rows,), n, dtype=torch.long))
+        return time.perf_counter() - started
+
     # ---------------------------------------------------------------------------------------------- prefill
     @torch.inference_mode()
     def prefill(self, row: RowKV, token_ids: torch.Tensor, start: int, *, hooks: LayerHooks | None = None,

@@ -147,3 +147,21 @@ def test_compiled_row_pieces_keep_both_invariants():
     crowded = fw.decode(arena, [None, 1, None, 0], torch.tensor([0, 9, 0, 9]), torch.tensor([0, 40, 0, 40]))
     assert torch.equal(crowded[3], alone) and torch.equal(crowded[1], alone)
     assert counters["stats"]["unique_graphs"] - graphs_before <= 4  # 2 pieces x (prefill tile, decode batch)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_warm_up_changes_no_number(arch):
+    """The start-up warm-up runs on the scratch row only: a cold forward and a warmed one agree bit for bit."""
+    ids = _ids(40)
+    results = []
+    for warm in (False, True):
+        fw = _forward(arch, torch.bfloat16)
+        arena = fw.new_arena(4, 64)
+        if warm:
+            assert fw.warm_up(arena) > 0
+        logits = fw.prefill(arena.row(1), ids, 0)
+        out = fw.decode(arena, [None, 1, None, None], torch.tensor([0, int(logits.argmax()), 0, 0]),
+                        torch.tensor([0, 40, 0, 0]))
+        results.append((logits, out[1], arena.k[0][1, :, :41].clone()))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
