@@ -1,4 +1,4 @@
-"""`pcr-rag bench kernels`: the forward pass against the machine's limit (issue 10), measured in one run.
+"""`pcr-rag bench kernels`: the forward pass against the machine's limit, measured in one run.
 
 Every row is measured on the same prompt tokens (``--prompt-tokens`` of the built-in stdlib corpus, default 1,536)
 of one model (default: the engine's default model, SmolLM2-135M, in bf16), A/B interleaved: each repetition runs
@@ -57,6 +57,7 @@ from transformers import DynamicCache
 from pcr_rag.bench import llamacpp_peer
 from pcr_rag.bench.llamacpp_peer import PeerError
 from pcr_rag.bench.perplexity import METHOD, measure
+from pcr_rag.bench.targets import KERNEL_TARGETS
 from pcr_rag.config import EngineConfig
 from pcr_rag.corpus import load_corpus
 from pcr_rag.runtime.forward import FastForward
@@ -66,12 +67,7 @@ from pcr_rag.runtime.weights import WEIGHT_FORMATS, resolve_weight_format
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
-TARGETS = {  # issue 10's targets, as ratios measured by this bench
-    "decode_bf16_b1_vs_roofline": 2.0,      # at most
-    "prefill_default_plan_vs_one_shot": 1.1,  # at most
-    "decode_b8_vs_b1_tokens_per_s": 5.0,    # at least
-    "decode_quantized_b1_vs_peer": 1.5,     # at most
-}
+TARGETS = KERNEL_TARGETS
 
 
 def _default_plan() -> int:
@@ -524,7 +520,7 @@ class _Bench:
 
 
 def _targets(report: dict) -> dict:
-    """Issue 10's targets with the measured ratio and whether it is met (None: not measured in this run)."""
+    """The kernel targets (`KERNEL_TARGETS`) with the measured ratio and whether it is met (None: not measured in this run)."""
     dec = {(r["weights"], r["batch"]): r for r in report["decode"] if r["impl"] == "fast"}
     out: dict[str, dict] = {}
 
@@ -660,7 +656,7 @@ def format_report(report: dict) -> str:
         parts.append(_table(("op", "calls", "self CPU ms", "share"),
                             [(o["op"], o["calls"], _fmt(o["self_cpu_ms"], ".2f"), f"{o['share'] * 100:.0f}%")
                              for o in prof["top_ops"]]))
-    parts += ["", "Targets (issue 10):"]
+    parts += ["", "Targets:"]
     parts.append(_table(("target", "measured", "limit", "met"),
                         [(k, _fmt(v["value"]), ("<= " if "at_most" in v else ">= ") + str(v.get("at_most",
                           v.get("at_least"))), _fmt(v["met"])) for k, v in report["targets"].items()]))

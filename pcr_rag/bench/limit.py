@@ -200,7 +200,7 @@ def measure_chunk_step_cost(model, token_ids: Sequence[int], chunk_size: int = 2
 
 @dataclass
 class MissCostResult:
-    """A miss with the cache on vs the same request with the cache off (issue 10: "a miss costs what it computes").
+    """A miss with the cache on vs the same request with the cache off ("a miss costs what it computes").
 
     ``ratios``: per request, TTFT with the cache on / TTFT with it off (same prompt, same pass); target <= 1.05.
     Seconds are medians. ``on_breakdown_s``: medians of the cache-on requests' queue, prefill and load-wait times.

@@ -41,6 +41,7 @@ import torch
 
 from pcr_rag.bench.config import SYSTEM_PROMPT, quick_config
 from pcr_rag.bench.serving import run_bench
+from pcr_rag.bench.targets import REMOTE_TARGETS
 from pcr_rag.bench.traces import build_traces
 from pcr_rag.bench.workload import tier_capacities
 from pcr_rag.cache import CacheConfig, CacheEngine, ChunkSpec, chunk_key, namespace_key
@@ -53,9 +54,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["TARGETS", "measure_reads", "run_remote_check"]
 
-#: (name, comparison, bound) of the issue's targets.
-TARGETS = (("ttft_remote_over_off", "<=", 0.4), ("ttft_down_over_off", "<=", 1.1),
-           ("read_throughput_tier_over_plain", ">=", 0.7))
+TARGETS = REMOTE_TARGETS
 
 
 def _free_port() -> int:

@@ -29,7 +29,7 @@ from pcr_rag.bench.config import SYSTEM_PROMPT
 from pcr_rag.bench.retrieval import retrieve_topics
 from pcr_rag.config import EngineConfig
 from pcr_rag.corpus import STDLIB_MODULES, CorpusDocument, split_passages, stdlib_corpus
-from pcr_rag.demo import CORPUS_CACHE_DIR
+from pcr_rag.demo import CORPUS_CACHE_DIR, DEFAULT_QUESTIONS
 from pcr_rag.engine import PCREngine
 from pcr_rag.runtime.model import load_model
 from pcr_rag.testing import default_tokenizer, tiny_model
@@ -75,14 +75,7 @@ GOLD_QUESTIONS: tuple[tuple[str, str], ...] = (
     ("How do I keep a reference to an object without preventing garbage collection?", "weakref"),
     ("How do I read the files inside a zip archive?", "zipfile"),
     ("How do I pack integers into bytes in big-endian order?", "struct"),
-    ("How does heapq.heappop return the smallest item?", "heapq"),
-    ("How do I find the insertion point for a value in a sorted list with bisect?", "bisect"),
-    ("What does functools.lru_cache do?", "functools"),
-    ("How do I decode a JSON string into a Python object with json.loads?", "json"),
-    ("What does heapq.nlargest return?", "heapq"),
-    ("How does bisect.insort keep a list sorted?", "bisect"),
-    ("What is the maxsize argument of functools.lru_cache?", "functools"),
-    ("What is collections.deque good for?", "collections"),
+    *DEFAULT_QUESTIONS,
 )
 
 

@@ -577,9 +577,10 @@ class BenchRunner:
         notes: list[str] = []
         b = traces.reuse_bound
         if b is not None:
-            online = any(r["extra"].get("order_source") == "engine.order_for_reuse" for r in report["runs"])
-            source = ("the engine's order_for_reuse at submission" if online else
-                      "the offline order of pcr_rag.bench.reorder (this engine has no order_for_reuse)")
+            sources = {r["extra"].get("order_source") for r in report["runs"]} - {None}
+            source = ("the engine's order_for_reuse at submission" if "engine.order_for_reuse" in sources else
+                      "the offline order of pcr_rag.bench.reorder (this engine has no order_for_reuse)" if sources
+                      else "nowhere: no system of this run served cache-aware order")
             notes.append(
                 f"reuse bound of the workload (share of document tokens an unbounded prefix cache reuses): relevance "
                 f"order {b.relevance:.1%}, cache-aware order {b.cache_aware:.1%} ({b.reordered} of {b.requests} "

@@ -35,6 +35,8 @@ __all__ = [
     "PCR_VS_NO_REUSE_MEAN_TTFT_MAX",
     "PCR_VS_NO_REUSE_P99_TTFT_MAX",
     "PCR_VS_SSD_ON_DEMAND_MEAN_TTFT_MAX",
+    "KERNEL_TARGETS",
+    "REMOTE_TARGETS",
     "SERVER_ITL_OVERHEAD_MAX",
     "SERVER_LOAD_RSS_GROWTH_MAX",
     "SERVER_TTFT_OVERHEAD_MAX",
@@ -176,3 +178,20 @@ SIM_VALIDATION_TOLERANCE = 0.15
 SIM_VALIDATION_SYSTEMS: tuple[str, ...] = ("no-reuse", "dram-only", "pcr")
 #: ... at this many rates of the bench run at least.
 SIM_VALIDATION_MIN_RATES = 2
+
+# ------------------------------------------------------------------------------- pcr-rag bench kernels
+
+#: The forward pass against the machine's limit, as ratios `pcr_rag.bench.kernels` measures in one run.
+KERNEL_TARGETS: Mapping[str, float] = MappingProxyType({
+    "decode_bf16_b1_vs_roofline": 2.0,        # at most
+    "prefill_default_plan_vs_one_shot": 1.1,  # at most
+    "decode_b8_vs_b1_tokens_per_s": 5.0,      # at least
+    "decode_quantized_b1_vs_peer": 1.5,       # at most
+})
+
+# ----------------------------------------------------------------------------- the remote tier's check
+
+#: (name, comparison, bound) of the remote tier's targets (`python -m pcr_rag.bench.remote`).
+REMOTE_TARGETS: tuple[tuple[str, str, float], ...] = (
+    ("ttft_remote_over_off", "<=", 0.4), ("ttft_down_over_off", "<=", 1.1),
+    ("read_throughput_tier_over_plain", ">=", 0.7))

@@ -31,6 +31,7 @@ import torch
 import xxhash
 
 from pcr_rag.cache.errors import CorruptChunkError
+from pcr_rag.cache.tiers.base import ChunkRecord, ChunkRef
 
 __all__ = [
     "ALIGN",
@@ -140,6 +141,12 @@ class ChunkMeta:
     num_tokens: int
     partial: bool
     digest: bytes
+
+    @classmethod
+    def of(cls, chunk: ChunkRef | ChunkRecord) -> ChunkMeta:
+        """The meta of a chunk as the tiers pass it around (a missing tokens digest is `NO_DIGEST`)."""
+        return cls(key=chunk.key, parent=chunk.parent_key, parent_is_root=chunk.parent_is_root,
+                   num_tokens=chunk.num_tokens, partial=chunk.partial, digest=chunk.tokens_digest or NO_DIGEST)
 
 
 @dataclass(frozen=True)

@@ -71,15 +71,6 @@ class RemoteHeader:
     value_bytes: int
 
 
-def _meta(chunk: ChunkRef | ChunkRecord) -> ChunkMeta:
-    return ChunkMeta(
-        key=chunk.key,
-        parent=chunk.parent_key,
-        parent_is_root=chunk.parent_is_root,
-        num_tokens=chunk.num_tokens,
-        partial=chunk.partial,
-        digest=chunk.tokens_digest or NO_DIGEST,
-    )
 
 
 def encode_value(chunk: ChunkRef | ChunkRecord, payload: torch.Tensor | None) -> bytes:
@@ -94,7 +85,7 @@ def encode_value(chunk: ChunkRef | ChunkRecord, payload: torch.Tensor | None) ->
     data = byte_view(payload)
     lb = data.nbytes // payload.shape[0]
     checksums = [xxhash.xxh3_64_intdigest(data[i * lb : (i + 1) * lb]) for i in range(payload.shape[0])]
-    return b"".join((encode_header(_meta(chunk), payload, checksums), data))
+    return b"".join((encode_header(ChunkMeta.of(chunk), payload, checksums), data))
 
 
 def header_len_needed(raw: bytes) -> int | None:

@@ -62,15 +62,7 @@ class SsdTier:
             raise TypeError(
                 f"chunk {chunk.key.hex()} is not metadata-only but its payload is {type(payload).__name__}"
             )
-        meta = ChunkMeta(
-            key=chunk.key,
-            parent=chunk.parent_key,
-            parent_is_root=chunk.parent_is_root,
-            num_tokens=chunk.num_tokens,
-            partial=chunk.partial,
-            digest=chunk.tokens_digest or NO_DIGEST,
-        )
-        self.files.write(meta, payload)
+        self.files.write(ChunkMeta.of(chunk), payload)
 
     def get(self, chunk: ChunkRef) -> Payload | None:
         return None  # a file must be read (and verified) before use
