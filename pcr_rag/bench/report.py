@@ -338,10 +338,10 @@ class TargetResult:
         return _jsonable(self.__dict__)
 
     def line(self) -> str:
-        verdict = "PASS" if self.passed else "MISS"
         if self.ratio is None:
-            return (f"[{verdict}] {self.name}: not measured "
+            return (f"[NOT RUN] {self.name}: not measured "
                     f"({self.missing or f'{self.system} or {self.baseline} missing'})")
+        verdict = "PASS" if self.passed else "MISS"
         bstat = self.baseline_stat or self.stat
         if self.min_ratio is not None:
             goal, end = f">= {self.min_ratio:.2f}x", "lower"
