@@ -36,3 +36,24 @@ def test_default_model_cached_equals_uncached(loaded, tmp_path):
         assert torch.equal(a.first_token_logits, b.first_token_logits)
     assert got[1].metrics.reused_tokens >= 128
     assert got[1].metrics.computed_tokens < ref[1].metrics.computed_tokens
+
+
+def test_default_model_tokens_under_concurrency_equal_tokens_alone(loaded, tmp_path):
+    """Six requests at once (cached and cold, prefilling and decoding together in one fixed-shape batch) give the
+    tokens and first logits of each request run alone with the cache off."""
+    from pcr_rag.requests import RagPrompt
+
+    kw = dict(chunk_size=64, max_new_tokens=10, device="cpu")
+    asks = [(q, docs) for q in ("Where is the Great Barrier Reef?", "How high is Kilimanjaro?", "What is Kibo?")
+            for docs in ((DOC_1, DOC_2), (DOC_2,))]
+    with PCREngine(loaded.model, loaded.tokenizer, EngineConfig(cache_dir=tmp_path / "off", enable_cache=False,
+                                                                **kw)) as off:
+        alone = [off.generate(q, list(d)) for q, d in asks]  # one after the other: each alone in the batch
+    with PCREngine(loaded.model, loaded.tokenizer, EngineConfig(cache_dir=tmp_path / "on", **kw)) as on:
+        handles = [on.submit(RagPrompt(q, d)) for q, d in asks]
+        together = [h.result(timeout=600) for h in handles]
+        assert on.stats().cache.pinned_chunks == 0
+    assert sum(r.metrics.reused_tokens for r in together) > 0
+    for a, b in zip(alone, together):
+        assert a.token_ids == b.token_ids
+        assert torch.equal(a.first_token_logits, b.first_token_logits)
