@@ -4,8 +4,11 @@ Parsing turns a JSON body into a `GenerationRequest` (an engine prompt plus `Sam
 `APIError` (400) that names the field and says what to send instead; nothing reaches the engine before the whole
 body is valid. The OpenAI sampling names map through `SamplingParams.from_kwargs` (``max_tokens`` /
 ``max_completion_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``). Options with no equivalent here
-(``n > 1``, tools, logprobs, penalties, JSON mode, ...) are rejected when set to anything but their neutral value;
-fields this server does not know are ignored, as OpenAI-compatible servers do.
+(``n > 1``, tools, logprobs, penalties, ...) are rejected when set to anything but their neutral value; fields this
+server does not know are ignored, as OpenAI-compatible servers do. Chat's ``response_format`` (``text``,
+``json_object``, ``json_schema``; also vLLM-style ``regex`` / ``grammar``) constrains the output with the engine's
+grammar-constrained decoding (`pcr_rag.runtime.grammar`); a schema the grammar library rejects is a 400 naming
+``response_format``.
 
 Extensions (OpenAI clients send them through ``extra_body``):
 - ``documents: [str, ...]``: the retrieved documents, each found verbatim in the messages/prompt and cached as its
@@ -29,6 +32,7 @@ from typing import Any, Literal
 
 from pcr_rag.errors import InvalidRequestError
 from pcr_rag.requests import ChatPrompt, FlatPrompt, GenerationResult, SamplingParams
+from pcr_rag.runtime.grammar import ResponseFormat
 from pcr_rag.server.errors import APIError
 
 log = logging.getLogger(__name__)
@@ -110,7 +114,7 @@ def parse_chat_request(body: Any) -> GenerationRequest:
     body = _object(body)
     _check_unsupported(body, exclude=_COMPLETION_ONLY)
     _ignore_unknown(body, _CHAT_FIELDS, "chat completions")
-    _check_response_format(body.get("response_format"))
+    response_format = _response_format(body.get("response_format"))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError.bad_request("'messages' must be a non-empty list of {'role', 'content'} objects",
@@ -122,7 +126,7 @@ def parse_chat_request(body: Any) -> GenerationRequest:
         prompt = ChatPrompt(tuple(turns), documents)
     except InvalidRequestError as exc:
         raise APIError.bad_request(str(exc), param="messages") from None
-    return _request("chat", body, prompt, max_tokens)
+    return _request("chat", body, prompt, max_tokens, response_format)
 
 
 def parse_completion_request(body: Any) -> GenerationRequest:
@@ -169,7 +173,7 @@ def parse_documents(value: Any) -> tuple[str, ...]:
 
 
 def _request(kind: Literal["chat", "completion"], body: dict[str, Any], prompt: ChatPrompt | FlatPrompt,
-             max_tokens: int | None) -> GenerationRequest:
+             max_tokens: int | None, response_format: ResponseFormat | None = None) -> GenerationRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise APIError.bad_request("'model' is required: send the id GET /v1/models lists", param="model")
@@ -188,12 +192,13 @@ def _request(kind: Literal["chat", "completion"], body: dict[str, Any], prompt: 
             raise APIError.bad_request("'stream_options' must be an object", param="stream_options")
         include_usage = _bool(options, "include_usage", False, param="stream_options.include_usage")
     return GenerationRequest(
-        kind=kind, model=model, prompt=prompt, params=_sampling(body, max_tokens), stream=stream,
+        kind=kind, model=model, prompt=prompt, params=_sampling(body, max_tokens, response_format), stream=stream,
         include_usage=include_usage, return_token_ids=_bool(body, "return_token_ids", False),
     )
 
 
-def _sampling(body: dict[str, Any], max_tokens: int | None) -> SamplingParams:
+def _sampling(body: dict[str, Any], max_tokens: int | None,
+              response_format: ResponseFormat | None = None) -> SamplingParams:
     temperature = body.get("temperature")
     if temperature is not None and (not _is_number(temperature) or not 0 <= temperature <= 2):
         raise APIError.bad_request(f"'temperature' must be a number in [0, 2], got {temperature!r}",
@@ -212,7 +217,7 @@ def _sampling(body: dict[str, Any], max_tokens: int | None) -> SamplingParams:
         raise APIError.bad_request(f"'seed' must be an integer, got {seed!r}", param="seed")
     try:
         return SamplingParams.from_kwargs(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                          stop=stop or None, seed=seed)
+                                          stop=stop or None, seed=seed, response_format=response_format)
     except InvalidRequestError as exc:  # pragma: no cover - the checks above come first
         raise APIError.bad_request(str(exc)) from None
 
@@ -270,11 +275,19 @@ def _check_unsupported(body: dict[str, Any], exclude: tuple[str, ...]) -> None:
             raise APIError.bad_request(f"{name}={body[name]!r}: {_WHAT_TO_DO[name]}", param=name)
 
 
-def _check_response_format(fmt: Any) -> None:
+def _response_format(fmt: Any) -> ResponseFormat | None:
+    """Chat's ``response_format`` -> the engine's `ResponseFormat` (None: free text); a 400 on what the grammar
+    library rejects, before any compute."""
     if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        return
-    raise APIError.bad_request("only response_format {'type': 'text'} is supported (no JSON mode or schemas); "
-                               "ask for JSON in the messages instead", param="response_format")
+        return None
+    if not isinstance(fmt, dict):
+        raise APIError.bad_request("'response_format' must be an object such as {'type': 'json_object'} or "
+                                   "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}",
+                                   param="response_format")
+    try:
+        return ResponseFormat.of(fmt)
+    except InvalidRequestError as exc:
+        raise APIError.bad_request(f"response_format: {exc}", param="response_format") from None
 
 
 def _ignore_unknown(body: dict[str, Any], known: frozenset[str], endpoint: str) -> None:

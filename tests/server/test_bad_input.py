@@ -57,8 +57,15 @@ def test_every_bad_request_is_rejected_before_the_engine(http, engine, h) -> Non
     assert_error(post("/v1/chat/completions", json=chat_body(engine, h, tools=[{"type": "function"}])), 400,
                  param="tools")
     assert_error(post("/v1/chat/completions", json=chat_body(engine, h, logprobs=True)), 400, param="logprobs")
-    assert_error(post("/v1/chat/completions", json=chat_body(engine, h, response_format={"type": "json_object"})),
-                 400, param="response_format")
+    no_schema = {"type": "json_schema", "json_schema": {"name": "no schema"}}
+    error = assert_error(post("/v1/chat/completions", json=chat_body(engine, h, response_format=no_schema)), 400,
+                         param="response_format")
+    assert "needs the schema" in error["message"]
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}
+    assert_error(post("/v1/chat/completions", json=chat_body(engine, h, response_format=bad_schema)), 400,
+                 param="response_format")
+    assert_error(post("/v1/chat/completions", json=chat_body(engine, h, response_format="json")), 400,
+                 param="response_format")
     assert_error(post("/v1/chat/completions", json=chat_body(engine, h, temperature=3)), 400, param="temperature")
     assert_error(post("/v1/chat/completions", json=chat_body(engine, h, stream_options={"include_usage": True})),
                  400, param="stream_options")

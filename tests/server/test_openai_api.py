@@ -4,6 +4,7 @@ both endpoints, cached_tokens on a repeated document set, answers identical to a
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -49,6 +50,28 @@ def test_chat_matches_the_local_engine_and_reports_cached_tokens(client, engine,
     pcr = second.usage.model_extra["pcr"]
     assert sum(pcr["reused_by_tier"].values()) == second.usage.prompt_tokens_details.cached_tokens
     assert pcr["documents_found"] == 2 and pcr["ttft_s"] > 0 and pcr["queue_s"] >= 0
+
+
+def test_response_format_constrains_the_answer_as_the_local_engine_does(client, engine, reference, h) -> None:
+    """``response_format`` (OpenAI's json_schema / json_object) runs the engine's grammar-constrained decoding: the
+    content follows the schema and equals the local engine's constrained answer, token for token."""
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+              "additionalProperties": False}
+    docs = [d + " (structured)" for d in h.DOCS[:2]]
+    messages = h.rag_messages(docs)
+    want = reference.submit(ChatPrompt(messages, docs),
+                            SamplingParams(max_new_tokens=60, response_format=schema)).result()
+    r = client.chat.completions.create(
+        model=engine.loaded.name, messages=messages, max_tokens=60, extra_body={"documents": docs},
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    assert r.choices[0].message.content == want.text
+    assert r.choices[0].finish_reason == "stop" and json.loads(want.text)["answer"] in ("yes", "no")
+    r = client.chat.completions.create(model=engine.loaded.name, messages=messages, max_tokens=60,
+                                       extra_body={"documents": docs}, response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:  # cut at max_tokens: what is there is the start of a JSON object
+        assert r.choices[0].message.content.lstrip().startswith("{")
 
 
 def test_completion_matches_the_local_engine(client, engine, reference, h) -> None:
