@@ -126,11 +126,13 @@ def measure_reads(url: str, *, chunk_shape: Sequence[int], dtype: torch.dtype, v
 def bench_ratios(url: str, *, model: str | None, repeats: int, work: Path) -> dict[str, Any]:
     """Mean TTFT of the new-replica systems on ``pcr-rag bench --quick``'s workload, and their ratios per rate."""
     cfg = quick_config(model=model, systems=("no-reuse", "pcr-cold", "pcr-remote", "pcr-remote-down"), windows=(),
-                       limit_ratio=False, repeats=repeats, work_dir=str(work / "bench"), extra={"remote_url": url})
+                       saturation=(), limit_ratio=False, repeats=repeats, work_dir=str(work / "bench"),
+                       extra={"remote_url": url})
     report = run_bench(cfg, progress=False)
     by_rate: dict[str, dict[str, float]] = {}
     for run in report["runs"]:
-        by_rate.setdefault(str(run["rate"]), {})[run["system"]] = run["ttft"]["mean"]
+        if run["system"] in cfg.systems:  # the rate slots (no saturation runs)
+            by_rate.setdefault(str(run["rate"]), {})[run["system"]] = run["ttft"]["mean"]
     ratios = {rate: {"ttft_remote_over_off": t["pcr-remote"] / t["pcr-cold"],
                      "ttft_down_over_off": t["pcr-remote-down"] / t["pcr-cold"]} for rate, t in by_rate.items()}
     rates = sorted(by_rate, key=float)
