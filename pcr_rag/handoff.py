@@ -24,7 +24,7 @@ from pcr_rag.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Announcement", "documents_in_prompt", "release_ticket", "request_documents"]
+__all__ = ["Announcement", "cache_aware_order", "documents_in_prompt", "release_ticket", "request_documents"]
 
 
 def documents_in_prompt(prompt: str, documents: Sequence[str]) -> tuple[str, ...]:
@@ -67,6 +67,19 @@ def release_ticket(engine: Any, ticket: Any) -> None:
         engine.cancel_announcement(ticket)
     except Exception:  # withdrawing is an optimisation; the ticket would expire anyway
         logger.exception("withdrawing an announcement failed")
+
+
+def cache_aware_order(engine: Any, documents: Sequence[str], announcement: Announcement | None = None
+                      ) -> tuple[str, ...]:
+    """``documents`` in ``engine.order_for_reuse`` order, not counting the chunks ``announcement`` (the retrieval
+    being reordered) announced to it. A reorder is an optimisation: when it fails the documents come back as given
+    (the error is logged), never an exception."""
+    exclude = [announcement.ticket_of(engine)] if announcement is not None else ()
+    try:
+        return tuple(engine.order_for_reuse(list(documents), exclude=exclude))
+    except Exception:  # noqa: BLE001 - never fail a retrieval or a model call for a reorder
+        logger.exception("cache-aware ordering failed; keeping the given order")
+        return tuple(documents)
 
 
 @dataclass

@@ -7,7 +7,13 @@ from types import SimpleNamespace
 import pytest
 
 from pcr_rag.errors import InvalidRequestError
-from pcr_rag.handoff import Announcement, documents_in_prompt, release_ticket, request_documents
+from pcr_rag.handoff import (
+    Announcement,
+    cache_aware_order,
+    documents_in_prompt,
+    release_ticket,
+    request_documents,
+)
 
 
 def test_documents_are_returned_in_prompt_order() -> None:
@@ -91,3 +97,29 @@ def test_announcement_of_an_empty_query_is_rejected_and_withdrawn() -> None:
     with pytest.raises(InvalidRequestError, match="empty query"):
         ann.documents_for(engine, "D1")
     assert len(engine.withdrawn) == 1
+
+
+class _OrderingEngine(_RecordingEngine):
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.fail_order = fail
+        self.excluded: list = []
+
+    def order_for_reuse(self, documents, *, exclude=()):
+        self.excluded.append(list(exclude))
+        if self.fail_order:
+            raise RuntimeError("boom")
+        return list(reversed(documents))
+
+
+def test_cache_aware_order_excludes_the_retrievals_own_ticket_and_never_raises(caplog) -> None:
+    engine = _OrderingEngine()
+    ann = Announcement(documents=("D1", "D2"), query="q?", origin="run", ancestors=())
+    ann.announce_to([engine])
+    assert cache_aware_order(engine, ["D1", "D2"], ann) == ("D2", "D1")
+    assert engine.excluded == [[ann.ticket_of(engine)]]  # its own announced chunks do not count
+    assert cache_aware_order(engine, ["D1", "D2"]) == ("D2", "D1") and engine.excluded[-1] == []
+    broken = _OrderingEngine(fail=True)
+    with caplog.at_level("ERROR"):
+        assert cache_aware_order(broken, ["D1", "D2"], ann) == ("D1", "D2")  # a failed reorder keeps the order
+    assert "cache-aware ordering failed" in caplog.text

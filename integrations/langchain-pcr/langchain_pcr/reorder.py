@@ -20,7 +20,6 @@ from the answer to the relevance-ordered prompt.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,9 +30,8 @@ from pydantic import ConfigDict
 
 from langchain_pcr._common import announce_targets
 from langchain_pcr.callbacks import find_announcement
+from pcr_rag.handoff import cache_aware_order
 from pcr_rag.reorder import apply_order
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["PCRReorder"]
 
@@ -96,11 +94,7 @@ class PCRReorder(RunnableSerializable[Sequence[Document], list[Document]], BaseD
         ann = find_announcement(run_manager)
         if ann is not None and sorted(ann.documents) != sorted(texts):
             ann = None  # another retrieval's announcement
-        try:
-            order = engine.order_for_reuse(texts, exclude=[ann.ticket_of(engine)] if ann is not None else ())
-        except Exception:  # noqa: BLE001 - a reorder is an optimisation; never fail the chain for it
-            logger.exception("cache-aware ordering failed; keeping relevance order")
-            return list(documents)
+        order = cache_aware_order(engine, texts, ann)
         if ann is not None:
             ann.reannounce(order)
         return apply_order(items, texts, order) + rest

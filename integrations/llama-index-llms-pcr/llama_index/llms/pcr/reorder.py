@@ -30,7 +30,7 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import NodeWithScore, QueryBundle
 from llama_index.llms.pcr.hook import node_texts, retrieval_hook
 
-from pcr_rag.handoff import Announcement, documents_in_prompt
+from pcr_rag.handoff import Announcement, cache_aware_order, documents_in_prompt
 from pcr_rag.reorder import apply_order, permute_documents
 
 logger = logging.getLogger(__name__)
@@ -90,11 +90,7 @@ def reorder_nodes(nodes: Sequence[NodeWithScore], engine: Any) -> list[NodeWithS
     if len(docs) < 2:
         return list(nodes)
     ann = retrieval_hook().announcement_for(docs)
-    try:
-        order = engine.order_for_reuse(docs, exclude=[ann.ticket_of(engine)] if ann is not None else ())
-    except Exception:  # noqa: BLE001 - a reorder is an optimisation; never fail the query for it
-        logger.exception("cache-aware ordering failed; keeping relevance order")
-        return list(nodes)
+    order = cache_aware_order(engine, docs, ann)
     if ann is not None:
         ann.reannounce(order)
     return apply_order(with_text, docs, order) + without_text
@@ -116,11 +112,7 @@ def cache_aware_documents(engine: Any, units: Sequence[str], documents: Sequence
     if holder is None:
         logger.debug("documents spread over several messages: keeping their order")
         return tuple(documents), units
-    try:
-        order = tuple(engine.order_for_reuse(present, exclude=[ann.ticket_of(engine)] if ann is not None else ()))
-    except Exception:  # noqa: BLE001 - a reorder is an optimisation; never fail the call for it
-        logger.exception("cache-aware ordering failed; keeping the prompt's order")
-        return tuple(documents), units
+    order = cache_aware_order(engine, present, ann)
     rewritten = permute_documents(units[holder], present, order)
     if rewritten is None:  # pragma: no cover - documents_in_prompt found them in this order
         return tuple(documents), units
