@@ -284,12 +284,16 @@ class FastForward:
         qb = torch.zeros(blocks * block, heads, d, dtype=xs[0].dtype, device=self.device)
         out = torch.empty(blocks * block, heads * d, dtype=xs[0].dtype, device=self.device)
         attn_rows = torch.zeros(padded, heads * d, dtype=xs[0].dtype, device=self.device)
+        # rotary tables of each tile's positions, gathered once per rope kind (not once per layer)
+        rope = {kind: ([c[pos[t * tile: (t + 1) * tile]] for t in range(len(xs))],
+                       [self._sin[kind][pos[t * tile: (t + 1) * tile]] for t in range(len(xs))])
+                for kind, c in self._cos.items()}
         for li, lw in enumerate(self.layers):
-            cos, sin = self._cos[lw.rope], self._sin[lw.rope]
+            cos, sin = rope[lw.rope]
             for t, x in enumerate(xs):
                 t0 = t * tile
                 real = min(tile, n - t0)
-                q, k, v = self._qkv(lw, x, cos[pos[t0: t0 + tile]], sin[pos[t0: t0 + tile]])
+                q, k, v = self._qkv(lw, x, cos[t], sin[t])
                 row.write(li, start + t0, k[:real], v[:real])
                 qb[offset + t0: offset + t0 + real] = q[:real]
             if hooks is not None:
@@ -358,8 +362,9 @@ class FastForward:
             if r is None:
                 pos[i] = 0
         x = self._embed(tokens.to(self.device))
+        rope = {kind: (c[pos], self._sin[kind][pos]) for kind, c in self._cos.items()}  # once per step
         for li, lw in enumerate(self.layers):
-            q, k, v = self._qkv(lw, x, self._cos[lw.rope][pos], self._sin[lw.rope][pos])
+            q, k, v = self._qkv(lw, x, *rope[lw.rope])
             arena.k[li][row_idx, :, pos] = k
             arena.v[li][row_idx, :, pos] = v
             attn = torch.zeros(self.batch_rows, self.num_heads * self.head_dim, dtype=x.dtype, device=x.device)
