@@ -58,7 +58,7 @@ class DenseLinear(Linear):
 
     weight: torch.Tensor  # [out, in], model dtype
     bias: torch.Tensor | None = None
-    packed: dict[int, torch.Tensor] | None = None  # rows -> weights prepacked for that M
+    packed: dict[int, torch.Tensor] | None = None  # rows -> weights prepacked for that M (some may share one)
 
     @property
     def in_features(self) -> int:  # type: ignore[override]
@@ -79,12 +79,49 @@ class DenseLinear(Linear):
         return F.linear(x, self.weight, self.bias)
 
     @classmethod
-    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None,
-              pack_rows: tuple[int, ...] = ()) -> DenseLinear:
+    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None, pack_rows: tuple[int, ...] = (),
+              shared_rows: tuple[int, ...] = ()) -> DenseLinear:
+        """``pack_rows``: row counts to prepack for; ``shared_rows``: row counts that use the packing of the
+        largest of ``pack_rows`` (no extra copy: oneDNN's blocked layout is the same for M = 64..256 here,
+        measured with no time difference; were it not, a call would only reorder, never change a number)."""
         packed = None
         if pack_rows and _can_prepack(weight):
             packed = {m: torch.ops.mkldnn._reorder_linear_weight(weight, m) for m in sorted(set(pack_rows)) if m}
+            if packed:
+                largest = packed[max(packed)]
+                packed.update({m: largest for m in shared_rows if m not in packed})
         return cls(weight, bias, packed or None)
+
+
+@dataclass(frozen=True, eq=False)
+class PaddedRows(Linear):
+    """``inner`` with calls of ``padded_rows`` rows run as calls of ``tile`` rows (zero rows appended, dropped from
+    the result): for a linear whose rows at those M are not bit-identical to its rows at the full tile's M (see
+    `pcr_rag.runtime.tile_probe`). Other row counts (the decode batch) pass through."""
+
+    inner: Linear
+    tile: int
+    padded_rows: frozenset[int]
+
+    @property
+    def in_features(self) -> int:  # type: ignore[override]
+        return self.inner.in_features
+
+    @property
+    def out_features(self) -> int:  # type: ignore[override]
+        return self.inner.out_features
+
+    @property
+    def nbytes(self) -> int:  # type: ignore[override]
+        return self.inner.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        if m not in self.padded_rows:
+            return self.inner(x)
+        full = x.new_zeros(self.tile, x.shape[1])
+        full[:m] = x
+        return self.inner(full)[:m]
 
 
 def _can_prepack(weight: torch.Tensor) -> bool:
@@ -210,12 +247,12 @@ def resolve_weight_format(fmt: str, dtype: torch.dtype, device: torch.device) ->
 
 
 def make_linear(fmt: str, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                pack_rows: tuple[int, ...] = ()) -> Linear:
+                pack_rows: tuple[int, ...] = (), shared_rows: tuple[int, ...] = ()) -> Linear:
     """A `Linear` of ``weight [out, in]`` (+ ``bias``) in format ``fmt`` (see `resolve_weight_format`);
     ``pack_rows``: the fixed row counts calls will have (prefill tile, decode batch), for formats that prepare a
-    path per M."""
+    path per M; ``shared_rows``: more row counts (short prefill tiles) that reuse the largest one's path."""
     if fmt == "bf16":
-        return DenseLinear.build(weight, bias, pack_rows)
+        return DenseLinear.build(weight, bias, pack_rows, shared_rows)
     builders: dict[str, Callable[[torch.Tensor, torch.Tensor | None], Linear]] = {
         "int8": Int8Linear.quantize, "int4": Int4Linear.quantize,
     }

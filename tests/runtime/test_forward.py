@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pcr_rag.runtime.forward import FastForward, UnsupportedArchitectureError
+from pcr_rag.runtime.forward import FastForward, UnsupportedArchitectureError, plan_tiles
+from pcr_rag.runtime.weights import PaddedRows
 from pcr_rag.testing import tiny_loaded_model
 
 ARCHS = ("llama", "qwen2", "gemma3")
@@ -21,6 +22,7 @@ def _forward(arch: str, dtype: torch.dtype, **kwargs) -> FastForward:
     kwargs.setdefault("tile_rows", 16)
     kwargs.setdefault("attention_block", 8)
     kwargs.setdefault("batch_rows", 4)
+    kwargs.setdefault("short_tile_rows", 4)  # short tiles of 4, 8 and 12 rows where the probe proves them exact
     return FastForward(tiny_loaded_model(arch, dtype=dtype), **kwargs)
 
 
@@ -74,6 +76,62 @@ def test_prefill_with_default_tiles_is_split_invariant(arch, dtype):
     one_shot = fw.prefill(arena.row(0), ids, 0)
     fw.prefill(arena.row(1), ids[:129], 0, want_logits=False)
     assert torch.equal(fw.prefill(arena.row(1), ids[129:], 129), one_shot)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("suffix", [1, 40, 100, 171])
+def test_short_tiles_replay_full_tiles(arch, dtype, suffix):
+    """A hit's short suffix runs in a short tile (or a full one where the probe says so) and still equals the rows
+    of a run without short tiles, KV and logits, bit for bit."""
+    short = _forward(arch, dtype, tile_rows=256, attention_block=128, short_tile_rows=64)
+    full = _forward(arch, dtype, tile_rows=256, attention_block=128, short_tile_rows=None)
+    assert full.short_tile_sizes == () and full.tile_sizes(suffix) == (256,)
+    assert short.plan_id == full.plan_id
+    ids = _ids(300 + suffix, seed=suffix)
+    arena = short.new_arena(2, 512)
+    short.prefill(arena.row(0), ids[:300], 0, want_logits=False)
+    got = short.prefill(arena.row(0), ids[300:], 300)
+    assert sum(short.tile_sizes(suffix)) < 256 or not short.short_tile_sizes
+    want = full.prefill(arena.row(1), ids, 0)
+    assert torch.equal(got, want)
+    for layer in range(len(arena.k)):
+        assert torch.equal(arena.k[layer][0, :, : len(ids)], arena.k[layer][1, :, : len(ids)])
+        assert torch.equal(arena.v[layer][0, :, : len(ids)], arena.v[layer][1, :, : len(ids)])
+
+
+def test_tile_plan():
+    assert plan_tiles(300, 256) == (256, 256)
+    assert plan_tiles(300, 256, (64, 128, 192)) == (256, 64)
+    assert plan_tiles(512 + 129, 256, (64, 128, 192)) == (256, 256, 192)
+    assert plan_tiles(200, 256, (64, 128)) == (256,)
+    assert plan_tiles(256, 256, (64,)) == (256,)
+    assert plan_tiles(1, 16, (4, 8, 12)) == (4,)
+
+
+def test_probe_pads_a_linear_whose_rows_depend_on_m():
+    """A kernel that sums in another order below the full tile (like oneDNN's K=1536 GEMM here) is caught by the
+    probe's cancelling inputs and padded to full tiles; an exact one is not."""
+    from pcr_rag.runtime.tile_probe import exact_row_counts
+    from pcr_rag.runtime.weights import Linear
+
+    class SplitK(Linear):
+        """fp32 GEMM that, below 16 rows, sums the two halves of K separately (a different order)."""
+
+        def __init__(self, w, b):
+            self.w, self.in_features, self.out_features, self.nbytes = w, w.shape[1], w.shape[0], w.nbytes
+
+        def __call__(self, x):
+            if x.shape[0] >= 16:
+                return x @ self.w.T
+            h = self.in_features // 2
+            return x[:, :h] @ self.w[:, :h].T + x[:, h:] @ self.w[:, h:].T
+
+    kw = dict(bias=False, tile=16, candidates=(4, 8, 12), dtype=torch.float32, device=torch.device("cpu"))
+    assert exact_row_counts(SplitK, 96, 40, kind="test-split-k", **kw) == frozenset()
+    exact = exact_row_counts(lambda w, b: PaddedRows(SplitK(w, b), 16, frozenset({4, 8, 12})), 96, 40,
+                             kind="test-padded", **kw)
+    assert exact == frozenset({4, 8, 12})
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
