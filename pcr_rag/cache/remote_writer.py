@@ -17,6 +17,7 @@ import threading
 import time
 from collections import deque
 
+from pcr_rag.cache.background import lower_this_thread_priority
 from pcr_rag.cache.engine_lock import EngineLock
 from pcr_rag.cache.errors import RemoteError
 from pcr_rag.cache.payload import Payload
@@ -113,6 +114,7 @@ class RemoteWriter:
                 tier.drop(chunk)  # written, but not tracked in the tree
 
     def _run(self) -> None:
+        lower_this_thread_priority()
         while True:
             with self._cond:
                 while not self._queue and not self._stopping:

@@ -21,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
+from pcr_rag.cache.background import lower_this_thread_priority
 from pcr_rag.cache.engine_lock import EngineLock
 from pcr_rag.cache.node import CacheNode, WriteBackState
 from pcr_rag.cache.payload import Payload
@@ -255,6 +256,7 @@ class WriteBack:
 
     def _run(self) -> None:
         cond = self._sync.cond
+        lower_this_thread_priority()
         while True:
             with self._sync.lock:
                 while not self._queue and not self._stopping:
