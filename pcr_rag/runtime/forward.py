@@ -168,9 +168,10 @@ class FastForward:
         # the fixed row counts (decode batch, prefill tile), for weight formats that prepack per M (compiled row
         # pieces trace plain linears instead)
         packed_rows = (batch_rows, tile_rows) if prepack and not compile else ()
-        # short tile sizes to consider (none when compiled: inductor may pick its GEMM per M)
+        # short tile sizes to consider (none when compiled: inductor may pick its GEMM per M; never the decode
+        # batch's M, whose calls must not be padded)
         short = short_tile_rows if short_tile_rows and not compile else None
-        candidates = tuple(range(short, tile_rows, short)) if short else ()
+        candidates = tuple(m for m in range(short, tile_rows, short) if m != batch_rows) if short else ()
 
         def fit(linear: Linear) -> Linear:
             """``linear``, padding the short tile sizes at which its rows are not those of a full tile."""

@@ -100,6 +100,23 @@ def test_short_tiles_replay_full_tiles(arch, dtype, suffix):
         assert torch.equal(arena.v[layer][0, :, : len(ids)], arena.v[layer][1, :, : len(ids)])
 
 
+def test_padded_linears_and_decode_batch_m():
+    """A linear padded at the short sizes (what the probe does for oneDNN's K=1536 GEMM) keeps split invariance;
+    the decode batch's row count is never a short tile size, so decode calls are never padded."""
+    import dataclasses
+
+    fw = _forward("llama", torch.float32, batch_rows=8)
+    assert 8 not in fw.short_tile_sizes and set(fw.short_tile_sizes) <= {4, 12}
+    sizes = frozenset(fw.short_tile_sizes) or frozenset({4, 12})
+    fw.layers = tuple(dataclasses.replace(lw, down=PaddedRows(lw.down, fw.tile_rows, sizes)) for lw in fw.layers)
+    ids = _ids(45)
+    arena = fw.new_arena(2, 64)
+    one_shot = fw.prefill(arena.row(0), ids, 0)
+    fw.prefill(arena.row(1), ids[:34], 0, want_logits=False)
+    assert torch.equal(fw.prefill(arena.row(1), ids[34:], 34), one_shot)
+    assert fw.tile_sizes(11) in ((12,), (16,))
+
+
 def test_tile_plan():
     assert plan_tiles(300, 256) == (256, 256)
     assert plan_tiles(300, 256, (64, 128, 192)) == (256, 64)
