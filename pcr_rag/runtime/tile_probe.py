@@ -50,11 +50,12 @@ def probe_inputs(in_features: int, out_features: int, rows: int, dtype: torch.dt
 
 def exact_row_counts(make: LinearMaker, in_features: int, out_features: int, *, bias: bool, tile: int,
                      candidates: Sequence[int], dtype: torch.dtype, device: torch.device,
-                     kind: str) -> frozenset[int]:
+                     kind: str, split: int | None = None) -> frozenset[int]:
     """The row counts among ``candidates`` (each < ``tile``) at which every row of a linear built by ``make``
-    equals the same row computed in a call of ``tile`` rows, bit for bit, on the probe inputs. Cached per process
-    by shape, ``kind`` (the caller's name for what ``make`` builds), dtype, device and thread count."""
-    key = (kind, in_features, out_features, bias, tile, tuple(candidates), dtype, str(device),
+    equals the same row computed in a call of ``tile`` rows - or, with ``split``, in the calls of ``split`` rows
+    that a full tile is run as - bit for bit, on the probe inputs. Cached per process by shape, ``kind`` (the
+    caller's name for what ``make`` builds), split, dtype, device and thread count."""
+    key = (kind, in_features, out_features, bias, tile, tuple(candidates), split, dtype, str(device),
            torch.get_num_threads())
     found = _exact_cache.get(key)
     if found is None:
@@ -63,7 +64,8 @@ def exact_row_counts(make: LinearMaker, in_features: int, out_features: int, *, 
              if bias else None)
         linear = make(weight, b)
         with torch.inference_mode():
-            full = linear(x)
+            full = linear(x) if split is None else torch.cat([linear(x[s: s + split].contiguous())
+                                                              for s in range(0, tile, split)])
             found = frozenset(
                 m for m in candidates
                 if all(torch.equal(linear(x[s: s + m].contiguous()), full[s: s + m])

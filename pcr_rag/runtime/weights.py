@@ -96,12 +96,14 @@ class DenseLinear(Linear):
 @dataclass(frozen=True, eq=False)
 class PaddedRows(Linear):
     """``inner`` with calls of ``padded_rows`` rows run as calls of ``tile`` rows (zero rows appended, dropped from
-    the result): for a linear whose rows at those M are not bit-identical to its rows at the full tile's M (see
+    the result), and - with ``split`` - calls of ``tile`` rows run as calls of ``split`` rows: for a linear whose
+    rows at the short tile sizes are not bit-identical to its rows in one full-tile call (see
     `pcr_rag.runtime.tile_probe`). Other row counts (the decode batch) pass through."""
 
     inner: Linear
     tile: int
     padded_rows: frozenset[int]
+    split: int | None = None
 
     @property
     def in_features(self) -> int:  # type: ignore[override]
@@ -117,11 +119,13 @@ class PaddedRows(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
-        if m not in self.padded_rows:
-            return self.inner(x)
-        full = x.new_zeros(self.tile, x.shape[1])
-        full[:m] = x
-        return self.inner(full)[:m]
+        if m in self.padded_rows:
+            full = x.new_zeros(self.tile, x.shape[1])
+            full[:m] = x
+            return self(full)[:m]
+        if m == self.tile and self.split:
+            return torch.cat([self.inner(x[s: s + self.split]) for s in range(0, m, self.split)])
+        return self.inner(x)
 
 
 def _can_prepack(weight: torch.Tensor) -> bool:

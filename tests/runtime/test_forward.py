@@ -108,13 +108,19 @@ def test_padded_linears_and_decode_batch_m():
     fw = _forward("llama", torch.float32, batch_rows=8)
     assert 8 not in fw.short_tile_sizes and set(fw.short_tile_sizes) <= {4, 12}
     sizes = frozenset(fw.short_tile_sizes) or frozenset({4, 12})
-    fw.layers = tuple(dataclasses.replace(lw, down=PaddedRows(lw.down, fw.tile_rows, sizes)) for lw in fw.layers)
-    ids = _ids(45)
-    arena = fw.new_arena(2, 64)
-    one_shot = fw.prefill(arena.row(0), ids, 0)
-    fw.prefill(arena.row(1), ids[:34], 0, want_logits=False)
-    assert torch.equal(fw.prefill(arena.row(1), ids[34:], 34), one_shot)
+    base = fw.layers
+    for split in (None, 8):  # padded only; padded with full tiles run as two half-tile calls
+        fw.layers = tuple(dataclasses.replace(lw, down=PaddedRows(lw.down, fw.tile_rows, sizes, split))
+                          for lw in base)
+        ids = _ids(45)
+        arena = fw.new_arena(2, 64)
+        one_shot = fw.prefill(arena.row(0), ids, 0)
+        fw.prefill(arena.row(1), ids[:34], 0, want_logits=False)
+        assert torch.equal(fw.prefill(arena.row(1), ids[34:], 34), one_shot)
     assert fw.tile_sizes(11) in ((12,), (16,))
+    x = torch.randn(16, base[0].down.in_features)
+    split_down = PaddedRows(base[0].down, 16, frozenset(), 8)
+    assert torch.equal(split_down(x), torch.cat([base[0].down(x[:8]), base[0].down(x[8:])]))
 
 
 def test_tile_plan():
@@ -149,6 +155,8 @@ def test_probe_pads_a_linear_whose_rows_depend_on_m():
     exact = exact_row_counts(lambda w, b: PaddedRows(SplitK(w, b), 16, frozenset({4, 8, 12})), 96, 40,
                              kind="test-padded", **kw)
     assert exact == frozenset({4, 8, 12})
+    # full tiles run as two 8-row calls take the small-M path too: every short size is exact against them
+    assert exact_row_counts(SplitK, 96, 40, kind="test-split-k", split=8, **kw) == frozenset({4, 8, 12})
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])

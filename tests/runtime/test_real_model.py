@@ -57,3 +57,23 @@ def test_default_model_tokens_under_concurrency_equal_tokens_alone(loaded, tmp_p
     for a, b in zip(alone, together):
         assert a.token_ids == b.token_ids
         assert torch.equal(a.first_token_logits, b.first_token_logits)
+
+
+def test_default_model_short_tiles_replay_one_shot(loaded):
+    """On the real shapes (where the probe pads or splits what oneDNN computes differently by M), a hit's short
+    suffix in a short tile equals the same positions computed in one shot, KV and logits, bit for bit."""
+    from pcr_rag.runtime.forward import FastForward
+    from pcr_rag.runtime.weights import PaddedRows
+
+    fw = FastForward(loaded)
+    assert fw.short_tile_sizes, "expected short tiles on this CPU"
+    split = [lin for lin in fw._linears() if isinstance(lin, PaddedRows) and lin.split]
+    assert ("split=" in fw.plan_id) == bool(split)
+    ids = torch.randint(100, 20000, (640,), generator=torch.Generator().manual_seed(0))
+    arena = fw.new_arena(2, 640)
+    one_shot = fw.prefill(arena.row(0), ids, 0)
+    fw.prefill(arena.row(1), ids[:600], 0, want_logits=False)
+    assert fw.tile_sizes(40) == (min(fw.short_tile_sizes),)
+    assert torch.equal(fw.prefill(arena.row(1), ids[600:], 600), one_shot)
+    for layer in range(len(arena.k)):
+        assert torch.equal(arena.k[layer][0], arena.k[layer][1]) and torch.equal(arena.v[layer][0], arena.v[layer][1])
