@@ -8,8 +8,9 @@ Rows: the KV arena has ``batch_rows`` rows; a request holds one from admission t
    joins the decode batch at the next step.
 
 So a long cold prefill never freezes streaming answers: the gap between two tokens of a decoding row is at most
-one decode forward plus one prefill chunk of `prefill_chunk_tokens` (measured: ITL p99 = that step, p50 = a decode step). And since the
-forward is split- and batch-invariant, a request's tokens are the same alone, in any batch and with any chunking.
+one decode forward plus one prefill chunk of `prefill_chunk_tokens` (measured: ITL p99 is such a step, p50 a decode
+step alone). And since the forward is split- and batch-invariant, a request's tokens are the same alone, in any
+batch and with any chunking.
 Failures are per request: an error in one request's prefill or token choice fails that request only.
 """
 

@@ -18,7 +18,7 @@ This step makes a row's numbers depend on the row alone, by construction:
   linear layer runs such a tile as it is only if `tile_probe.exact_row_counts` proved, at start-up, that its rows
   at that M are bit-identical to its rows in a full tile; otherwise that layer pads the short tile to a full one
   (`weights.PaddedRows`) - or, where that makes more sizes exact, runs its full tiles as two half-tile calls
-  instead. Measured on this CPU (oneDNN bf16, AMX): the 576-input projections match at M = 64..192; the
+  instead (`tile_probe.fit_to_tiles`). Measured on this CPU (oneDNN bf16, AMX): the 576-input projections match at M = 64..192; the
   1536-input down projection matches at no M below 256, but its rows at 64, 128 and 192 agree with each other, so
   its full tiles run as two 128-row calls (also faster here: 0.51 vs 0.59 ms a call). Rows are the same whichever
   tile computes them. Split shapes change the numbers of full tiles, so they are named in `plan_id`.
@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from pcr_rag.errors import PCRError
 from pcr_rag.runtime.kv_arena import KVArena, RowKV
 from pcr_rag.runtime.model import LoadedModel
-from pcr_rag.runtime.tile_probe import exact_row_counts
+from pcr_rag.runtime.tile_probe import fit_to_tiles
 from pcr_rag.runtime.weights import Linear, PaddedRows, make_linear
 
 log = logging.getLogger(__name__)
@@ -175,29 +175,11 @@ class FastForward:
         short = short_tile_rows if short_tile_rows and not compile else None
         candidates = tuple(m for m in range(short, tile_rows, short) if m != batch_rows) if short else ()
 
-        split_rows = tile_rows // 2 if tile_rows // 2 in candidates else None
-        self._split_shapes: set[str] = set()
-
         def fit(linear: Linear) -> Linear:
-            """``linear``, padding the short tile sizes at which its rows are not those of a full tile - unless
-            running full tiles as two half-tile calls makes more of them exact (then full tiles are split)."""
-            if not candidates:
-                return linear
-
-            def exact(split: int | None) -> frozenset[int]:
-                return exact_row_counts(
-                    lambda w, b: make_linear(weights, w, b, pack_rows=packed_rows, shared_rows=candidates),
-                    linear.in_features, linear.out_features, bias=getattr(linear, "bias", None) is not None,
-                    tile=tile_rows, candidates=candidates, dtype=self.dtype, device=self.device,
-                    kind=f"{weights};packed={packed_rows}", split=split)
-
-            padded, split = frozenset(candidates) - exact(None), None
-            if padded and split_rows:
-                padded_split = frozenset(candidates) - exact(split_rows)
-                if len(padded_split) < len(padded):
-                    padded, split = padded_split, split_rows
-                    self._split_shapes.add(f"{linear.in_features}x{linear.out_features}")
-            return PaddedRows(linear, tile_rows, padded, split) if padded or split else linear
+            return fit_to_tiles(
+                linear, lambda w, b: make_linear(weights, w, b, pack_rows=packed_rows, shared_rows=candidates),
+                tile=tile_rows, candidates=candidates, dtype=self.dtype, device=self.device,
+                kind=f"{weights};packed={packed_rows}")
 
         self._embed = base.embed_tokens
         self._final_norm = RMSNorm.of(base.norm, config.model_type == "gemma3_text")
@@ -251,7 +233,9 @@ class FastForward:
     def plan_id(self) -> str:
         """Names everything that fixes this step's numbers besides the model: part of the chunk keys' root."""
         compiled = ";compiled" if self.compiled else ""
-        split = f";split={','.join(sorted(self._split_shapes))}" if self._split_shapes else ""
+        shapes = sorted({f"{lin.in_features}x{lin.out_features}" for lin in self._linears()
+                         if isinstance(lin, PaddedRows) and lin.split})
+        split = f";split={','.join(shapes)}" if shapes else ""
         return (f"{FORWARD_VERSION};tile={self.tile_rows};block={self.attention_block};weights={self.weights}"
                 f"{compiled}{split}")
 

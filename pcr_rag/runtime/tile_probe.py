@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from pcr_rag.runtime.weights import Linear
+from pcr_rag.runtime.weights import Linear, PaddedRows
 
 PAIRED_MAGNITUDE = 256.0  # scale of the cancelling input pairs (exact in bf16; products exact in fp32)
 UNPAIRED_FEATURES = 32    # input features left unpaired: the small result the rounding shows against
@@ -72,3 +72,25 @@ def exact_row_counts(make: LinearMaker, in_features: int, out_features: int, *, 
                        for s in range(0, tile - m + 1, m)))
         _exact_cache[key] = found
     return found
+
+
+def fit_to_tiles(linear: Linear, make: LinearMaker, *, tile: int, candidates: Sequence[int], dtype: torch.dtype,
+                 device: torch.device, kind: str) -> Linear:
+    """``linear`` made exact at the short tile sizes ``candidates``: as it is where its rows there equal a full
+    tile's; else a `PaddedRows` that pads the sizes that differ - or, when running full tiles as two half-tile
+    calls makes more sizes exact, that splits full tiles (and pads what is still left)."""
+    if not candidates:
+        return linear
+
+    def padded(split: int | None) -> frozenset[int]:
+        return frozenset(candidates) - exact_row_counts(
+            make, linear.in_features, linear.out_features, bias=getattr(linear, "bias", None) is not None,
+            tile=tile, candidates=candidates, dtype=dtype, device=device, kind=kind, split=split)
+
+    pads, split = padded(None), None
+    half = tile // 2
+    if pads and half in candidates:
+        pads_split = padded(half)
+        if len(pads_split) < len(pads):
+            pads, split = pads_split, half
+    return PaddedRows(linear, tile, pads, split) if pads or split else linear
