@@ -36,3 +36,18 @@ def test_pcr_remote_is_a_cold_replica_behind_the_warm_store(valkey, tmp_path):
     assert runs["pcr-remote-down"]["hit_ratio"]["remote"] == 0
     assert sum(runs["pcr-remote-down"]["hit_ratio"].values()) == pytest.approx(cold_reuse, abs=1e-12)  # down: exactly a new replica's reuse
     assert all(r["extra"]["failed_requests"] == 0 for r in report["runs"])
+
+
+def test_read_check_times_every_path_after_warm_up_rounds(valkey):
+    import torch
+
+    from pcr_rag.bench.remote import measure_reads
+
+    reads = measure_reads(valkey.url, chunk_shape=(2, 2, 1, 8, 4), dtype=torch.float32, values=3, repeats=3,
+                          warmup=1)
+    rounds = reads["rounds_bytes_per_s"]
+    assert {k: len(v) for k, v in rounds.items()} == {"plain": 3, "plain_one_by_one": 3, "tier": 3}
+    assert all(rate > 0 for xs in rounds.values() for rate in xs)
+    assert reads["read_throughput_tier_over_plain"] == reads["tier_bytes_per_s"] / reads["plain_bytes_per_s"]
+    assert reads["value_bytes"] > 2 * 2 * 8 * 4 * 4  # the header rides with the tensor bytes
+    assert valkey.client().keys("pcr-read-check:*") == []  # the check cleans up after itself

@@ -20,6 +20,10 @@ from pcr_rag.cache.errors import RemoteTimeoutError, RemoteUnavailableError
 
 __all__ = ["MemoryRemoteStore", "RedisStore", "RemoteStore", "open_store", "redacted_url"]
 
+# bytes per socket read: values are whole chunks (MBs), and redis-py's default (64 KiB) costs a recv, a parser feed
+# and a parser poll per 64 KiB; 1 MiB reads moved 5.9 MB values about 1.3x faster here (median of 8 rounds)
+SOCKET_READ_BYTES = 1 << 20
+
 
 class RemoteStore(Protocol):
     """A shared key-value store of chunk values (see the module docstring)."""
@@ -73,6 +77,7 @@ class RedisStore:
             timeout=config.timeout_s,  # longest wait for a free connection
             socket_connect_timeout=config.connect_timeout_s,
             socket_timeout=config.timeout_s,
+            socket_read_size=SOCKET_READ_BYTES,
             retry=Retry(NoBackoff(), 0),
             retry_on_timeout=False,
             health_check_interval=0,
