@@ -81,7 +81,7 @@ class KernelBenchConfig:
     """What the kernel bench measures. Sizes are tokens unless named otherwise."""
 
     model: str | None = None          # alias or local path; None = the engine's default model
-    dtype: str = "bfloat16"
+    dtype: str = "auto"                # the engine's: bfloat16 where the CPU runs it natively, else float32
     threads: int | None = None        # torch compute threads (and llama.cpp's); None = torch's current setting
     corpus: str | None = None         # None = the built-in stdlib corpus
     prompt_tokens: int = 1536
@@ -731,7 +731,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--no-peer", action="store_true", help="skip the llama.cpp peer even when importable")
     parser.add_argument("--model", help="model alias or local path (default: the engine's default model)")
-    parser.add_argument("--dtype", help="model dtype (default bfloat16)")
+    parser.add_argument("--dtype", help="model dtype (default auto, as the engine: bfloat16 on CPUs with native "
+                                        "bf16, else float32)")
     parser.add_argument("--threads", type=int, help="torch (and llama.cpp) threads (default: torch's setting)")
     parser.add_argument("--corpus", help="corpus directory or .jsonl (default: the stdlib corpus)")
     parser.add_argument("--prompt-tokens", type=int, help="prefill prompt length (default 1536; quick 160)")

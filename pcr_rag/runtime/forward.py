@@ -421,11 +421,12 @@ class FastForward:
                 pos[i] = 0
         x = self._embed(tokens.to(self.device))
         rope = {kind: (c[pos], self._sin[kind][pos]) for kind, c in self._cos.items()}  # once per step
+        # attention outputs, reused by every layer: active rows are overwritten, padding rows stay zero
+        attn = torch.zeros(self.batch_rows, self.num_heads * self.head_dim, dtype=x.dtype, device=x.device)
         for li, lw in enumerate(self.layers):
             q, k, v = self._qkv(lw, x, *rope[lw.rope])
             arena.k[li][row_idx, :, pos] = k
             arena.v[li][row_idx, :, pos] = v
-            attn = torch.zeros(self.batch_rows, self.num_heads * self.head_dim, dtype=x.dtype, device=x.device)
             kl, vl = arena.k[li], arena.v[li]
             for i, r, p in active:
                 lo = 0 if lw.window is None else max(0, p - lw.window + 1)
@@ -448,11 +449,11 @@ class FastForward:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         if lw.q_norm is None:  # rotate q and k in one go: they are adjacent in the fused output
             qk = qkv[:, : nq + nk].view(m, self.num_heads + self.num_kv_heads, d)
-            qk = qk * cos + _rotate_half(qk) * sin
+            qk = qk * cos + _swap_halves(qk) * sin
             return qk[:, : self.num_heads], qk[:, self.num_heads:], v
         q = lw.q_norm(qkv[:, :nq].view(m, self.num_heads, d))
         k = lw.k_norm(qkv[:, nq: nq + nk].view(m, self.num_kv_heads, d))
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+        return q * cos + _swap_halves(q) * sin, k * cos + _swap_halves(k) * sin, v
 
     def _mlp_block(self, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Rows after attention: output projection, residual, MLP, residual."""
@@ -476,14 +477,16 @@ class FastForward:
         return logits
 
     def _rope_tables(self, rotary: Any, kinds: set[str], gemma: bool):
-        """cos/sin ``[max_positions, head_dim]`` per rotary kind, computed by the model's own rotary module."""
+        """cos and *signed* sin ``[max_positions, head_dim]`` per rotary kind, computed by the model's own rotary
+        module; the signed sin is ``[-sin1, sin2]`` for ``sin = [sin1, sin2]`` (see `_swap_halves`)."""
         positions = torch.arange(self.max_positions, device=self.device).unsqueeze(0)
         probe = torch.zeros(1, dtype=self.dtype, device=self.device)
         cos, sin = {}, {}
         with torch.inference_mode():
             for kind in kinds:
                 c, s = rotary(probe, positions, kind) if gemma else rotary(probe, positions)
-                cos[kind], sin[kind] = c[0].contiguous(), s[0].contiguous()
+                half = s.shape[-1] // 2
+                cos[kind], sin[kind] = c[0].contiguous(), torch.cat((-s[0, :, :half], s[0, :, half:]), -1)
         return cos, sin
 
 
@@ -497,6 +500,8 @@ def plan_tiles(n: int, tile: int, short_sizes: Sequence[int] = ()) -> tuple[int,
     return tuple(sizes)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """``[x2, x1]`` for ``x = [x1, x2]`` (last dim): transformers' ``rotate_half`` without its negation, which the
+    signed sin table carries instead (``(-a) * b == a * (-b)`` exactly in IEEE arithmetic, so the numbers are the
+    same, one op fewer per call)."""
+    return torch.roll(x, x.shape[-1] // 2, dims=-1)
