@@ -227,10 +227,13 @@ class MissCostResult:
         return asdict(self)
 
     def summary(self) -> str:
+        dram = self.cache_stats.get("capacity_bytes", {}).get("dram", 0)
         return (f"miss cost ({self.requests} requests x {self.passes} passes, {self.prompt_tokens_mean:.0f}-token "
-                f"prompts of distinct documents, {self.reused_tokens_total} tokens reused, {self.threads} threads): "
-                f"TTFT cache on / off per request: median {self.ratio_median:.3f}, mean {self.ratio_mean:.3f} "
-                f"(target <= 1.05); TTFT on {self.ttft_on_s * 1000:.0f} ms vs off {self.ttft_off_s * 1000:.0f} ms")
+                f"prompts of distinct documents, {self.reused_tokens_total} tokens reused, {self.threads} threads, "
+                f"DRAM tier {dram / 2**20:.0f} MiB, {self.cache_stats.get('dram_buffers_reused', 0)} payload "
+                f"buffers reused): TTFT cache on / off per request: median {self.ratio_median:.3f}, mean "
+                f"{self.ratio_mean:.3f} (target <= 1.05); TTFT on {self.ttft_on_s * 1000:.0f} ms vs off "
+                f"{self.ttft_off_s * 1000:.0f} ms")
 
 
 def miss_trace(tokenizer, count: int, *, prompt_tokens: int = 650, docs_per_request: int = 2,
@@ -258,7 +261,7 @@ def miss_trace(tokenizer, count: int, *, prompt_tokens: int = 650, docs_per_requ
 
 def measure_miss_cost(model=None, tokenizer=None, *, requests: int = 13, passes: int = 3, prompt_tokens: int = 650,
                       workdir: str | Path | None = None, dtype="auto", corpus: str | None = None,
-                      progress: bool = True) -> MissCostResult:
+                      dram_capacity: int | str = "2GiB", progress: bool = True) -> MissCostResult:
     """Run the same trace of requests that reuse nothing through an engine with the cache on (DRAM + SSD tiers in
     ``workdir``, defaults otherwise) and one with the cache off, interleaved request by request (ABAB.., the first
     engine alternating) so that each pair of tries is adjacent in time. After each cache-on request its SSD
@@ -274,7 +277,7 @@ def measure_miss_cost(model=None, tokenizer=None, *, requests: int = 13, passes:
     warmup = reqs[0]  # warms both engines, never measured
     trace = [reqs[1 + p * requests: 1 + (p + 1) * requests] for p in range(passes)]
     on = PCREngine(model=loaded.model, tokenizer=loaded.tokenizer, config=EngineConfig(
-        cache_dir=work / "on", device="cpu", max_new_tokens=1))
+        cache_dir=work / "on", device="cpu", max_new_tokens=1, dram_capacity=dram_capacity))
     off = PCREngine(model=loaded.model, tokenizer=loaded.tokenizer, config=EngineConfig(
         cache_dir=work / "off", enable_cache=False, device="cpu", max_new_tokens=1))
     results: dict[str, list] = {"on": [], "off": []}
@@ -342,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=13, help="--miss: requests per pass")
     parser.add_argument("--passes", type=int, default=3, help="--miss: passes of the trace")
     parser.add_argument("--prompt-tokens", type=int, default=650, help="--miss: tokens per prompt (about)")
+    parser.add_argument("--dram-capacity", default="2GiB",
+                        help="--miss: the cache-on engine's DRAM tier (e.g. 32MiB: full, every new chunk evicts one)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's setting)")
     parser.add_argument("--json", metavar="PATH", help="--miss: write the result as JSON here")
     args = parser.parse_args(argv)
@@ -350,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if args.miss:
         res = measure_miss_cost(args.model, requests=args.requests, passes=args.passes,
-                                prompt_tokens=args.prompt_tokens, dtype=args.dtype)
+                                prompt_tokens=args.prompt_tokens, dtype=args.dtype, dram_capacity=args.dram_capacity)
         print(res.summary())
         for k, v in res.as_dict().items():
             if k not in ("ratios", "cache_stats"):

@@ -16,6 +16,7 @@ from concurrent.futures import Future
 
 import torch
 
+from pcr_rag.cache.buffer_pool import BufferPool
 from pcr_rag.cache.clock import Clock, MonotonicClock
 from pcr_rag.cache.config import CacheConfig
 from pcr_rag.cache.engine_lock import EngineLock
@@ -30,7 +31,7 @@ from pcr_rag.cache.remote_reuse import RemoteReuse
 from pcr_rag.cache.residency import ResidencyIndex
 from pcr_rag.cache.stats import CacheStats
 from pcr_rag.cache.storage import StorageBackend
-from pcr_rag.cache.tiers import build_tiers
+from pcr_rag.cache.tiers import MemoryTier, build_tiers
 from pcr_rag.cache.tiers.base import ChunkRecord, Tier, TierKind, tier_bit
 from pcr_rag.cache.writeback import WriteBack
 
@@ -52,7 +53,7 @@ class CacheEngine:
         self._stats = CacheStats()
         self._tiers = build_tiers(config, storage, self.clock)
         self._memory = [t for t in self._tiers if t.kind is TierKind.MEMORY]
-        self._dram = next(t for t in self._memory if t.tier is Tier.DRAM)
+        self._dram: MemoryTier = next(t for t in self._memory if t.tier is Tier.DRAM)  # type: ignore[assignment]
         self._memory_bits = sum(tier_bit(t.tier) for t in self._memory)
         # the write-back target: local storage (SSD); the shared remote tier is written through by RemoteReuse
         self._storage = next((t for t in self._tiers if t.kind is TierKind.STORAGE and not t.shared), None)
@@ -89,6 +90,12 @@ class CacheEngine:
     def tiers(self) -> tuple[Tier, ...]:
         """The active tiers, fastest first."""
         return tuple(t.tier for t in self._tiers)
+
+    @property
+    def host_buffers(self) -> BufferPool | None:
+        """Where new chunks' DRAM payloads come from: the buffers of dropped DRAM copies (None when DRAM copies
+        are pinned)."""
+        return self._dram.buffers
 
     @property
     def ssd_enabled(self) -> bool:
@@ -372,6 +379,8 @@ class CacheEngine:
             if self._remote is not None:
                 st.remote_io = self._remote.counters()
             st.pinned_chunks = self._index.pinned
+            if self._dram.buffers is not None:
+                st.dram_buffers_reused = self._dram.buffers.reused
             st.nodes = len(self._index.tree)
             for t, b in self._index.budgets.items():
                 st.bytes_used[t.value] = b.used

@@ -29,6 +29,8 @@ class CacheStats:
     - ``write_through``: chunks inserted straight into SSD because no memory tier had room (e.g. DRAM full of
       chunks pinned by running requests); they count in ``inserts`` too.
     - ``pinned_chunks``: chunks pinned now (held by leases, loads in flight or SSD layer reads); 0 when idle.
+    - ``dram_buffers_reused``: new chunks' DRAM payloads written into the buffer of a dropped DRAM copy instead of
+      a fresh tensor (no first-touch page faults; see ``BufferPool``).
     - ``corrupt_chunks_dropped``: SSD chunks that failed verification (at read or at start-up) and were deleted;
       ``orphans_dropped``: chunks dropped at start-up because their parent was missing.
     - ``bytes_used`` / ``bytes_high_water`` / ``capacity_bytes`` / ``chunks``: per tier, now.
@@ -61,6 +63,7 @@ class CacheStats:
     write_through: int = 0
     writeback_queue_depth: int = 0
     pinned_chunks: int = 0
+    dram_buffers_reused: int = 0
     corrupt_chunks_dropped: int = 0
     orphans_dropped: int = 0
     recovered_chunks: int = 0

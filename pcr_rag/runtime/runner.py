@@ -203,7 +203,7 @@ class PrefillTask:
         if upto == self._stored_upto:
             return None
         spans = [(self.plan[i].start, self.plan[i].end) for i in range(self._stored_upto, upto)]
-        return self.ctx.copy.offload(self.row, spans)
+        return self.ctx.copy.offload(self.row, spans, self.ctx.cache.host_buffers)
 
     def _insert_completed(self, offload: ChunkOffload) -> None:
         for payload in offload.finish():

@@ -28,6 +28,7 @@ from typing import Protocol
 
 import torch
 
+from pcr_rag.cache.buffer_pool import BufferPool
 from pcr_rag.errors import PrefixLoadError
 from pcr_rag.runtime.kv_arena import RowKV
 
@@ -100,8 +101,10 @@ class CopyEngine:
             load.raise_if_failed()
         return load
 
-    def offload(self, row: RowKV, spans: Sequence[tuple[int, int]]) -> ChunkOffload:
-        return ChunkOffload(self, row, spans)
+    def offload(self, row: RowKV, spans: Sequence[tuple[int, int]],
+                buffers: BufferPool | None = None) -> ChunkOffload:
+        """Begin copying ``spans`` of ``row`` into new payloads (host buffers from ``buffers`` when given)."""
+        return ChunkOffload(self, row, spans, buffers)
 
     def close(self) -> None:
         if not self._closed:
@@ -237,13 +240,18 @@ class ChunkOffload:
     """Copies the KV of ``spans`` (each [start, end), complete once this step ends) into host payloads
     ``[layers, 2, kv_heads, tokens, head_dim]``, layer by layer as each layer is written."""
 
-    def __init__(self, engine: CopyEngine, row: RowKV, spans: Sequence[tuple[int, int]]) -> None:
+    def __init__(self, engine: CopyEngine, row: RowKV, spans: Sequence[tuple[int, int]],
+                 buffers: BufferPool | None = None) -> None:
         g = row.arena.geometry
         self.engine = engine
         self.row = row
         self.spans = list(spans)
-        self.payloads = [torch.empty(g.payload_shape(e - s), dtype=g.dtype, pin_memory=engine.is_cuda)
-                         for s, e in self.spans]
+        # every element of a payload is overwritten (all layers, K and V, every token), so reused buffers are fine
+        if buffers is not None and not engine.is_cuda:
+            self.payloads = [buffers.take(g.payload_shape(e - s), g.dtype) for s, e in self.spans]
+        else:
+            self.payloads = [torch.empty(g.payload_shape(e - s), dtype=g.dtype, pin_memory=engine.is_cuda)
+                             for s, e in self.spans]
 
     def after_layer(self, layer: int) -> None:
         if not self.spans:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from pcr_rag.cache.buffer_pool import BufferPool
 from pcr_rag.cache.clock import Clock
 from pcr_rag.cache.config import CacheConfig
 from pcr_rag.cache.storage import StorageBackend
@@ -35,7 +36,9 @@ def build_tiers(config: CacheConfig, storage: StorageBackend | None, clock: Cloc
     tiers: list[KVTier] = []
     if config.has_device_tier:
         tiers.append(MemoryTier(Tier.DEVICE, int(config.device_bytes), device=torch.device(config.device)))
-    tiers.append(MemoryTier(Tier.DRAM, int(config.dram_bytes), pin_memory=config.pin_dram))
+    # unpinned DRAM copies go back to a pool when dropped, for new payloads (pinned ones are the CUDA path's)
+    buffers = None if config.pin_dram else BufferPool()
+    tiers.append(MemoryTier(Tier.DRAM, int(config.dram_bytes), pin_memory=config.pin_dram, buffers=buffers))
     ssd = open_ssd_tier(config, storage)
     if ssd is not None:
         tiers.append(ssd)

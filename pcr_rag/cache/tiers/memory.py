@@ -3,13 +3,15 @@
 ``place`` makes the copy the tier keeps: for DRAM a CPU tensor (page-locked when ``pin_memory``), for a device
 tier a tensor on that device; it runs outside the engine lock. ``store``/``drop`` only file the copy under its
 key. Copies are used in place, so reads cannot fail while the copy is held (a missing one raises
-``ChunkNotFoundError``). Byte accounting is the payload's ``nbytes``.
+``ChunkNotFoundError``). Byte accounting is the payload's ``nbytes``. A host tier with a ``buffers`` pool gives
+every dropped copy to it, so a new chunk's payload can reuse the bytes without fresh page faults (`BufferPool`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from pcr_rag.cache.buffer_pool import BufferPool
 from pcr_rag.cache.errors import ChunkNotFoundError
 from pcr_rag.cache.payload import Payload, VirtualPayload
 from pcr_rag.cache.tiers.base import ChunkRef, PayloadLayers, Tier, TierKind, TierRecovery
@@ -24,12 +26,14 @@ class MemoryTier:
     shared = False
 
     def __init__(
-        self, tier: Tier, capacity_bytes: int, *, device: torch.device | None = None, pin_memory: bool = False
+        self, tier: Tier, capacity_bytes: int, *, device: torch.device | None = None, pin_memory: bool = False,
+        buffers: BufferPool | None = None,
     ) -> None:
         self.tier = tier
         self.capacity_bytes = int(capacity_bytes)
         self.device = device
         self.pin_memory = pin_memory
+        self.buffers = buffers
         self._copies: dict[bytes, Payload] = {}
 
     def charge(self, chunk: ChunkRef) -> int:
@@ -64,7 +68,9 @@ class MemoryTier:
         return PayloadLayers(self.read(chunk))
 
     def drop(self, chunk: ChunkRef) -> None:
-        self._copies.pop(chunk.key, None)
+        copy = self._copies.pop(chunk.key, None)
+        if copy is not None and self.buffers is not None:
+            self.buffers.give(copy)
 
     def holds(self, chunk: ChunkRef) -> bool:
         return chunk.key in self._copies
