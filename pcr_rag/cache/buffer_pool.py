@@ -23,13 +23,21 @@ import torch
 
 __all__ = ["BufferPool"]
 
-# storage references of a tensor nobody else uses: its own TensorImpl, plus the temporary UntypedStorage object
-# that asking for the count creates
-_SOLE_STORAGE_USES = 2
-# Python references to a pooled tensor nobody else holds while `take` looks at it: the deque, the loop variable and
-# `sys.getrefcount`'s argument
-_SOLE_TAKE_REFS = 3
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)  # private; without it nothing is ever reused
+
+
+def _sole_reference_counts() -> tuple[int, int]:
+    """What `BufferPool.take` sees for a pooled tensor nobody else holds, measured on this interpreter and torch in
+    take's own pattern: Python references (the deque, the local name, ``sys.getrefcount``'s argument) and storage
+    references (the tensor's own, plus the temporary ``UntypedStorage`` that asking creates)."""
+    free = deque([torch.empty(1)])
+    t = free[0]
+    refs = sys.getrefcount(t)
+    uses = _storage_use_count(t.untyped_storage()._cdata) if _storage_use_count is not None else -1
+    return refs, uses
+
+
+_SOLE_TAKE_REFS, _SOLE_STORAGE_USES = _sole_reference_counts()
 
 
 class BufferPool:
