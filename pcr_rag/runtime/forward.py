@@ -26,6 +26,9 @@ This step makes a row's numbers depend on the row alone, by construction:
   [b*A, (b+1)*A) (A = `ATTENTION_BLOCK`) over keys [window start, (b+1)*A) with an explicit mask; queries of the
   block that this step does not compute are zero rows. The call for a block is the same whatever was cached, so
   where a prefill step starts or ends never changes a number (split invariance: cached == uncached, bit for bit).
+  A step that needs only some of a block's rows computes the `ATTENTION_SUB_BLOCK`-aligned slices that hold them,
+  if `attention_probe.sub_blocks_exact` proved at start-up that a slice's rows equal the whole block's, bit for bit
+  (PyTorch's CPU flash kernel works through queries in 32-row blocks of its own); otherwise the whole block.
 - **Decode attention is per row** over that row's own KV (PyTorch's fused CPU/CUDA SDPA kernel, fp32 accumulation;
   on the CPU on float32 copies of the row's q, K and V, which the kernel runs several times faster at one query).
 
@@ -46,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from pcr_rag.errors import PCRError
+from pcr_rag.runtime.attention_probe import sub_blocks_exact
 from pcr_rag.runtime.kv_arena import KVArena, RowKV
 from pcr_rag.runtime.model import LoadedModel
 from pcr_rag.runtime.tile_probe import fit_to_tiles
@@ -56,6 +60,7 @@ log = logging.getLogger(__name__)
 PREFILL_TILE_ROWS = 256  # rows per prefill GEMM (fixed M); see the module docstring
 SHORT_TILE_ROWS = 64     # short prefill tiles have multiples of this many rows, below PREFILL_TILE_ROWS
 ATTENTION_BLOCK = 128    # query rows per prefill attention block, aligned to absolute positions
+ATTENTION_SUB_BLOCK = 32  # query rows per slice of a block a short step computes, where proven exact
 FORWARD_VERSION = "pcr-forward-v1"
 _MASK_CACHE_ENTRIES = 256  # attention-block masks kept (full layers need one per block index)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
@@ -152,7 +157,8 @@ class FastForward:
     def __init__(self, loaded: LoadedModel, *, weights: str = "bf16", batch_rows: int = 8,
                  max_positions: int | None = None, tile_rows: int = PREFILL_TILE_ROWS,
                  attention_block: int = ATTENTION_BLOCK, prepack: bool = True, compile: bool = False,
-                 short_tile_rows: int | None = SHORT_TILE_ROWS) -> None:
+                 short_tile_rows: int | None = SHORT_TILE_ROWS,
+                 attention_sub_block: int | None = ATTENTION_SUB_BLOCK) -> None:
         model = loaded.model
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
@@ -231,6 +237,7 @@ class FastForward:
         self._masks: dict[tuple, torch.Tensor] = {}
         self._cos, self._sin = self._rope_tables(base.rotary_emb, {lw.rope for lw in self.layers}, gemma)
         self.short_tile_sizes = self._useful_short_tiles(candidates)
+        self.attention_sub_block = self._exact_sub_block(attention_sub_block)
 
     # --------------------------------------------------------------------------------------------- identity
     @property
@@ -269,6 +276,27 @@ class FastForward:
             else:
                 log.info("no %d-row prefill tiles: the row pieces differ from a full tile's", m)
         return tuple(useful)
+
+    def _exact_sub_block(self, sub_block: int | None) -> int | None:
+        """``sub_block`` if slices of that many query rows give a block's rows bit for bit (see
+        `attention_probe`), else None (short steps compute whole blocks)."""
+        block = self.attention_block
+        if not sub_block or sub_block >= block or block % sub_block:
+            return None
+
+        def attend(q, rows, index, k, v, window):
+            bs = index * block
+            ks = 0 if window is None else max(0, bs - window + 1)
+            return self._attend(q, rows, bs, k[:, :, ks: bs + block], v[:, :, ks: bs + block], ks, window)
+
+        windows = tuple(sorted({lw.window for lw in self.layers}, key=lambda w: (w is not None, w or 0)))
+        with torch.inference_mode():
+            exact = sub_blocks_exact(attend, block=block, sub_block=sub_block, heads=self.num_heads,
+                                     kv_heads=self.num_kv_heads, head_dim=self.head_dim, windows=windows,
+                                     dtype=self.dtype, device=self.device)
+        if not exact:
+            log.info("prefill attention computes whole %d-query blocks: %d-row slices differ here", block, sub_block)
+        return sub_block if exact else None
 
     def tile_sizes(self, n: int) -> tuple[int, ...]:
         """Rows per GEMM tile for a step of ``n`` positions (see `plan_tiles`)."""
@@ -360,7 +388,7 @@ class FastForward:
                 qb[offset + t0: offset + t0 + real] = q[:real]
             if hooks is not None:
                 hooks.before_attention(li)
-            self._prefill_attention(li, lw, row, qb, out, first)
+            self._prefill_attention(li, lw, row, qb, out, first, (offset, offset + n))
             if hooks is not None:
                 hooks.after_layer(li, start, end)
             attn_rows[:n] = out[offset: offset + n]
@@ -372,22 +400,34 @@ class FastForward:
         return self._logits(xs[-1][n - 1 - a: n - a])[0]
 
     def _prefill_attention(self, li: int, lw: LayerWeights, row: RowKV, qb: torch.Tensor, out: torch.Tensor,
-                           first: int) -> None:
+                           first: int, needed: tuple[int, int]) -> None:
         """Attention in whole blocks aligned to absolute positions (see the module docstring): ``qb`` holds the
         queries of blocks first, first + 1, ... (``[blocks * A, heads, D]``); results go to ``out``
-        (``[blocks * A, heads * D]``)."""
-        block = self.attention_block
-        blocks = qb.shape[0] // block
-        qv = qb.view(blocks, block, self.num_heads, self.head_dim).transpose(1, 2)  # [blocks, heads, A, D]
-        ov = out.view(blocks, block, -1)
-        for j in range(blocks):
+        (``[blocks * A, heads * D]``). Of each block, the rows in ``needed`` (buffer rows the step computes) are
+        computed: in exact sub-block slices where proven, else with the whole block."""
+        block, sub = self.attention_block, self.attention_sub_block
+        for j in range(qb.shape[0] // block):
             bs = (first + j) * block
             be = bs + block
             ks = 0 if lw.window is None else max(0, bs - lw.window + 1)
-            o = F.scaled_dot_product_attention(
-                qv[j: j + 1], row.keys(li, ks, be).unsqueeze(0), row.values(li, ks, be).unsqueeze(0),
-                attn_mask=self._mask(bs - ks, be - ks, lw.window, qb.dtype), scale=self.scale, enable_gqa=True)
-            ov[j] = o[0].transpose(0, 1).reshape(block, -1)
+            a, b = 0, block
+            if sub is not None:
+                lo, hi = max(needed[0] - j * block, 0), min(needed[1] - j * block, block)
+                a, b = lo // sub * sub, min(block, -(-hi // sub) * sub)
+            out[j * block + a: j * block + b] = self._attend(
+                qb[j * block: (j + 1) * block], (a, b), bs, row.keys(li, ks, be).unsqueeze(0),
+                row.values(li, ks, be).unsqueeze(0), ks, lw.window)
+
+    def _attend(self, q: torch.Tensor, rows: tuple[int, int], bs: int, keys: torch.Tensor, values: torch.Tensor,
+                ks: int, window: int | None) -> torch.Tensor:
+        """Rows [a, b) of the query block at absolute positions [bs, bs + A) (``q``: the block's ``[A, heads,
+        D]`` buffer) over ``keys``/``values`` ``[1, kv_heads, n, D]`` of positions [ks, ks + n), masked causally
+        (and by ``window``). Returns ``[b - a, heads * D]``."""
+        a, b = rows
+        mask = self._mask(bs - ks, keys.shape[2], window, q.dtype)[a:b]
+        o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask,
+                                           scale=self.scale, enable_gqa=True)
+        return o[0].transpose(0, 1).reshape(b - a, -1)
 
     def _mask(self, query_offset: int, keys: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask ``[A, keys]`` for queries at key offsets query_offset + i: 0 where key j is visible

@@ -23,6 +23,7 @@ def _forward(arch: str, dtype: torch.dtype, **kwargs) -> FastForward:
     kwargs.setdefault("attention_block", 8)
     kwargs.setdefault("batch_rows", 4)
     kwargs.setdefault("short_tile_rows", 4)  # short tiles of 4, 8 and 12 rows where the probe proves them exact
+    kwargs.setdefault("attention_sub_block", 4)  # half-block attention slices where the probe proves them exact
     return FastForward(tiny_loaded_model(arch, dtype=dtype), **kwargs)
 
 
@@ -82,10 +83,11 @@ def test_prefill_with_default_tiles_is_split_invariant(arch, dtype):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("suffix", [1, 40, 100, 171])
 def test_short_tiles_replay_full_tiles(arch, dtype, suffix):
-    """A hit's short suffix runs in a short tile (or a full one where the probe says so) and still equals the rows
-    of a run without short tiles, KV and logits, bit for bit."""
-    short = _forward(arch, dtype, tile_rows=256, attention_block=128, short_tile_rows=64)
-    full = _forward(arch, dtype, tile_rows=256, attention_block=128, short_tile_rows=None)
+    """A hit's short suffix runs in a short tile and 32-row attention slices (or full ones where the probes say
+    so) and still equals the rows of a run without either, KV and logits, bit for bit."""
+    short = _forward(arch, dtype, tile_rows=256, attention_block=128, short_tile_rows=64, attention_sub_block=32)
+    full = _forward(arch, dtype, tile_rows=256, attention_block=128, short_tile_rows=None, attention_sub_block=None)
+    assert full.attention_sub_block is None
     assert full.short_tile_sizes == () and full.tile_sizes(suffix) == (256,)
     assert short.plan_id == full.plan_id
     ids = _ids(300 + suffix, seed=suffix)
@@ -98,6 +100,26 @@ def test_short_tiles_replay_full_tiles(arch, dtype, suffix):
     for layer in range(len(arena.k)):
         assert torch.equal(arena.k[layer][0, :, : len(ids)], arena.k[layer][1, :, : len(ids)])
         assert torch.equal(arena.v[layer][0, :, : len(ids)], arena.v[layer][1, :, : len(ids)])
+
+
+def test_attention_probe_rejects_slices_that_change_rows():
+    """The probe accepts an attention whose rows do not depend on the slice and rejects one whose rows do."""
+    from pcr_rag.runtime.attention_probe import _exact_cache, sub_blocks_exact
+
+    def per_row(q, rows, index, k, v, window):
+        return q[rows[0]: rows[1]].flatten(1).float() * 2
+
+    def mixes_rows(q, rows, index, k, v, window):
+        x = q[rows[0]: rows[1]].flatten(1).float()
+        return x + x.mean(0, keepdim=True)
+
+    kw = dict(block=16, sub_block=4, heads=2, kv_heads=1, head_dim=8, windows=(None,), dtype=torch.float32,
+              device=torch.device("cpu"))
+    _exact_cache.clear()  # results are cached per shape: the forward's attend is always the same code
+    assert sub_blocks_exact(per_row, **kw)
+    _exact_cache.clear()
+    assert not sub_blocks_exact(mixes_rows, **kw)
+    _exact_cache.clear()
 
 
 def test_padded_linears_and_decode_batch_m():
