@@ -58,18 +58,21 @@ def sub_blocks_exact(attend, *, block: int, sub_block: int, heads: int, kv_heads
     found = _exact_cache.get(key)
     if found is not None:
         return found
-    exact = True
-    for blocks in (1, 3, 7):  # keys: one block, a few, and past the kernel's 512-key split
-        keys = blocks * block
-        q, k, v = probe_inputs(heads, kv_heads, head_dim, block, keys, dtype, device)
-        for window in windows:
-            whole = attend(q, (0, block), blocks - 1, k, v, window)
-            for a in range(0, block, sub_block):
-                part = attend(q, (a, a + sub_block), blocks - 1, k, v, window)
-                if not torch.equal(part, whole[a: a + sub_block]):
-                    exact = False
+    exact = all(_slices_match(attend, block, sub_block, blocks, window,
+                              probe_inputs(heads, kv_heads, head_dim, block, blocks * block, dtype, device))
+                for blocks in (1, 3, 7)  # keys: one block, a few, and past the kernel's 512-key split
+                for window in windows)
     _exact_cache[key] = exact
     return exact
 
+
+def _slices_match(attend, block: int, sub_block: int, blocks: int, window: int | None,
+                  qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> bool:
+    """Every slice of the last of ``blocks`` query blocks equals those rows of the whole block (stops at the first
+    that differs)."""
+    q, k, v = qkv
+    whole = attend(q, (0, block), blocks - 1, k, v, window)
+    return all(torch.equal(attend(q, (a, a + sub_block), blocks - 1, k, v, window), whole[a: a + sub_block])
+               for a in range(0, block, sub_block))
 
 __all__ = ["PAIRED_MAGNITUDE", "probe_inputs", "sub_blocks_exact"]

@@ -289,7 +289,7 @@ class FastForward:
             ks = 0 if window is None else max(0, bs - window + 1)
             return self._attend(q, rows, bs, k[:, :, ks: bs + block], v[:, :, ks: bs + block], ks, window)
 
-        windows = tuple(sorted({lw.window for lw in self.layers}, key=lambda w: (w is not None, w or 0)))
+        windows = tuple(sorted({lw.window for lw in self.layers}, key=lambda w: -1 if w is None else w))
         with torch.inference_mode():
             exact = sub_blocks_exact(attend, block=block, sub_block=sub_block, heads=self.num_heads,
                                      kv_heads=self.num_kv_heads, head_dim=self.head_dim, windows=windows,
