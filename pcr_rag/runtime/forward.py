@@ -53,7 +53,7 @@ from pcr_rag.runtime.attention_probe import sub_blocks_exact
 from pcr_rag.runtime.kv_arena import KVArena, RowKV
 from pcr_rag.runtime.model import LoadedModel
 from pcr_rag.runtime.tile_probe import fit_to_tiles
-from pcr_rag.runtime.weights import Linear, PaddedRows, make_linear
+from pcr_rag.runtime.weights import DenseLinear, Linear, PaddedRows, make_linear
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,8 @@ class FastForward:
         self._final_norm = RMSNorm.of(base.norm, config.model_type == "gemma3_text")
         self._lm_head = make_linear(weights, model.lm_head.weight.detach(),
                                     None if model.lm_head.bias is None else model.lm_head.bias.detach(),
-                                    pack_rows=(batch_rows,) if packed_rows else ())
+                                    pack_rows=(batch_rows,) if packed_rows else (),
+                                    shared_rows=(1,) if packed_rows else ())  # M=1: a prefill step's logits
         self._softcap = getattr(config, "final_logit_softcapping", None)
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = loaded.kv.num_kv_heads
@@ -247,8 +248,10 @@ class FastForward:
         shapes = sorted({f"{lin.in_features}x{lin.out_features}" for lin in self._linears()
                          if isinstance(lin, PaddedRows) and lin.split})
         split = f";split={','.join(shapes)}" if shapes else ""
+        gemm = ";gemm=prepacked" if any(_base(lin).packed for lin in self._linears() if
+                                         isinstance(_base(lin), DenseLinear)) else ""
         return (f"{FORWARD_VERSION};tile={self.tile_rows};block={self.attention_block};weights={self.weights}"
-                f"{compiled}{split}")
+                f"{compiled}{gemm}{split}")
 
     def _linears(self) -> list[Linear]:
         return [lin for lw in self.layers for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)]
@@ -544,6 +547,11 @@ def plan_tiles(n: int, tile: int, short_sizes: Sequence[int] = ()) -> tuple[int,
     if rest:
         sizes.append(min((m for m in short_sizes if m >= rest), default=tile))
     return tuple(sizes)
+
+
+def _base(linear: Linear) -> Linear:
+    """The linear a `PaddedRows` wraps (itself otherwise)."""
+    return linear.inner if isinstance(linear, PaddedRows) else linear
 
 
 def _swap_halves(x: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ path is chosen by M alone, so the fixed-M invariant still holds.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 WEIGHT_FORMATS = ("bf16", "int8", "int4")
 INT4_GROUP_SIZE = 32  # input features per int4 scale/zero group
 QUANT_KERNEL_MAX_ROWS = 32  # calls with more rows run a dense GEMM over the dequantized weights
+QUANT_MAX_SLOWDOWN = 4.0  # a weight-only kernel this many times slower than the dense GEMM is not used
 
 
 class Linear:
@@ -50,11 +52,12 @@ class Linear:
 
 @dataclass(frozen=True, eq=False)
 class DenseLinear(Linear):
-    """``F.linear`` in the model dtype. With ``packed`` (bf16 on a CPU with native bf16), calls whose row count is
-    one of the packed ones - the prefill tile and the decode batch - use oneDNN's weights prepacked for that M
-    instead: no per-call weight reorder (measured: 256-row tiles of a 1.5k prefill 1.0-1.35x one-shot GEMM time
-    per shape, vs 1.15-1.5x with per-call reorders; decode about 1.5x faster). The path is chosen by M alone, so a
-    given M always runs the same kernel (the fixed-M invariant holds)."""
+    """``F.linear`` in the model dtype. With ``packed`` (float32, or bf16 on a CPU with native bf16), calls whose
+    row count is one of the packed ones - the prefill tile and the decode batch - use oneDNN's weights prepacked
+    for that M instead: no per-call weight reorder (measured, bf16 on AMX: 256-row tiles of a 1.5k prefill
+    1.0-1.35x one-shot GEMM time per shape, vs 1.15-1.5x with per-call reorders; decode about 1.5x faster; float32
+    on AVX2: see `_can_prepack`). The path is chosen by M alone, so a given M always runs the same kernel (the
+    fixed-M invariant holds)."""
 
     weight: torch.Tensor  # [out, in], model dtype
     bias: torch.Tensor | None = None
@@ -85,11 +88,15 @@ class DenseLinear(Linear):
         largest of ``pack_rows`` (no extra copy: oneDNN's blocked layout is the same for M = 64..256 here,
         measured with no time difference; were it not, a call would only reorder, never change a number)."""
         packed = None
-        if pack_rows and _can_prepack(weight):
-            packed = {m: torch.ops.mkldnn._reorder_linear_weight(weight, m) for m in sorted(set(pack_rows)) if m}
-            if packed:
-                largest = packed[max(packed)]
-                packed.update({m: largest for m in shared_rows if m not in packed})
+        rows = sorted({m for m in pack_rows if m})
+        if rows and _can_prepack(weight):
+            if weight.dtype == torch.float32:
+                # one float32 packing serves every M (measured: M=8 calls on the 256-row packing run as fast as on
+                # their own, same numbers), so the copy of the weights is made once
+                rows, shared_rows = rows[-1:], tuple(rows[:-1]) + tuple(shared_rows)
+            packed = {m: torch.ops.mkldnn._reorder_linear_weight(weight, m) for m in rows}
+            largest = packed[max(packed)]
+            packed.update({m: largest for m in shared_rows if m not in packed})
         return cls(weight, bias, packed or None)
 
 
@@ -129,11 +136,17 @@ class PaddedRows(Linear):
 
 
 def _can_prepack(weight: torch.Tensor) -> bool:
-    """oneDNN prepacking pays for bf16 weights on a CPU that runs bf16 natively."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+    """oneDNN prepacking pays for float32 weights, and for bf16 weights on a CPU that runs bf16 natively.
+
+    float32, measured on an AVX2 AMD EPYC (MKL 2024.2, 2 threads), SmolLM2's 30 layers + LM head with distinct
+    weights (538 MB, so no call hits a cache): M=8 (the decode batch) 150 ms with `F.linear` (MKL) vs 73 ms
+    prepacked; M=256 (a prefill tile) 950 vs 725 ms; M=1 80 vs 61 ms."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return False
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+            return False
+        return weight.dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
 
@@ -233,9 +246,34 @@ def _probe(fmt: str, dtype: torch.dtype, device: torch.device) -> str | None:
         err = (lin(torch.ones(2, 64, dtype=dtype)).float() - ref).abs().max().item()
         if not err < 0.25 * ref.abs().max().item() + 1e-3:
             return f"the {fmt} kernel returned wrong values (max error {err:.3g})"
+        slowdown = _quantized_slowdown(fmt, dtype)
     except (RuntimeError, NotImplementedError, AttributeError, ValueError) as exc:
         return f"the {fmt} kernel is unavailable in this torch build: {str(exc).splitlines()[0][:160]}"
+    if slowdown > QUANT_MAX_SLOWDOWN:
+        return (f"its kernel runs {slowdown:.0f}x slower than the dense {str(dtype).replace('torch.', '')} GEMM on "
+                f"this CPU (PyTorch has no fast path for these activations here; bf16 activations on a CPU with "
+                f"native bf16 have one)")
     return None
+
+
+def _quantized_slowdown(fmt: str, dtype: torch.dtype, rows: int = 8, size: int = 1024) -> float:
+    """Seconds of the ``fmt`` kernel over seconds of the dense GEMM, best of 3 each, at ``rows`` rows (a decode
+    batch) of a ``size``-square weight. Measured: int8/int4 with float32 activations on an AVX2 AMD EPYC run
+    40x slower than dense float32 (16.5 vs 0.4 ms at 3072x576), with bf16 activations 3-4x faster than dense."""
+    w = torch.randn(size, size, dtype=dtype)
+    x = torch.randn(rows, size, dtype=dtype)
+    quantized = Int8Linear.quantize(w, None) if fmt == "int8" else Int4Linear.quantize(w, None)
+
+    def best(f: Callable[[torch.Tensor], torch.Tensor]) -> float:
+        f(x)
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            f(x)
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    return best(quantized) / max(best(lambda a: F.linear(a, w)), 1e-9)
 
 
 def resolve_weight_format(fmt: str, dtype: torch.dtype, device: torch.device) -> str:
