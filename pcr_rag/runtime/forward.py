@@ -53,7 +53,7 @@ from pcr_rag.runtime.attention_probe import sub_blocks_exact
 from pcr_rag.runtime.kv_arena import KVArena, RowKV
 from pcr_rag.runtime.model import LoadedModel
 from pcr_rag.runtime.tile_probe import fit_to_tiles
-from pcr_rag.runtime.weights import DenseLinear, Linear, PaddedRows, make_linear
+from pcr_rag.runtime.weights import Linear, PaddedRows, make_linear
 
 log = logging.getLogger(__name__)
 
@@ -248,8 +248,7 @@ class FastForward:
         shapes = sorted({f"{lin.in_features}x{lin.out_features}" for lin in self._linears()
                          if isinstance(lin, PaddedRows) and lin.split})
         split = f";split={','.join(shapes)}" if shapes else ""
-        gemm = ";gemm=prepacked" if any(_base(lin).packed for lin in self._linears() if
-                                         isinstance(_base(lin), DenseLinear)) else ""
+        gemm = ";gemm=prepacked" if any(lin.prepacked for lin in self._linears()) else ""
         return (f"{FORWARD_VERSION};tile={self.tile_rows};block={self.attention_block};weights={self.weights}"
                 f"{compiled}{gemm}{split}")
 
@@ -547,11 +546,6 @@ def plan_tiles(n: int, tile: int, short_sizes: Sequence[int] = ()) -> tuple[int,
     if rest:
         sizes.append(min((m for m in short_sizes if m >= rest), default=tile))
     return tuple(sizes)
-
-
-def _base(linear: Linear) -> Linear:
-    """The linear a `PaddedRows` wraps (itself otherwise)."""
-    return linear.inner if isinstance(linear, PaddedRows) else linear
 
 
 def _swap_halves(x: torch.Tensor) -> torch.Tensor:

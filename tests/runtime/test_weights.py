@@ -1,6 +1,7 @@
 """Weight formats: which GEMM path a dense linear takes, and when a quantized format is refused."""
 
 import logging
+import time
 
 import pytest
 import torch
@@ -35,6 +36,27 @@ def test_a_quantized_kernel_much_slower_than_dense_is_refused(slowdown, expected
     assert (len(warned) == 1 and "40x slower" in warned[0]) if expected == "bf16" else not warned
 
 
-def test_quantized_slowdown_is_measured():
-    ratio = weights_mod._quantized_slowdown("int8", torch.bfloat16, size=256)
-    assert 0 < ratio < float("inf")
+def test_quantized_slowdown_is_measured(monkeypatch):
+    fast = weights_mod._quantized_slowdown("int8", torch.bfloat16, size=256)
+    assert 0 < fast < float("inf")
+    kernel = weights_mod.Int8Linear.__call__
+
+    def slow(self, x):
+        time.sleep(0.02)  # far longer than a 256-square GEMM of 8 rows
+        return kernel(self, x)
+
+    monkeypatch.setattr(weights_mod.Int8Linear, "__call__", slow)
+    assert weights_mod._quantized_slowdown("int8", torch.bfloat16, size=256) > weights_mod.QUANT_MAX_SLOWDOWN
+
+
+def test_plan_id_names_the_prepacked_gemm():
+    from pcr_rag.runtime.forward import FastForward
+    from pcr_rag.testing import tiny_loaded_model
+
+    loaded = tiny_loaded_model("llama", dtype=torch.float32)
+    packed = FastForward(loaded, batch_rows=4, tile_rows=16, attention_block=8, short_tile_rows=None)
+    plain = FastForward(loaded, batch_rows=4, tile_rows=16, attention_block=8, short_tile_rows=None, prepack=False)
+    assert not plain.layers[0].qkv.prepacked and "gemm=" not in plain.plan_id
+    if weights_mod._can_prepack(torch.zeros(1, 1)):
+        assert packed.layers[0].qkv.prepacked and packed.plan_id == plain.plan_id.replace(
+            ";weights=bf16", ";weights=bf16;gemm=prepacked")
