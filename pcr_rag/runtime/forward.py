@@ -14,14 +14,17 @@ This step makes a row's numbers depend on the row alone, by construction:
   exactly `PREFILL_TILE_ROWS` rows (the last tile padded), and decode rows through one GEMM of ``batch_rows`` rows
   (padding rows when fewer are active). Norms and activations run on the same fixed tiles.
 - **Short tiles where they are proven exact.** A step's last rows (a cache hit's question, say) need not pay a whole
-  tile: a remainder of up to 192 rows runs as one tile of 64, 128 or 192 rows (`SHORT_TILE_ROWS` multiples). Each
+  tile: a remainder of up to 240 rows runs as one tile of 16, 32, ..., 240 rows (`SHORT_TILE_ROWS` multiples). Each
   linear layer runs such a tile as it is only if `tile_probe.exact_row_counts` proved, at start-up, that its rows
   at that M are bit-identical to its rows in a full tile; otherwise that layer pads the short tile to a full one
   (`weights.PaddedRows`) - or, where that makes more sizes exact, runs its full tiles as two half-tile calls
-  instead (`tile_probe.fit_to_tiles`). Measured on this CPU (oneDNN bf16, AMX): the 576-input projections match at M = 64..192; the
-  1536-input down projection matches at no M below 256, but its rows at 64, 128 and 192 agree with each other, so
-  its full tiles run as two 128-row calls (also faster here: 0.51 vs 0.59 ms a call). Rows are the same whichever
-  tile computes them. Split shapes change the numbers of full tiles, so they are named in `plan_id`.
+  instead (`tile_probe.fit_to_tiles`). Measured on an AMX CPU (oneDNN bf16), probing multiples of 64: the
+  576-input projections match at M = 64..192; the 1536-input down projection matches at no M below 256, but its
+  rows at 64, 128 and 192 agree with each other, so its full tiles run as two 128-row calls (also faster there:
+  0.51 vs 0.59 ms a call). On an AVX2 CPU in float32 (oneDNN prepacked) every size from 16 to 240 matches. A size
+  is kept only where it costs less than every larger size kept (`cheapest_short_tiles`: a linear padding it to a
+  full tile can make it dearer), so the smallest size that holds a remainder is also the cheapest. Rows are the
+  same whichever tile computes them. Split shapes change the numbers of full tiles, so they are named in `plan_id`.
 - **Prefill attention runs in query blocks aligned to absolute positions.** Block b covers queries
   [b*A, (b+1)*A) (A = `ATTENTION_BLOCK`) over keys [window start, (b+1)*A) with an explicit mask; queries of the
   block that this step does not compute are zero rows. The call for a block is the same whatever was cached, so
@@ -41,7 +44,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -58,7 +61,7 @@ from pcr_rag.runtime.weights import Linear, PaddedRows, make_linear
 log = logging.getLogger(__name__)
 
 PREFILL_TILE_ROWS = 256  # rows per prefill GEMM (fixed M); see the module docstring
-SHORT_TILE_ROWS = 64     # short prefill tiles have multiples of this many rows, below PREFILL_TILE_ROWS
+SHORT_TILE_ROWS = 16     # short prefill tiles have multiples of this many rows, below PREFILL_TILE_ROWS
 ATTENTION_BLOCK = 128    # query rows per prefill attention block, aligned to absolute positions
 ATTENTION_SUB_BLOCK = 32  # query rows per slice of a block a short step computes, where proven exact
 FORWARD_VERSION = "pcr-forward-v1"
@@ -257,8 +260,9 @@ class FastForward:
 
     @torch.inference_mode()
     def _useful_short_tiles(self, candidates: tuple[int, ...]) -> tuple[int, ...]:
-        """The short tile sizes worth using: some linear runs them unpadded, and both row pieces of the first
-        layer (norms, rotary, activation included) give bit-identical rows at that size and in a full tile."""
+        """The short tile sizes worth using: some linear runs them unpadded, both row pieces of the first layer
+        (norms, rotary, activation included) give bit-identical rows at that size and in a full tile, and the
+        size's GEMMs cost less than those of every larger size kept (`cheapest_short_tiles`)."""
         tile, lw = self.tile_rows, self.layers[0]
         g = torch.Generator().manual_seed(0)
         x = torch.randn(tile, self._embed.weight.shape[1], generator=g).to(device=self.device, dtype=self.dtype)
@@ -277,7 +281,17 @@ class FastForward:
                 useful.append(m)
             else:
                 log.info("no %d-row prefill tiles: the row pieces differ from a full tile's", m)
-        return tuple(useful)
+        linears = self._linears()
+
+        def gemm_cost(m: int) -> int:  # multiply-adds of one m-row tile through every linear (padded ones: a tile)
+            return sum(lin.in_features * lin.out_features
+                       * (tile if isinstance(lin, PaddedRows) and m in lin.padded_rows else m) for lin in linears)
+
+        kept = cheapest_short_tiles(useful, gemm_cost, gemm_cost(tile))
+        if len(kept) < len(useful):
+            log.info("short prefill tiles %s: %s cost more than a larger size (padded linears)", kept,
+                     sorted(set(useful) - set(kept)))
+        return kept
 
     def _exact_sub_block(self, sub_block: int | None) -> int | None:
         """``sub_block`` if slices of that many query rows give a block's rows bit for bit (see
@@ -546,6 +560,21 @@ def plan_tiles(n: int, tile: int, short_sizes: Sequence[int] = ()) -> tuple[int,
     if rest:
         sizes.append(min((m for m in short_sizes if m >= rest), default=tile))
     return tuple(sizes)
+
+
+def cheapest_short_tiles(sizes: Sequence[int], cost: Callable[[int], float], full_cost: float) -> tuple[int, ...]:
+    """The ``sizes`` that cost less than every larger size kept and than a full tile (``full_cost``), ascending.
+    Invariant of the result: cost rises with size, so `plan_tiles`' choice for a remainder - the smallest kept size
+    that holds it - is also the cheapest. (A small size can cost more than a larger one where some linear pads it
+    to a full tile and not the larger size.)"""
+    kept: list[int] = []
+    best = full_cost
+    for m in sorted(sizes, reverse=True):
+        c = cost(m)
+        if c < best:
+            kept.append(m)
+            best = c
+    return tuple(sorted(kept))
 
 
 def _swap_halves(x: torch.Tensor) -> torch.Tensor:

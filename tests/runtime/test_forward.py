@@ -85,7 +85,7 @@ def test_prefill_with_default_tiles_is_split_invariant(arch, dtype):
 def test_short_tiles_replay_full_tiles(arch, dtype, suffix):
     """A hit's short suffix runs in a short tile and 32-row attention slices (or full ones where the probes say
     so) and still equals the rows of a run without either, KV and logits, bit for bit."""
-    short = _forward(arch, dtype, tile_rows=256, attention_block=128, short_tile_rows=64, attention_sub_block=32)
+    short = _forward(arch, dtype, tile_rows=256, attention_block=128, short_tile_rows=16, attention_sub_block=32)
     full = _forward(arch, dtype, tile_rows=256, attention_block=128, short_tile_rows=None, attention_sub_block=None)
     assert full.attention_sub_block is None
     assert full.short_tile_sizes == () and full.tile_sizes(suffix) == (256,)
@@ -270,3 +270,30 @@ def test_warm_up_changes_no_number(arch):
         results.append((logits, out[1], arena.k[0][1, :, :41].clone()))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_cheapest_short_tiles_keeps_cost_rising_with_size():
+    """A size that costs as much as a larger one (a linear pads it to a full tile) is dropped, so the smallest kept
+    size that holds a remainder is the cheapest; with nothing padded every size is kept."""
+    from pcr_rag.runtime.forward import cheapest_short_tiles, plan_tiles
+
+    assert cheapest_short_tiles([16, 32, 48], lambda m: m, 256) == (16, 32, 48)
+    padded_16 = {16: 300, 32: 32, 48: 48}  # 16 rows are padded to a full tile by some linear: dearer than 32
+    kept = cheapest_short_tiles([16, 32, 48], padded_16.__getitem__, 256)
+    assert kept == (32, 48)
+    assert plan_tiles(10, 256, kept) == (32,) and plan_tiles(40, 256, kept) == (48,)
+    assert cheapest_short_tiles([16, 32], lambda m: 256, 256) == ()  # no cheaper than a full tile: none kept
+
+
+def test_default_short_tiles_are_fine_grained_where_exact():
+    """With the default granularity, a remainder runs in the smallest proven-exact multiple of 16 that holds it,
+    so an 18-token suffix pays a 32-row tile, not a 64-row one."""
+    from pcr_rag.runtime.forward import SHORT_TILE_ROWS
+
+    fw = _forward("llama", torch.float32, tile_rows=256, attention_block=128, short_tile_rows=SHORT_TILE_ROWS,
+                  attention_sub_block=32)
+    assert SHORT_TILE_ROWS == 16
+    sizes = fw.short_tile_sizes
+    assert all(m % 16 == 0 and m < 256 for m in sizes) and list(sizes) == sorted(sizes)
+    want = min((m for m in sizes if m >= 18), default=256)
+    assert fw.tile_sizes(18) == (want,)

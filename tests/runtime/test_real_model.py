@@ -73,7 +73,7 @@ def test_default_model_short_tiles_replay_one_shot(loaded):
     arena = fw.new_arena(2, 640)
     one_shot = fw.prefill(arena.row(0), ids, 0)
     fw.prefill(arena.row(1), ids[:600], 0, want_logits=False)
-    assert fw.tile_sizes(40) == (min(fw.short_tile_sizes),)
+    assert fw.tile_sizes(40) == (min(m for m in fw.short_tile_sizes if m >= 40),)
     assert torch.equal(fw.prefill(arena.row(1), ids[600:], 600), one_shot)
     for layer in range(len(arena.k)):
         assert torch.equal(arena.k[layer][0], arena.k[layer][1]) and torch.equal(arena.v[layer][0], arena.v[layer][1])
