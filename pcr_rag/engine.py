@@ -66,7 +66,8 @@ class EngineStats:
     tokens), as `MetricsRecorder.snapshot`; ``cache``: the cache engine's `CacheStats` (all zero when the cache is
     off); ``prefetch``: window size, prefetch cycles and loads, announcement counts; ``layer_wait_s``: per-layer
     prefix-load wait (seconds); ``queue_depth``: requests waiting for a row; ``running``: requests holding a row
-    (prefilling or decoding)."""
+    (prefilling or decoding); ``prefill_tokens_per_s``: the measured prefill speed, which is also the cache-aware
+    schedule's aging rate (`admission.PrefillSpeed`)."""
 
     requests: Mapping[str, Any]
     cache: CacheStats
@@ -75,6 +76,7 @@ class EngineStats:
     max_queue_depth: int
     layer_wait_s: list[float] = field(default_factory=list)
     running: int = 0
+    prefill_tokens_per_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         """Everything as plain dicts and numbers (the bench's records, `prometheus`)."""
@@ -86,6 +88,7 @@ class EngineStats:
             "max_queue_depth": self.max_queue_depth,
             "layer_wait_s": list(self.layer_wait_s),
             "running": self.running,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
         }
 
     def prometheus(self) -> str:
@@ -150,12 +153,13 @@ class PCREngine:
         self._closed = False
         self._close_lock = threading.Lock()
         self.prefetcher: Prefetcher | None = None
+        prefill_ctx = PrefillContext(self.forward, self.cache, self.copy_engine, config.layerwise)
         self.executor = BatchExecutor(
-            PrefillContext(self.forward, self.cache, self.copy_engine, config.layerwise), self.arena,
-            prefill_chunk_tokens=config.prefill_chunk_tokens, schedule=config.schedule,
+            prefill_ctx, self.arena, prefill_chunk_tokens=config.prefill_chunk_tokens, schedule=config.schedule,
             tokenizer=self.loaded.tokenizer, eos_ids=frozenset(self.loaded.eos_token_ids), recorder=self.recorder)
         self.scheduler = Scheduler(self.executor, schedule=config.schedule, max_queue=config.max_queue,
-                                   work_of=self._uncached_tokens, on_change=self._queue_changed)
+                                   work_of=self._uncached_tokens, on_change=self._queue_changed,
+                                   aging=lambda: prefill_ctx.speed.tokens_per_s)
         if self.cache is not None and (config.prefetch or config.eviction == "lookahead-lru"):
             self.prefetcher = Prefetcher(
                 self.cache, self._window_keys, window=config.prefetch_window, do_loads=config.prefetch,
@@ -396,7 +400,8 @@ class PCREngine:
         pf["prefetch_hit_chunks"] = req["prefetch_hit_chunks"]
         return EngineStats(requests=req, cache=cache, prefetch=pf, queue_depth=self.scheduler.depth,
                            max_queue_depth=self.scheduler.max_depth,
-                           layer_wait_s=list(self.copy_engine.waits.seconds), running=self.executor.active)
+                           layer_wait_s=list(self.copy_engine.waits.seconds), running=self.executor.active,
+                           prefill_tokens_per_s=self.executor.ctx.speed.tokens_per_s)
 
     def root_for(self, namespace: str | None = None) -> bytes:
         """The chunk keys' root for requests of ``namespace`` (None or "" = `root_key`, the engine's own).

@@ -130,7 +130,8 @@ class BatchExecutor:
         ready = [a for a in pending if a.prefill.begun or not (in_flight & {c.key for c in a.prefill.plan})]
         now = self.clock()
         return order_by(self.schedule, ready or pending,
-                        lambda a: Candidate(a.request.submitted_at, a.prefill.estimated_work()), now)[0]
+                        lambda a: Candidate(a.request.submitted_at, a.prefill.estimated_work()), now,
+                        self.ctx.speed.tokens_per_s)[0]
 
     def _decode(self, decoding: list[ActiveRequest]) -> None:
         rows: list[int | None] = [None] * self.batch_rows

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,7 @@ from pcr_rag.cache import CacheEngine, ChunkSpec, Tier
 from pcr_rag.errors import PrefixLoadError
 from pcr_rag.metrics import TIERS
 from pcr_rag.requests import Request
+from pcr_rag.runtime.admission import PrefillSpeed
 from pcr_rag.runtime.forward import FastForward
 from pcr_rag.runtime.kv_arena import RowKV
 from pcr_rag.runtime.sampling import TokenSampler
@@ -41,12 +42,14 @@ _STORED = (Tier.SSD, Tier.REMOTE)  # tiers whose chunks are read (and may be pre
 
 @dataclass(frozen=True)
 class PrefillContext:
-    """What every prefill task shares: the forward, the cache (None = no reuse), the copy engine, the mode."""
+    """What every prefill task shares: the forward, the cache (None = no reuse), the copy engine, the mode, and
+    the measured prefill speed (the schedule's aging rate)."""
 
     forward: FastForward
     cache: CacheEngine | None
     copy: CopyEngine
     layerwise: bool
+    speed: PrefillSpeed = field(default_factory=PrefillSpeed)
 
 
 class _StepHooks:
@@ -186,6 +189,7 @@ class PrefillTask:
             compute_s -= waited
             self._load = None
             self._promote_ssd_chunks()
+        self.ctx.speed.record(end - start, compute_s)
         if self.ctx.cache is not None:  # the load-or-recompute decision's compute speed
             self.ctx.cache.record_compute(end - start, compute_s)
         self.position = end

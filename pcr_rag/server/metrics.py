@@ -8,7 +8,8 @@ Two sources, one registry per app (never the process-global one, so several apps
   ``pcr:request_success_total{finished_reason}``, ``pcr:generation_tokens_total`` and
   ``pcr:api_errors_total{status}`` (rejected requests).
 - **Engine state** (read from `PCREngine.stats()` at scrape time, so they are exact and cost nothing per token):
-  gauges ``pcr:num_requests_running`` / ``pcr:num_requests_waiting``, ``pcr:cache_usage_bytes{tier}``,
+  gauges ``pcr:num_requests_running`` / ``pcr:num_requests_waiting``, ``pcr:prefill_tokens_per_second``,
+  ``pcr:cache_usage_bytes{tier}``,
   ``pcr:cache_capacity_bytes{tier}``, ``pcr:cache_chunks{tier}``, ``pcr:cache_pinned_chunks``,
   ``pcr:announcements_pending``; counters ``pcr:prompt_tokens_total``,
   ``pcr:prompt_tokens_by_source_total{source=computed|device|dram|ssd}``, ``pcr:prefix_cache_queries_total`` and
@@ -136,6 +137,8 @@ class _EngineCollector(Collector):
 
         yield gauge("num_requests_running", "Requests holding a KV row (prefilling or decoding).", s.running)
         yield gauge("num_requests_waiting", "Requests waiting for a KV row.", s.queue_depth)
+        yield gauge("prefill_tokens_per_second", "Measured prefill speed (the cache-aware schedule's aging rate).",
+                    s.prefill_tokens_per_s)
         yield counter("prompt_tokens", "Prompt tokens of finished requests.", req["prompt_tokens"])
         by_source = CounterMetricFamily(PREFIX + "prompt_tokens_by_source",
                                         "Prompt tokens of finished requests by where their KV came from: computed, "

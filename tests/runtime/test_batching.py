@@ -169,3 +169,18 @@ def test_streamed_text_is_the_result_text_even_mid_character(tmp_path):
             assert "".join(deltas) == result.text
             full = tok.decode(result.token_ids, skip_special_tokens=True)
             assert full.startswith(result.text) and set(full[len(result.text):]) <= {"\ufffd"}
+
+
+def test_the_schedule_ages_at_the_measured_prefill_speed(tmp_path):
+    """Prefill steps feed the engine's measured speed, which the scheduler and the executor rank with and stats
+    report: not the start-up default once a request has run."""
+    from pcr_rag.runtime.admission import AGING_TOKENS_PER_S
+
+    model, tok = tiny_model("llama")
+    with _engine(model, tok, tmp_path / "c") as eng:
+        assert eng.scheduler.aging() == AGING_TOKENS_PER_S
+        q, d = QUESTIONS[0]
+        eng.generate(q, [DOCS[i] for i in d])
+        speed = eng.stats().prefill_tokens_per_s
+        assert speed > 0 and speed != AGING_TOKENS_PER_S
+        assert eng.scheduler.aging() == speed == eng.executor.ctx.speed.tokens_per_s

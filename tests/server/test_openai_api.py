@@ -199,6 +199,7 @@ def test_health_and_metrics(base_url, client, engine, h) -> None:
     assert sample("pcr:prefix_cache_hits_total") > 0
     assert sample("pcr:prefix_cache_queries_total") >= sample("pcr:prefix_cache_hits_total")
     assert sample("pcr:num_requests_running") == 0 and sample("pcr:num_requests_waiting") == 0
+    assert sample("pcr:prefill_tokens_per_second") == engine.stats().prefill_tokens_per_s > 0
     assert sample("pcr:cache_pinned_chunks") == 0
     assert sample("pcr:cache_usage_bytes", tier="dram") > 0
     assert sample("pcr:cache_capacity_bytes", tier="dram") == 64 * 2**20
