@@ -162,8 +162,14 @@ def bench_ratios(url: str, *, model: str | None, repeats: int, work: Path) -> di
     rates = sorted(by_rate, key=float)
     mid = rates[(len(rates) - 1) // 2]
     hit = {r["system"]: r["hit_ratio"] for r in report["runs"] if str(r["rate"]) == mid}
+    # the remote tier's counters per run (first repeat): hits, errors, breaker trips - what makes "down" checkable
+    io: dict[str, dict[str, Any]] = {}
+    for run in report["runs"]:
+        if run["system"] in cfg.systems and "remote_io" in run["extra"]:
+            io.setdefault(str(run["rate"]), {})[run["system"]] = run["extra"]["remote_io"]
     return {"mean_ttft_s": by_rate, "ratios_by_rate": ratios, "target_rate": mid, "ratios": ratios[mid],
-            "hit_ratio_at_target_rate": hit, "notes": report["notes"], "rate_loads": report.get("rate_loads")}
+            "hit_ratio_at_target_rate": hit, "remote_io_by_rate": io, "notes": report["notes"],
+            "rate_loads": report.get("rate_loads")}
 
 
 def run_remote_check(*, url: str | None = None, model: Any = None, repeats: int = 2, work_dir: str | None = None,

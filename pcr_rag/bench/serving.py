@@ -74,6 +74,7 @@ from pcr_rag.bench.targets import LIMIT_RATIO_TARGETS, RETRIEVAL_TARGETS, SERVIN
 from pcr_rag.bench.traces import BenchTraces, build_traces
 from pcr_rag.bench.workload import Request, tier_capacities, with_rate
 from pcr_rag.cache import CacheStats, CountingBackend, LocalDirBackend
+from pcr_rag.cache.tiers.remote_client import COUNTERS as REMOTE_COUNTERS
 from pcr_rag.config import EngineConfig
 from pcr_rag.engine import GenerationResult, PCREngine
 from pcr_rag.metrics import TIERS
@@ -503,6 +504,9 @@ class BenchRunner:
                 "dram_capacity_bytes": c.dram_capacity if engine.cache is not None else 0,
                 "max_queue_depth": engine.stats().max_queue_depth,
             })
+            if cache_a.remote_io:  # the remote tier's counters over this run (hits, errors, breaker trips, ...)
+                extra["remote_io"] = {k: cache_a.remote_io.get(k, 0) - cache_b.remote_io.get(k, 0)
+                                      for k in (*REMOTE_COUNTERS, "breaker_trips")}
         return RunRecord(name, rate, samples, outcome.duration_s, 1, sum(s.prefetch_hit_chunks for s in samples),
                          byte_counts, extra)
 

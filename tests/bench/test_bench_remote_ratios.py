@@ -9,7 +9,8 @@ from pcr_rag.bench import remote
 
 
 def _run(system: str, rate, ttft: float) -> dict:
-    return {"system": system, "rate": rate, "ttft": {"mean": ttft}, "hit_ratio": {"dram": 0.5}}
+    extra = {"remote_io": {"hits": 3, "errors": 0}} if system.startswith("pcr-remote") else {}
+    return {"system": system, "rate": rate, "ttft": {"mean": ttft}, "hit_ratio": {"dram": 0.5}, "extra": extra}
 
 
 def test_ratios_per_rate_ignore_saturation_runs(monkeypatch, tmp_path):
@@ -28,3 +29,5 @@ def test_ratios_per_rate_ignore_saturation_runs(monkeypatch, tmp_path):
     assert set(out["ratios_by_rate"]) == {"0.3", "0.5"} and out["target_rate"] == "0.3"
     assert out["ratios"]["ttft_remote_over_off"] == pytest.approx(0.4)
     assert out["ratios"]["ttft_down_over_off"] == pytest.approx(1.1)
+    assert {rate: set(io) for rate, io in out["remote_io_by_rate"].items()} == {
+        "0.3": {"pcr-remote", "pcr-remote-down"}, "0.5": {"pcr-remote", "pcr-remote-down"}}

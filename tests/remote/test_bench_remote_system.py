@@ -36,6 +36,11 @@ def test_pcr_remote_is_a_cold_replica_behind_the_warm_store(valkey, tmp_path):
     assert runs["pcr-remote-down"]["hit_ratio"]["remote"] == 0
     assert sum(runs["pcr-remote-down"]["hit_ratio"].values()) == pytest.approx(cold_reuse, abs=1e-12)  # down: exactly a new replica's reuse
     assert all(r["extra"]["failed_requests"] == 0 for r in report["runs"])
+    # the run records carry the remote tier's counters: reads for the warm store, the open breaker for the dead one
+    assert "remote_io" not in runs["pcr-cold"]["extra"]
+    up, down = runs["pcr-remote"]["extra"]["remote_io"], runs["pcr-remote-down"]["extra"]["remote_io"]
+    assert up["hits"] > 0 and up["errors"] == 0
+    assert down["hits"] == 0 and down["errors"] > 0 and down["breaker_trips"] >= 1
 
 
 def test_read_check_times_every_path_after_warm_up_rounds(valkey):
