@@ -158,8 +158,8 @@ class PCREngine:
             prefill_ctx, self.arena, prefill_chunk_tokens=config.prefill_chunk_tokens, schedule=config.schedule,
             tokenizer=self.loaded.tokenizer, eos_ids=frozenset(self.loaded.eos_token_ids), recorder=self.recorder)
         self.scheduler = Scheduler(self.executor, schedule=config.schedule, max_queue=config.max_queue,
-                                   work_of=self._uncached_tokens, on_change=self._queue_changed,
-                                   aging=lambda: prefill_ctx.speed.tokens_per_s)
+                                   work_of=self._uncached_tokens, speed=prefill_ctx.speed,
+                                   on_change=self._queue_changed)
         if self.cache is not None and (config.prefetch or config.eviction == "lookahead-lru"):
             self.prefetcher = Prefetcher(
                 self.cache, self._window_keys, window=config.prefetch_window, do_loads=config.prefetch,

@@ -21,7 +21,7 @@ from typing import Protocol
 
 from pcr_rag.errors import EngineClosedError, QueueFullError
 from pcr_rag.requests import Request, RequestState
-from pcr_rag.runtime.admission import AGING_TOKENS_PER_S, Candidate, order_by
+from pcr_rag.runtime.admission import Candidate, PrefillSpeed, order_by
 
 log = logging.getLogger(__name__)
 
@@ -45,19 +45,19 @@ class StepExecutor(Protocol):
 class Scheduler:
     """Waiting queue + executor thread (see the module docstring).
 
-    ``work_of(request)`` returns the tokens a waiting request would still compute given the cache now, and
-    ``aging()`` the cache-aware schedule's aging rate in tokens per second waited (the measured prefill speed,
-    `admission.PrefillSpeed`); ``on_change()`` is called when the queue changes (wakes the prefetcher)."""
+    ``work_of(request)`` returns the tokens a waiting request would still compute given the cache now; ``speed``
+    is the engine's measured prefill speed, the cache-aware schedule's aging rate (the executor ranks its prefills
+    with the same object); ``on_change()`` is called when the queue changes (wakes the prefetcher)."""
 
     def __init__(self, executor: StepExecutor, *, schedule: str, max_queue: int,
-                 work_of: Callable[[Request], int], on_change: Callable[[], None] | None = None,
-                 clock: Callable[[], float] = time.perf_counter,
-                 aging: Callable[[], float] = lambda: AGING_TOKENS_PER_S) -> None:
+                 work_of: Callable[[Request], int], speed: PrefillSpeed,
+                 on_change: Callable[[], None] | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.executor = executor
         self.schedule = schedule
         self.max_queue = max_queue
         self.work_of = work_of
-        self.aging = aging
+        self.speed = speed
         self.on_change = on_change
         self.clock = clock
         self._cond = threading.Condition()
@@ -107,7 +107,7 @@ class Scheduler:
         if self.schedule == "fcfs" or len(waiting) < 2:
             return waiting
         return order_by(self.schedule, waiting, lambda r: Candidate(r.submitted_at, self.work_of(r)), self.clock(),
-                        self.aging())
+                        self.speed.tokens_per_s)
 
     def _changed(self) -> None:
         if self.on_change is not None:
