@@ -12,10 +12,12 @@ Sections:
   (``chunk_size`` = the prompt length), in bf16, plus the default plan in the other weight formats. Per row:
   seconds, tokens/s, ``vs_one_shot`` (seconds / the null row's) and ``split_invariant`` (the last logits equal
   the one-step run's of the same format bit for bit; null for the transformers row, which is another arithmetic).
-- **decode**: ms per step of `FastForward.decode` over a KV arena of ``batch_rows`` rows (8, as the engine runs:
-  inactive rows are padding) with ``--decode-context`` tokens of context per active row, at each batch size and
-  weight format; plus transformers' own decode step at batch 1 (a DynamicCache of the same context) as a
-  reference. ``tokens_per_s`` = batch / step time. The context KV is computed once by the bf16 forward and copied
+- **decode**: ms per step of `FastForward.decode` over a KV arena of ``batch_rows`` rows (8, as the engine runs)
+  with ``--decode-context`` tokens of context per active row, at each batch size and weight format. A step with
+  fewer active rows runs its GEMMs at the smallest row count proven exact that holds them (``gemm_rows``; padding
+  rows fill the rest); the ``fast-fixed`` row is batch 1 run over all ``batch_rows`` rows, the fixed shape, for
+  comparison (same numbers). Plus transformers' own decode step at batch 1 (a DynamicCache of the same context)
+  as a reference. ``tokens_per_s`` = batch / step time. The context KV is computed once by the bf16 forward and copied
   into every row (a step's time does not depend on the KV's values).
 - **roofline**: ``roofline_ms`` = weight bytes one decode step reads (`FastForward.weight_bytes`) / memory
   bandwidth. The bandwidth is measured in the same run, interleaved with the decode repetitions, by copying a
@@ -307,7 +309,7 @@ class _Bench:
                 arena.row(r).load_payload_layer(layer, 0, ctx, payload[layer])
         token = int(self.prompt[ctx]) if len(self.prompt) > ctx else 0
 
-        def fast(fmt: str, batch: int) -> Callable[[], float]:
+        def fast(fmt: str, batch: int, fixed_rows: bool = False) -> Callable[[], float]:
             fw = self.forwards[fmt]
             rows: list[int | None] = [r if r < batch else None for r in range(rows_n)]
 
@@ -317,7 +319,7 @@ class _Bench:
                 for s in range(steps):
                     pos = torch.full((rows_n,), ctx + s, dtype=torch.long)
                     t0 = time.perf_counter()
-                    logits = fw.decode(arena, rows, tokens, pos)
+                    logits = fw.decode(arena, rows, tokens, pos, fixed_rows=fixed_rows)
                     times.append(time.perf_counter() - t0)
                     tokens = logits.argmax(-1)
                 return _median(times)
@@ -351,9 +353,10 @@ class _Bench:
 
         keys = [(fmt, b) for fmt in cfg.weight_formats for b in cfg.decode_batches]
         variants = [_Variant(f"{fmt}/{b}", fast(fmt, b)) for fmt, b in keys]
+        fixed_variant = _Variant("bf16/fixed", fast("bf16", 1, fixed_rows=True))
         hf_variant = _Variant("hf", hf_step)
         peer_variant = self._peer_decode_variant()
-        extra = [hf_variant, _Variant("copy", copy)] + ([peer_variant] if peer_variant else [])
+        extra = [fixed_variant, hf_variant, _Variant("copy", copy)] + ([peer_variant] if peer_variant else [])
         _interleaved(variants + extra, cfg.decode_reps, self.progress, "decode")
         bw = max(bandwidth)
         roofline = {fmt: self.forwards[fmt].weight_bytes / (bw * 1e9) * 1e3 for fmt in cfg.weight_formats}
@@ -361,12 +364,15 @@ class _Bench:
         for (fmt, b), v in zip(keys, variants):
             ms = _median(v.times) * 1e3
             out.append({"batch": b, "weights": fmt, "ran_as": self.ran_as[fmt], "impl": "fast", "context": ctx,
+                        "gemm_rows": self.forwards[fmt].decode_rows_for(b),
                         "ms_per_step": ms, "tokens_per_s": b / ms * 1e3, "vs_roofline": ms / roofline[fmt],
                         "tries": len(v.times)})
-        ms = _median(hf_variant.times) * 1e3
-        out.append({"batch": 1, "weights": "bf16", "ran_as": "bf16", "impl": "transformers", "context": ctx,
-                    "ms_per_step": ms, "tokens_per_s": 1e3 / ms, "vs_roofline": ms / roofline["bf16"],
-                    "tries": len(hf_variant.times)})
+        for impl, v, gemm_rows in (("fast-fixed", fixed_variant, rows_n), ("transformers", hf_variant, 1)):
+            ms = _median(v.times) * 1e3
+            out.append({"batch": 1, "weights": "bf16", "ran_as": self.ran_as["bf16"] if impl != "transformers"
+                        else "bf16", "impl": impl, "context": ctx, "gemm_rows": gemm_rows,
+                        "ms_per_step": ms, "tokens_per_s": 1e3 / ms, "vs_roofline": ms / roofline["bf16"],
+                        "tries": len(v.times)})
         self.peer_decode_ms = _median(peer_variant.times) * 1e3 if peer_variant and self._peer_obj else None
         memory = {
             "bandwidth_gb_s": bw, "bandwidth_median_gb_s": _median(bandwidth), "copy_buffer_bytes": cfg.bandwidth_bytes,
@@ -631,10 +637,10 @@ def format_report(report: dict) -> str:
                   f"{report['config']['decode_reps'] + 1}; median {mem['bandwidth_median_gb_s']:.1f}); "
                   + ", ".join(f"{k} weights {v / 1e6:.0f} MB -> roofline {mem['roofline_ms_by_weights'][k]:.2f} ms"
                               for k, v in mem["weight_bytes"].items()), ""]
-    parts.append(f"Decode (ms per step over {report['config']['batch_rows']} fixed rows, context "
-                 f"{report['config']['decode_context']} tokens):")
-    parts.append(_table(("batch", "weights", "impl", "ms/step", "tokens/s", "vs_roofline"),
-                        [(r["batch"], r["weights"], r["impl"], _fmt(r["ms_per_step"], ".1f"),
+    parts.append(f"Decode (ms per step of a {report['config']['batch_rows']}-row batch, context "
+                 f"{report['config']['decode_context']} tokens; gemm_rows: rows its GEMMs run, padding included):")
+    parts.append(_table(("batch", "weights", "impl", "gemm_rows", "ms/step", "tokens/s", "vs_roofline"),
+                        [(r["batch"], r["weights"], r["impl"], r.get("gemm_rows", "-"), _fmt(r["ms_per_step"], ".1f"),
                           _fmt(r["tokens_per_s"], ".1f"), _fmt(r["vs_roofline"], ".1f")) for r in report["decode"]]))
     ppl = report["perplexity"]
     parts += ["", f"Perplexity ({ppl['passages']} passages x {ppl['tokens_per_passage']} tokens; {ppl['method']}):"]

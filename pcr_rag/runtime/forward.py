@@ -55,7 +55,7 @@ from pcr_rag.errors import PCRError
 from pcr_rag.runtime.attention_probe import sub_blocks_exact
 from pcr_rag.runtime.kv_arena import KVArena, RowKV
 from pcr_rag.runtime.model import LoadedModel
-from pcr_rag.runtime.tile_probe import fit_to_tiles
+from pcr_rag.runtime.tile_probe import LinearMaker, exact_row_counts, fit_to_tiles
 from pcr_rag.runtime.weights import Linear, PaddedRows, make_linear
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,8 @@ def _text_model(model: Any) -> Any:
     return base
 
 
-def _fuse(mods: Sequence[Any], fmt: str, pack_rows: tuple[int, ...], shared_rows: tuple[int, ...]) -> Linear:
+def _fuse(mods: Sequence[Any], fmt: str, pack_rows: tuple[int, ...], shared_rows: tuple[int, ...],
+          small_rows: tuple[int, ...]) -> Linear:
     """One `Linear` over the concatenated outputs of ``mods``. Dense: the modules' weights become views of the
     fused tensor (no second copy of the weights)."""
     weight = torch.cat([m.weight.detach() for m in mods]).contiguous()
@@ -150,7 +151,7 @@ def _fuse(mods: Sequence[Any], fmt: str, pack_rows: tuple[int, ...], shared_rows
             rows = m.weight.shape[0]
             m.weight.data = weight[offset: offset + rows]
             offset += rows
-    return make_linear(fmt, weight, bias, pack_rows=pack_rows, shared_rows=shared_rows)
+    return make_linear(fmt, weight, bias, pack_rows=pack_rows, shared_rows=shared_rows, small_rows=small_rows)
 
 
 class FastForward:
@@ -184,19 +185,31 @@ class FastForward:
         # batch's M, whose calls must not be padded)
         short = short_tile_rows if short_tile_rows and not compile else None
         candidates = tuple(m for m in range(short, tile_rows, short) if m != batch_rows) if short else ()
+        # decode row counts below the batch (for steps with fewer active rows), used where proven exact; never a
+        # short tile size (a linear may pad those to a full prefill tile)
+        decode_candidates = () if compile else tuple(
+            m for m in _powers_of_two_below(batch_rows) if m not in candidates and m != tile_rows)
+
+        def make(w: torch.Tensor, b: torch.Tensor | None) -> Linear:
+            return make_linear(weights, w, b, pack_rows=packed_rows, shared_rows=candidates,
+                               small_rows=decode_candidates)
+
+        kind = f"{weights};packed={packed_rows};small={decode_candidates}"
 
         def fit(linear: Linear) -> Linear:
-            return fit_to_tiles(
-                linear, lambda w, b: make_linear(weights, w, b, pack_rows=packed_rows, shared_rows=candidates),
-                tile=tile_rows, candidates=candidates, dtype=self.dtype, device=self.device,
-                kind=f"{weights};packed={packed_rows}")
+            return fit_to_tiles(linear, make, tile=tile_rows, candidates=candidates, dtype=self.dtype,
+                                device=self.device, kind=kind)
 
         self._embed = base.embed_tokens
         self._final_norm = RMSNorm.of(base.norm, config.model_type == "gemma3_text")
-        self._lm_head = make_linear(weights, model.lm_head.weight.detach(),
-                                    None if model.lm_head.bias is None else model.lm_head.bias.detach(),
-                                    pack_rows=(batch_rows,) if packed_rows else (),
-                                    shared_rows=(1,) if packed_rows else ())  # M=1: a prefill step's logits
+        head_rows = (batch_rows,) if packed_rows else ()
+
+        def make_head(w: torch.Tensor, b: torch.Tensor | None) -> Linear:  # M=1: a prefill step's logits
+            return make_linear(weights, w, b, pack_rows=head_rows, shared_rows=(1,) if packed_rows else (),
+                               small_rows=decode_candidates)
+
+        self._lm_head = make_head(model.lm_head.weight.detach(),
+                                  None if model.lm_head.bias is None else model.lm_head.bias.detach())
         self._softcap = getattr(config, "final_logit_softcapping", None)
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = loaded.kv.num_kv_heads
@@ -214,13 +227,13 @@ class FastForward:
                 window = getattr(config, "sliding_window", None)
             layer_type = (getattr(config, "layer_types", None) or ["full_attention"] * len(base.layers))[i]
             layers.append(LayerWeights(
-                qkv=fit(_fuse([attn.q_proj, attn.k_proj, attn.v_proj], weights, packed_rows, candidates)),
-                o=fit(make_linear(weights, attn.o_proj.weight.detach(),
-                                  None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
-                                  pack_rows=packed_rows, shared_rows=candidates)),
-                gate_up=fit(_fuse([mlp.gate_proj, mlp.up_proj], weights, packed_rows, candidates)),
-                down=fit(make_linear(weights, mlp.down_proj.weight.detach(), None, pack_rows=packed_rows,
-                                     shared_rows=candidates)),
+                qkv=fit(_fuse([attn.q_proj, attn.k_proj, attn.v_proj], weights, packed_rows, candidates,
+                              decode_candidates)),
+                o=fit(make(attn.o_proj.weight.detach(),
+                           None if attn.o_proj.bias is None else attn.o_proj.bias.detach())),
+                gate_up=fit(_fuse([mlp.gate_proj, mlp.up_proj], weights, packed_rows, candidates,
+                                  decode_candidates)),
+                down=fit(make(mlp.down_proj.weight.detach(), None)),
                 input_norm=norm(layer.input_layernorm), post_attn_norm=norm(layer.post_attention_layernorm),
                 pre_ff_norm=norm(layer.pre_feedforward_layernorm) if gemma else None,
                 post_ff_norm=norm(layer.post_feedforward_layernorm) if gemma else None,
@@ -241,6 +254,7 @@ class FastForward:
         self._masks: dict[tuple, torch.Tensor] = {}
         self._cos, self._sin = self._rope_tables(base.rotary_emb, {lw.rope for lw in self.layers}, gemma)
         self.short_tile_sizes = self._useful_short_tiles(candidates)
+        self.decode_sizes = self._exact_decode_sizes(decode_candidates, make, make_head, kind)
         self.attention_sub_block = self._exact_sub_block(attention_sub_block)
 
     # --------------------------------------------------------------------------------------------- identity
@@ -292,6 +306,51 @@ class FastForward:
             log.info("short prefill tiles %s: %s cost more than a larger size (padded linears)", kept,
                      sorted(set(useful) - set(kept)))
         return kept
+
+    @torch.inference_mode()
+    def _exact_decode_sizes(self, candidates: tuple[int, ...], make: LinearMaker, make_head: LinearMaker,
+                            kind: str) -> tuple[int, ...]:
+        """The row counts among ``candidates`` (< ``batch_rows``) at which a decode step computes every row bit
+        for bit as a step of ``batch_rows`` rows does: every linear shape, LM head included, on `tile_probe`'s
+        order-exposing inputs, and the first layer's row pieces (norms, rotary, activation) and the final norm on
+        random rows. A step with k active rows runs at the smallest of these that holds k (see `decode`)."""
+        if not candidates:
+            return ()
+        m_full = self.batch_rows
+        found = set(candidates)
+        shapes = {(lin.in_features, lin.out_features, getattr(lin, "bias", None) is not None)
+                  for lin in self._linears()}
+        for in_f, out_f, bias in sorted(shapes):
+            found &= exact_row_counts(make, in_f, out_f, bias=bias, tile=m_full, candidates=candidates,
+                                      dtype=self.dtype, device=self.device, kind=f"decode;{kind}")
+        head = self._lm_head
+        found &= exact_row_counts(make_head, head.in_features, head.out_features,
+                                  bias=getattr(head, "bias", None) is not None, tile=m_full, candidates=candidates,
+                                  dtype=self.dtype, device=self.device, kind=f"decode-head;{kind}")
+        lw = self.layers[0]
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(m_full, self._embed.weight.shape[1], generator=g).to(device=self.device, dtype=self.dtype)
+        attn = torch.randn(m_full, self.num_heads * self.head_dim, generator=g).to(device=self.device,
+                                                                                  dtype=self.dtype)
+        pos = torch.arange(m_full, device=self.device) % self.max_positions
+        cos, sin = self._cos[lw.rope][pos], self._sin[lw.rope][pos]
+        full_qkv, full_mlp = self._qkv(lw, x, cos, sin), self._mlp_block(lw, x, attn)
+        full_logits = self._logits(x)
+        for m in sorted(found):
+            part = self._qkv(lw, x[:m].contiguous(), cos[:m], sin[:m])
+            if not (all(torch.equal(a[:m], b) for a, b in zip(full_qkv, part))
+                    and torch.equal(full_mlp[:m], self._mlp_block(lw, x[:m].contiguous(), attn[:m].contiguous()))
+                    and torch.equal(full_logits[:m], self._logits(x[:m].contiguous()))):
+                found.discard(m)
+        sizes = tuple(sorted(found))
+        log.info("decode steps run %s rows when fewer than %d are active (proven exact; not: %s)",
+                 list(sizes) or "no fewer", m_full, sorted(set(candidates) - found) or "none")
+        return sizes
+
+    def decode_rows_for(self, active: int) -> int:
+        """Rows of the GEMMs of a decode step with ``active`` active rows: the smallest proven-exact size that
+        holds them (`decode_sizes`), else ``batch_rows``."""
+        return next((m for m in self.decode_sizes if m >= active), self.batch_rows)
 
     def _exact_sub_block(self, sub_block: int | None) -> int | None:
         """``sub_block`` if slices of that many query rows give a block's rows bit for bit (see
@@ -345,18 +404,18 @@ class FastForward:
 
     @torch.inference_mode()
     def warm_up(self, arena: KVArena) -> float:
-        """One prefill tile and one decode step on ``arena``'s scratch row, so that one-time costs (oneDNN kernel
-        generation and weight reorders per shape, first-touch allocations, ``compile``'s graphs) are paid here and
-        not by the first request. Changes no number of any later call. Returns the seconds it took."""
+        """One prefill tile and one decode step per decode row count on ``arena``'s scratch row, so that one-time
+        costs (oneDNN kernel generation and weight reorders per shape, first-touch allocations, ``compile``'s
+        graphs) are paid here and not by the first request. Changes no number of any later call. Returns the
+        seconds it took."""
         started = time.perf_counter()
         scratch = arena.row(arena.scratch_row)
         n = min(self.tile_rows, arena.row_capacity - 1, self.max_positions - 1)
         if n >= 1:
             self.prefill(scratch, torch.zeros(n, dtype=torch.long), 0)
-            rows: list[int | None] = [None] * self.batch_rows
-            rows[0] = arena.scratch_row
-            self.decode(arena, rows, torch.zeros(self.batch_rows, dtype=torch.long),
-                        torch.full((self.batch_rows,), n, dtype=torch.long))
+            for m in (*self.decode_sizes, self.batch_rows):
+                self._decode(arena, [arena.scratch_row] + [None] * (m - 1), torch.zeros(m, dtype=torch.long),
+                             torch.full((m,), n, dtype=torch.long))
         return time.perf_counter() - started
 
     # ---------------------------------------------------------------------------------------------- prefill
@@ -465,13 +524,37 @@ class FastForward:
     # ----------------------------------------------------------------------------------------------- decode
     @torch.inference_mode()
     def decode(self, arena: KVArena, rows: Sequence[int | None], tokens: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
+               positions: torch.Tensor, *, fixed_rows: bool = False) -> torch.Tensor:
         """One token per row: ``rows[i]`` is an arena row or None (a padding row); ``tokens[i]`` sits at
         ``positions[i]`` (its KV is written there). ``len(rows) == batch_rows`` always (fixed shapes).
-        Returns logits ``[batch_rows, vocab]`` (padding rows' logits are meaningless)."""
+        Returns logits ``[batch_rows, vocab]`` (padding rows' logits are meaningless).
+
+        With k < ``batch_rows`` active rows the step runs as ``decode_rows_for(k)`` rows (the active ones first,
+        then padding): a row count proven at start-up to give every row's numbers bit for bit as ``batch_rows``
+        rows do, so the tokens still do not depend on the batch company - only the padding work does.
+        ``fixed_rows`` runs all ``batch_rows`` rows whatever is active (the same numbers; the kernel bench's
+        reference for what fewer rows save)."""
         if len(rows) != self.batch_rows:
             raise ValueError(f"decode takes exactly {self.batch_rows} rows (padding rows are None), got {len(rows)}")
+        active = [i for i, r in enumerate(rows) if r is not None]
+        m = self.batch_rows if fixed_rows else self.decode_rows_for(len(active))
+        if m == self.batch_rows:
+            return self._decode(arena, rows, tokens, positions)
+        idx = torch.tensor(active, dtype=torch.long)
+        sub_tokens = torch.zeros(m, dtype=torch.long)
+        sub_positions = torch.zeros(m, dtype=torch.long)
+        sub_tokens[: len(active)] = tokens.cpu()[idx]
+        sub_positions[: len(active)] = positions.cpu()[idx]
+        sub = self._decode(arena, [rows[i] for i in active] + [None] * (m - len(active)), sub_tokens, sub_positions)
+        logits = sub.new_zeros(self.batch_rows, sub.shape[1])
+        logits[idx.to(sub.device)] = sub[: len(active)]
+        return logits
+
+    def _decode(self, arena: KVArena, rows: Sequence[int | None], tokens: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
+        """`decode` over exactly ``len(rows)`` rows (``batch_rows`` or one of ``decode_sizes``)."""
         started = time.perf_counter()
+        m = len(rows)
         scratch = arena.scratch_row
         row_idx = torch.tensor([scratch if r is None else r for r in rows], dtype=torch.long, device=self.device)
         pos = positions.to(self.device).clone()
@@ -482,7 +565,7 @@ class FastForward:
         x = self._embed(tokens.to(self.device))
         rope = {kind: (c[pos], self._sin[kind][pos]) for kind, c in self._cos.items()}  # once per step
         # attention outputs, reused by every layer: active rows are overwritten, padding rows stay zero
-        attn = torch.zeros(self.batch_rows, self.num_heads * self.head_dim, dtype=x.dtype, device=x.device)
+        attn = torch.zeros(m, self.num_heads * self.head_dim, dtype=x.dtype, device=x.device)
         for li, lw in enumerate(self.layers):
             q, k, v = self._qkv(lw, x, *rope[lw.rope])
             arena.k[li][row_idx, :, pos] = k
@@ -575,6 +658,11 @@ def cheapest_short_tiles(sizes: Sequence[int], cost: Callable[[int], float], ful
             kept.append(m)
             best = c
     return tuple(sorted(kept))
+
+
+def _powers_of_two_below(n: int) -> tuple[int, ...]:
+    """1, 2, 4, ... below ``n``."""
+    return tuple(1 << i for i in range(max(n - 1, 0).bit_length()) if 1 << i < n)
 
 
 def _swap_halves(x: torch.Tensor) -> torch.Tensor:

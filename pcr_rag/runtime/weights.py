@@ -92,19 +92,23 @@ class DenseLinear(Linear):
 
     @classmethod
     def build(cls, weight: torch.Tensor, bias: torch.Tensor | None, pack_rows: tuple[int, ...] = (),
-              shared_rows: tuple[int, ...] = ()) -> DenseLinear:
+              shared_rows: tuple[int, ...] = (), small_rows: tuple[int, ...] = ()) -> DenseLinear:
         """``pack_rows``: row counts to prepack for; ``shared_rows``: row counts that use the packing of the
         largest of ``pack_rows`` (no extra copy: oneDNN's blocked layout is the same for M = 64..256 here,
-        measured with no time difference; were it not, a call would only reorder, never change a number)."""
+        measured with no time difference; were it not, a call would only reorder, never change a number);
+        ``small_rows``: row counts that use the packing of the smallest (the decode batch's: fewer active rows)."""
         packed = None
         rows = sorted({m for m in pack_rows if m})
         if rows and _can_prepack(weight):
+            smallest = rows[0]
             if weight.dtype == torch.float32:
                 # one float32 packing serves every M (measured: M=8 calls on the 256-row packing run as fast as on
                 # their own, same numbers), so the copy of the weights is made once
-                rows, shared_rows = rows[-1:], tuple(rows[:-1]) + tuple(shared_rows)
+                rows, shared_rows = rows[-1:], tuple(rows[:-1]) + tuple(shared_rows) + tuple(small_rows)
+                small_rows = ()
             packed = {m: torch.ops.mkldnn._reorder_linear_weight(weight, m) for m in rows}
             largest = packed[max(packed)]
+            packed.update({m: packed[smallest] for m in small_rows if m not in packed})
             packed.update({m: largest for m in shared_rows if m not in packed})
         return cls(weight, bias, packed or None)
 
@@ -297,12 +301,14 @@ def resolve_weight_format(fmt: str, dtype: torch.dtype, device: torch.device) ->
 
 
 def make_linear(fmt: str, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                pack_rows: tuple[int, ...] = (), shared_rows: tuple[int, ...] = ()) -> Linear:
+                pack_rows: tuple[int, ...] = (), shared_rows: tuple[int, ...] = (),
+                small_rows: tuple[int, ...] = ()) -> Linear:
     """A `Linear` of ``weight [out, in]`` (+ ``bias``) in format ``fmt`` (see `resolve_weight_format`);
     ``pack_rows``: the fixed row counts calls will have (prefill tile, decode batch), for formats that prepare a
-    path per M; ``shared_rows``: more row counts (short prefill tiles) that reuse the largest one's path."""
+    path per M; ``shared_rows``: more row counts (short prefill tiles) that reuse the largest one's path;
+    ``small_rows``: row counts (a decode batch with fewer active rows) that reuse the smallest one's path."""
     if fmt == "bf16":
-        return DenseLinear.build(weight, bias, pack_rows, shared_rows)
+        return DenseLinear.build(weight, bias, pack_rows, shared_rows, small_rows)
     builders: dict[str, Callable[[torch.Tensor, torch.Tensor | None], Linear]] = {
         "int8": Int8Linear.quantize, "int4": Int4Linear.quantize,
     }

@@ -33,7 +33,11 @@ def test_quick_cli_writes_the_schema_outside_tools_read(quick_report):
     assert quick_report["peer"] is None and quick_report["peer_skipped"]  # no GGUF behind a tiny model
     cfg = quick_report["config"]
     decode = {(r["weights"], r["batch"], r["impl"]) for r in quick_report["decode"]}
-    assert decode == {(f, b, "fast") for f in WEIGHT_FORMATS for b in cfg["decode_batches"]} | {("bf16", 1, "transformers")}
+    assert decode == ({(f, b, "fast") for f in WEIGHT_FORMATS for b in cfg["decode_batches"]}
+                      | {("bf16", 1, "transformers"), ("bf16", 1, "fast-fixed")})
+    for r in quick_report["decode"]:  # fewer active rows never run more GEMM rows than the batch, nor fewer than active
+        assert r["batch"] <= r["gemm_rows"] <= cfg["batch_rows"] or r["impl"] == "transformers"
+    assert next(r for r in quick_report["decode"] if r["impl"] == "fast-fixed")["gemm_rows"] == cfg["batch_rows"]
     chunks = [r["chunk_size"] for r in quick_report["prefill"] if r["weights"] == "bf16"]
     assert chunks == [None, *cfg["chunk_sizes"], cfg["prompt_tokens"]]
     assert all(r["tokens"] == cfg["prompt_tokens"] for r in quick_report["prefill"])

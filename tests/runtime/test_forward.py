@@ -195,6 +195,54 @@ def test_decode_row_does_not_depend_on_its_batch(arch, dtype):
     assert torch.equal(crowded[3], alone)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fewer_active_rows_run_fewer_gemm_rows_with_the_same_numbers(arch, dtype):
+    """With 1-3 of 4 rows active a step runs its GEMMs at the smallest proven-exact row count that holds them; every
+    active row's logits equal those of the fixed 4-row step bit for bit, wherever the row sits in the batch."""
+    fw = _forward(arch, dtype)
+    assert all(m < fw.batch_rows for m in fw.decode_sizes)
+    assert [fw.decode_rows_for(k) for k in range(1, 5)] == [
+        next((m for m in fw.decode_sizes if m >= k), 4) for k in range(1, 5)]
+    arena = fw.new_arena(4, 64)
+    for r, n in enumerate((20, 33, 41)):
+        fw.prefill(arena.row(r), _ids(n, seed=n), 0, want_logits=False)
+    tokens, positions = torch.tensor([9, 11, 12, 0]), torch.tensor([20, 33, 41, 0])
+    for rows in ([0, None, None, None], [None, None, 2, None], [None, 1, 2, None], [0, 1, 2, None]):
+        fixed = fw.decode(arena, rows, tokens, positions, fixed_rows=True)
+        fewer = fw.decode(arena, rows, tokens, positions)
+        for i, r in enumerate(rows):
+            if r is not None:
+                assert torch.equal(fewer[i], fixed[i]), (rows, i)
+
+
+def test_decode_row_counts_are_used_only_where_the_probe_proves_them():
+    """A linear that sums in another order below the decode batch's row count gets no smaller decode steps."""
+    from pcr_rag.runtime.weights import Linear
+
+    class SplitKBelowBatch(Linear):
+        def __init__(self, w, b):
+            self.w, self.in_features, self.out_features, self.nbytes = w, w.shape[1], w.shape[0], w.nbytes
+
+        def __call__(self, x):
+            if x.shape[0] >= 4:
+                return x @ self.w.T
+            h = self.in_features // 2
+            return x[:, :h] @ self.w[:, :h].T + x[:, h:] @ self.w[:, h:].T
+
+    class RowByRow(SplitKBelowBatch):
+        """Exact by construction: one matrix-vector product per row, whatever the row count."""
+
+        def __call__(self, x):
+            return torch.stack([self.w @ row for row in x])
+
+    fw = _forward("llama", torch.float32)
+    exact = RowByRow
+    assert fw._exact_decode_sizes((1, 2), exact, exact, "test-exact") == (1, 2)
+    assert fw._exact_decode_sizes((1, 2), SplitKBelowBatch, exact, "test-split-k") == ()
+    assert fw._exact_decode_sizes((1, 2), exact, SplitKBelowBatch, "test-split-k-head") == ()
+
+
 @pytest.mark.parametrize(("weights", "min_cosine"), [("int8", 0.99), ("int4", 0.85)])
 def test_quantized_weights_keep_both_invariants_and_stay_close(weights, min_cosine):
     """Both invariants hold for quantized formats; logits stay close to the dense ones (random tiny weights are
