@@ -394,3 +394,27 @@ def test_gemma3_270m_loads_with_sliding_layers() -> None:
         out = lm.model.generate(ids, max_new_tokens=6, do_sample=False)
     text = lm.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     assert _looks_like_text(text), text
+
+
+def test_gguf_file_is_parsed_once_while_converting(tmp_path: Path) -> None:
+    """During a conversion `gguf.GGUFReader` hands out one reader per path (transformers asks three times), and the
+    real class is back afterwards."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint32("test.value", 7)
+    writer.add_tensor("t", np.arange(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    original = gguf.GGUFReader
+    with mc._gguf_parsed_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first
+        assert gguf.GGUFReader(path, "r+") is not first  # another mode is another reader
+        assert int(first.fields["test.value"].parts[-1][0]) == 7
+    assert gguf.GGUFReader is original
+    assert gguf.GGUFReader(path) is not first
