@@ -2,7 +2,8 @@
 
 Rows: the KV arena has ``batch_rows`` rows; a request holds one from admission to its last token. Each step:
 1. **decode** (when any row is decoding): one `FastForward.decode` over all ``batch_rows`` rows - padding rows
-   where nothing decodes - so its shapes never depend on who is active; every decoding row then picks its token.
+   where nothing decodes; with fewer active rows its GEMMs run at a smaller row count proven at start-up to give
+   the same numbers - so a row's numbers never depend on who is active; every decoding row then picks its token.
 2. **prefill** (when any admitted request is prefilling): the next ``prefill_chunk_tokens`` tokens of one request,
    chosen by the schedule (`pcr_rag.runtime.admission`). A finished prefill yields the first token and the row
    joins the decode batch at the next step.

@@ -13,6 +13,11 @@ This step makes a row's numbers depend on the row alone, by construction:
   neither on the row's position in the batch nor on the other rows. So prefill rows always go through GEMMs of
   exactly `PREFILL_TILE_ROWS` rows (the last tile padded), and decode rows through one GEMM of ``batch_rows`` rows
   (padding rows when fewer are active). Norms and activations run on the same fixed tiles.
+- **Fewer decode rows where proven exact.** A decode step with k active rows runs as 1, 2, 4, ... rows (the
+  smallest that holds k) where a start-up probe proved every linear, the LM head and the row pieces give the same
+  rows at that count as at ``batch_rows`` (`_exact_decode_sizes`; on oneDNN-prepacked float32 on AVX2 every such
+  count matches, while MKL's M=1 GEMV path does not). A lone request then streams the weights once for one row,
+  not for eight: measured on an AVX2 AMD EPYC, 1.9x the memory roofline instead of 3.0x, same tokens.
 - **Short tiles where they are proven exact.** A step's last rows (a cache hit's question, say) need not pay a whole
   tile: a remainder of up to 240 rows runs as one tile of 16, 32, ..., 240 rows (`SHORT_TILE_ROWS` multiples). Each
   linear layer runs such a tile as it is only if `tile_probe.exact_row_counts` proved, at start-up, that its rows
