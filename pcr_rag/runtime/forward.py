@@ -323,8 +323,8 @@ class FastForward:
             return ()
         m_full = self.batch_rows
         found = set(candidates)
-        shapes = {(lin.in_features, lin.out_features, getattr(lin, "bias", None) is not None)
-                  for lin in self._linears()}
+        inner = [lin.inner if isinstance(lin, PaddedRows) else lin for lin in self._linears()]  # bias as built
+        shapes = {(lin.in_features, lin.out_features, getattr(lin, "bias", None) is not None) for lin in inner}
         for in_f, out_f, bias in sorted(shapes):
             found &= exact_row_counts(make, in_f, out_f, bias=bias, tile=m_full, candidates=candidates,
                                       dtype=self.dtype, device=self.device, kind=f"decode;{kind}")
