@@ -282,25 +282,14 @@ class FastForward:
         """The short tile sizes worth using: some linear runs them unpadded, both row pieces of the first layer
         (norms, rotary, activation included) give bit-identical rows at that size and in a full tile, and the
         size's GEMMs cost less than those of every larger size kept (`cheapest_short_tiles`)."""
-        tile, lw = self.tile_rows, self.layers[0]
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(tile, self._embed.weight.shape[1], generator=g).to(device=self.device, dtype=self.dtype)
-        attn = torch.randn(tile, self.num_heads * self.head_dim, generator=g).to(device=self.device,
-                                                                                dtype=self.dtype)
-        pos = torch.arange(tile, device=self.device) % self.max_positions
-        cos, sin = self._cos[lw.rope][pos], self._sin[lw.rope][pos]
-        full_qkv, full_mlp = self._qkv(lw, x, cos, sin), self._mlp_block(lw, x, attn)
-        useful = []
-        for m in candidates:
-            if all(isinstance(lin, PaddedRows) and m in lin.padded_rows for lin in self._linears()):
-                continue
-            part = self._qkv(lw, x[:m].contiguous(), cos[:m], sin[:m])
-            if all(torch.equal(a[:m], b) for a, b in zip(full_qkv, part)) and torch.equal(
-                    full_mlp[:m], self._mlp_block(lw, x[:m].contiguous(), attn[:m].contiguous())):
-                useful.append(m)
-            else:
-                log.info("no %d-row prefill tiles: the row pieces differ from a full tile's", m)
+        tile = self.tile_rows
         linears = self._linears()
+        unpadded = [m for m in candidates
+                    if not all(isinstance(lin, PaddedRows) and m in lin.padded_rows for lin in linears)]
+        exact = self._row_pieces_exact(tile, unpadded, logits=False)
+        useful = [m for m in unpadded if m in exact]
+        for m in sorted(set(unpadded) - exact):
+            log.info("no %d-row prefill tiles: the row pieces differ from a full tile's", m)
 
         def gemm_cost(m: int) -> int:  # multiply-adds of one m-row tile through every linear (padded ones: a tile)
             return sum(lin.in_features * lin.out_features
@@ -332,25 +321,34 @@ class FastForward:
         found &= exact_row_counts(make_head, head.in_features, head.out_features,
                                   bias=getattr(head, "bias", None) is not None, tile=m_full, candidates=candidates,
                                   dtype=self.dtype, device=self.device, kind=f"decode-head;{kind}")
-        lw = self.layers[0]
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(m_full, self._embed.weight.shape[1], generator=g).to(device=self.device, dtype=self.dtype)
-        attn = torch.randn(m_full, self.num_heads * self.head_dim, generator=g).to(device=self.device,
-                                                                                  dtype=self.dtype)
-        pos = torch.arange(m_full, device=self.device) % self.max_positions
-        cos, sin = self._cos[lw.rope][pos], self._sin[lw.rope][pos]
-        full_qkv, full_mlp = self._qkv(lw, x, cos, sin), self._mlp_block(lw, x, attn)
-        full_logits = self._logits(x)
-        for m in sorted(found):
-            part = self._qkv(lw, x[:m].contiguous(), cos[:m], sin[:m])
-            if not (all(torch.equal(a[:m], b) for a, b in zip(full_qkv, part))
-                    and torch.equal(full_mlp[:m], self._mlp_block(lw, x[:m].contiguous(), attn[:m].contiguous()))
-                    and torch.equal(full_logits[:m], self._logits(x[:m].contiguous()))):
-                found.discard(m)
+        found &= self._row_pieces_exact(m_full, sorted(found), logits=True)
         sizes = tuple(sorted(found))
         log.info("decode steps run %s rows when fewer than %d are active (proven exact; not: %s)",
                  list(sizes) or "no fewer", m_full, sorted(set(candidates) - found) or "none")
         return sizes
+
+    def _row_pieces_exact(self, full_rows: int, sizes: Sequence[int], *, logits: bool) -> set[int]:
+        """The ``sizes`` at which the first layer's row pieces (norms, projections, rotary, activation) - and,
+        with ``logits``, the final norm and LM head - compute the first m of ``full_rows`` random rows bit for bit
+        as one call over all ``full_rows`` does."""
+        lw = self.layers[0]
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(full_rows, self._embed.weight.shape[1], generator=g).to(device=self.device,
+                                                                               dtype=self.dtype)
+        attn = torch.randn(full_rows, self.num_heads * self.head_dim, generator=g).to(device=self.device,
+                                                                                     dtype=self.dtype)
+        pos = torch.arange(full_rows, device=self.device) % self.max_positions
+        cos, sin = self._cos[lw.rope][pos], self._sin[lw.rope][pos]
+        full_qkv, full_mlp = self._qkv(lw, x, cos, sin), self._mlp_block(lw, x, attn)
+        full_logits = self._logits(x) if logits else None
+        exact = set()
+        for m in sizes:
+            xm = x[:m].contiguous()
+            if (all(torch.equal(a[:m], b) for a, b in zip(full_qkv, self._qkv(lw, xm, cos[:m], sin[:m])))
+                    and torch.equal(full_mlp[:m], self._mlp_block(lw, xm, attn[:m].contiguous()))
+                    and (full_logits is None or torch.equal(full_logits[:m], self._logits(xm)))):
+                exact.add(m)
+        return exact
 
     def decode_rows_for(self, active: int) -> int:
         """Rows of the GEMMs of a decode step with ``active`` active rows: the smallest proven-exact size that

@@ -154,24 +154,30 @@ def test_tile_plan():
     assert plan_tiles(1, 16, (4, 8, 12)) == (4,)
 
 
-def test_probe_pads_a_linear_whose_rows_depend_on_m():
-    """A kernel that sums in another order below the full tile (like oneDNN's K=1536 GEMM here) is caught by the
-    probe's cancelling inputs and padded to full tiles; an exact one is not."""
-    from pcr_rag.runtime.tile_probe import exact_row_counts
+def _split_k_below(rows: int) -> type:
+    """A fp32 `Linear` that, below ``rows`` rows, sums the two halves of K separately (another summation order:
+    what a GEMM library's small-M path can do)."""
     from pcr_rag.runtime.weights import Linear
 
     class SplitK(Linear):
-        """fp32 GEMM that, below 16 rows, sums the two halves of K separately (a different order)."""
-
         def __init__(self, w, b):
             self.w, self.in_features, self.out_features, self.nbytes = w, w.shape[1], w.shape[0], w.nbytes
 
         def __call__(self, x):
-            if x.shape[0] >= 16:
+            if x.shape[0] >= rows:
                 return x @ self.w.T
             h = self.in_features // 2
             return x[:, :h] @ self.w[:, :h].T + x[:, h:] @ self.w[:, h:].T
 
+    return SplitK
+
+
+def test_probe_pads_a_linear_whose_rows_depend_on_m():
+    """A kernel that sums in another order below the full tile (like oneDNN's K=1536 GEMM here) is caught by the
+    probe's cancelling inputs and padded to full tiles; an exact one is not."""
+    from pcr_rag.runtime.tile_probe import exact_row_counts
+
+    SplitK = _split_k_below(16)
     kw = dict(bias=False, tile=16, candidates=(4, 8, 12), dtype=torch.float32, device=torch.device("cpu"))
     assert exact_row_counts(SplitK, 96, 40, kind="test-split-k", **kw) == frozenset()
     exact = exact_row_counts(lambda w, b: PaddedRows(SplitK(w, b), 16, frozenset({4, 8, 12})), 96, 40,
@@ -218,17 +224,7 @@ def test_fewer_active_rows_run_fewer_gemm_rows_with_the_same_numbers(arch, dtype
 
 def test_decode_row_counts_are_used_only_where_the_probe_proves_them():
     """A linear that sums in another order below the decode batch's row count gets no smaller decode steps."""
-    from pcr_rag.runtime.weights import Linear
-
-    class SplitKBelowBatch(Linear):
-        def __init__(self, w, b):
-            self.w, self.in_features, self.out_features, self.nbytes = w, w.shape[1], w.shape[0], w.nbytes
-
-        def __call__(self, x):
-            if x.shape[0] >= 4:
-                return x @ self.w.T
-            h = self.in_features // 2
-            return x[:, :h] @ self.w[:, :h].T + x[:, h:] @ self.w[:, h:].T
+    SplitKBelowBatch = _split_k_below(4)
 
     class RowByRow(SplitKBelowBatch):
         """Exact by construction: one matrix-vector product per row, whatever the row count."""
