@@ -17,7 +17,8 @@ This step makes a row's numbers depend on the row alone, by construction:
   smallest that holds k) where a start-up probe proved every linear, the LM head and the row pieces give the same
   rows at that count as at ``batch_rows`` (`_exact_decode_sizes`; on oneDNN-prepacked float32 on AVX2 every such
   count matches, while MKL's M=1 GEMV path does not). A lone request then streams the weights once for one row,
-  not for eight: measured on an AVX2 AMD EPYC, 1.9x the memory roofline instead of 3.0x, same tokens.
+  not for eight: measured on an AVX2 AMD EPYC, a batch-1 step takes 0.76-0.79x the 8-row step's time (1.9-2.8x
+  the memory roofline over three runs, against 3.0-3.5x), same tokens.
 - **Short tiles where they are proven exact.** A step's last rows (a cache hit's question, say) need not pay a whole
   tile: a remainder of up to 240 rows runs as one tile of 16, 32, ..., 240 rows (`SHORT_TILE_ROWS` multiples). Each
   linear layer runs such a tile as it is only if `tile_probe.exact_row_counts` proved, at start-up, that its rows
