@@ -322,7 +322,8 @@ class FastForward:
         found &= exact_row_counts(make_head, head.in_features, head.out_features,
                                   bias=getattr(head, "bias", None) is not None, tile=m_full, candidates=candidates,
                                   dtype=self.dtype, device=self.device, kind=f"decode-head;{kind}")
-        found &= self._row_pieces_exact(m_full, sorted(found), logits=True)
+        if found:
+            found &= self._row_pieces_exact(m_full, sorted(found), logits=True)
         sizes = tuple(sorted(found))
         log.info("decode steps run %s rows when fewer than %d are active (proven exact; not: %s)",
                  list(sizes) or "no fewer", m_full, sorted(set(candidates) - found) or "none")

@@ -97,20 +97,18 @@ class DenseLinear(Linear):
         largest of ``pack_rows`` (no extra copy: oneDNN's blocked layout is the same for M = 64..256 here,
         measured with no time difference; were it not, a call would only reorder, never change a number);
         ``small_rows``: row counts that use the packing of the smallest (the decode batch's: fewer active rows)."""
-        packed = None
         rows = sorted({m for m in pack_rows if m})
-        if rows and _can_prepack(weight):
-            smallest = rows[0]
-            if weight.dtype == torch.float32:
-                # one float32 packing serves every M (measured: M=8 calls on the 256-row packing run as fast as on
-                # their own, same numbers), so the copy of the weights is made once
-                rows, shared_rows = rows[-1:], tuple(rows[:-1]) + tuple(shared_rows) + tuple(small_rows)
-                small_rows = ()
-            packed = {m: torch.ops.mkldnn._reorder_linear_weight(weight, m) for m in rows}
-            largest = packed[max(packed)]
-            packed.update({m: packed[smallest] for m in small_rows if m not in packed})
-            packed.update({m: largest for m in shared_rows if m not in packed})
-        return cls(weight, bias, packed or None)
+        if not rows or not _can_prepack(weight):
+            return cls(weight, bias, None)
+        if weight.dtype == torch.float32:
+            # one float32 packing serves every M (measured: M=8 calls on the 256-row packing run as fast as on
+            # their own, same numbers; a packing for M=1 would not), so the copy of the weights is made once
+            one = torch.ops.mkldnn._reorder_linear_weight(weight, rows[-1])
+            return cls(weight, bias, dict.fromkeys((*rows, *shared_rows, *small_rows), one))
+        packed = {m: torch.ops.mkldnn._reorder_linear_weight(weight, m) for m in rows}
+        packed.update({m: packed[rows[0]] for m in small_rows if m not in packed})
+        packed.update({m: packed[rows[-1]] for m in shared_rows if m not in packed})
+        return cls(weight, bias, packed)
 
 
 @dataclass(frozen=True, eq=False)
