@@ -33,7 +33,10 @@ def test_pcr_remote_is_a_cold_replica_behind_the_warm_store(valkey, tmp_path):
     # on failure, say why: no values written (writes_dropped), lookups failing (errors), or loads judged dearer
     # than recomputing this tiny model (recompute_chosen)
     why = runs["pcr-remote"]["extra"].get("remote_io")
-    assert runs["pcr-remote"]["repeats"] == 2 and runs["pcr-remote"]["hit_ratio"]["remote"] > 0, why
+    # the store served values; where a request counts them is a race: read on demand they are "remote" tokens,
+    # staged by the prefetcher for a queued request first they are "dram" ones (as prefetched SSD chunks are), so
+    # the share in hit_ratio["remote"] alone is not asserted
+    assert runs["pcr-remote"]["repeats"] == 2 and why is not None and why["hits"] > 0, why
     cold_reuse = sum(runs["pcr-cold"]["hit_ratio"].values())
     assert sum(runs["pcr-remote"]["hit_ratio"].values()) > cold_reuse  # the store adds what a new replica lacks
     assert runs["pcr-remote-down"]["hit_ratio"]["remote"] == 0
