@@ -19,7 +19,8 @@ def test_ratios_per_rate_ignore_saturation_runs(monkeypatch, tmp_path):
     def fake_run_bench(cfg, progress=False):
         seen["cfg"] = cfg
         runs = [_run(s, r, t * (1 + i)) for i, r in enumerate((0.3, 0.5))
-                for s, t in (("no-reuse", 1.0), ("pcr-cold", 0.5), ("pcr-remote", 0.2), ("pcr-remote-down", 0.55))]
+                for s, t in (("no-reuse", 1.0), ("pcr", 0.25), ("pcr-cold", 0.5), ("pcr-remote", 0.2),
+                             ("pcr-remote-down", 0.55))]
         runs += [_run("pcr-max-active-1", "inf", 3.0), _run("pcr-max-active-8", "inf", 1.0)]
         return {"runs": runs, "notes": [], "rate_loads": None}
 
@@ -29,5 +30,9 @@ def test_ratios_per_rate_ignore_saturation_runs(monkeypatch, tmp_path):
     assert set(out["ratios_by_rate"]) == {"0.3", "0.5"} and out["target_rate"] == "0.3"
     assert out["ratios"]["ttft_remote_over_off"] == pytest.approx(0.4)
     assert out["ratios"]["ttft_down_over_off"] == pytest.approx(1.1)
+    # the warm local replica is the bound a remote tier is judged against
+    assert "pcr" in seen["cfg"].systems
+    assert out["ratios"]["ttft_local_over_off"] == pytest.approx(0.5)
+    assert out["ratios"]["ttft_remote_over_local"] == pytest.approx(0.8)
     assert {rate: set(io) for rate, io in out["remote_io_by_rate"].items()} == {
         "0.3": {"pcr-remote", "pcr-remote-down"}, "0.5": {"pcr-remote", "pcr-remote-down"}}
