@@ -188,7 +188,7 @@ def run_remote_check(*, url: str | None = None, model: Any = None, repeats: int 
     server = None if url else _start_valkey(work)
     url = url or f"redis://127.0.0.1:{server.port}/0"
     try:
-        progress("pcr-rag bench --quick workload: no-reuse, pcr-cold, pcr-remote, pcr-remote-down")
+        progress("pcr-rag bench --quick workload: no-reuse, pcr, pcr-cold, pcr-remote, pcr-remote-down")
         bench = bench_ratios(url, model=cfg.model, repeats=repeats, work=work)
         loaded = load_model(model, dtype=cfg.dtype, device=cfg.device)
         progress("read throughput")
