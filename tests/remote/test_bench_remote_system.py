@@ -45,7 +45,7 @@ def test_pcr_remote_is_a_cold_replica_behind_the_warm_store(valkey, tmp_path):
     # the run records carry the remote tier's counters: reads for the warm store, the open breaker for the dead one
     assert "remote_io" not in runs["pcr-cold"]["extra"]
     up, down = runs["pcr-remote"]["extra"]["remote_io"], runs["pcr-remote-down"]["extra"]["remote_io"]
-    assert up["hits"] > 0 and up["errors"] == 0
+    assert up["errors"] == 0  # (its hits are asserted above)
     assert down["hits"] == 0 and down["errors"] > 0 and down["breaker_trips"] >= 1
 
 
