@@ -20,14 +20,14 @@ This step makes a row's numbers depend on the row alone, by construction:
   not for eight: measured on an AVX2 AMD EPYC, a batch-1 step takes 0.76-0.79x the 8-row step's time (1.9-2.8x
   the memory roofline over three runs, against 3.0-3.5x), same tokens.
 - **Short tiles where they are proven exact.** A step's last rows (a cache hit's question, say) need not pay a whole
-  tile: a remainder of up to 240 rows runs as one tile of 16, 32, ..., 240 rows (`SHORT_TILE_ROWS` multiples). Each
-  linear layer runs such a tile as it is only if `tile_probe.exact_row_counts` proved, at start-up, that its rows
-  at that M are bit-identical to its rows in a full tile; otherwise that layer pads the short tile to a full one
-  (`weights.PaddedRows`) - or, where that makes more sizes exact, runs its full tiles as two half-tile calls
-  instead (`tile_probe.fit_to_tiles`). Measured on an AMX CPU (oneDNN bf16), probing multiples of 64: the
+  tile: a remainder of up to 248 rows runs as one tile of 16, 24, ..., 248 rows (`SHORT_TILE_ROWS` multiples; not
+  the decode batch's 8, whose calls must never be padded). Each linear layer runs such a tile as it is only if
+  `tile_probe.exact_row_counts` proved, at start-up, that its rows at that M are bit-identical to its rows in a
+  full tile; otherwise that layer pads the short tile to a full one (`weights.PaddedRows`) - or, where that makes
+  more sizes exact, runs its full tiles as two half-tile calls instead (`tile_probe.fit_to_tiles`). Measured on an AMX CPU (oneDNN bf16), probing multiples of 64: the
   576-input projections match at M = 64..192; the 1536-input down projection matches at no M below 256, but its
   rows at 64, 128 and 192 agree with each other, so its full tiles run as two 128-row calls (also faster there:
-  0.51 vs 0.59 ms a call). On an AVX2 CPU in float32 (oneDNN prepacked) every size from 16 to 240 matches. A size
+  0.51 vs 0.59 ms a call). On an AVX2 CPU in float32 (oneDNN prepacked) every size from 16 to 248 matches. A size
   is kept only where it costs less than every larger size kept (`cheapest_short_tiles`: a linear padding it to a
   full tile can make it dearer), so the smallest size that holds a remainder is also the cheapest. Rows are the
   same whichever tile computes them. Split shapes change the numbers of full tiles, so they are named in `plan_id`.
@@ -67,7 +67,7 @@ from pcr_rag.runtime.weights import Linear, PaddedRows, make_linear
 log = logging.getLogger(__name__)
 
 PREFILL_TILE_ROWS = 256  # rows per prefill GEMM (fixed M); see the module docstring
-SHORT_TILE_ROWS = 16     # short prefill tiles have multiples of this many rows, below PREFILL_TILE_ROWS
+SHORT_TILE_ROWS = 8      # short prefill tiles have multiples of this many rows, below PREFILL_TILE_ROWS
 ATTENTION_BLOCK = 128    # query rows per prefill attention block, aligned to absolute positions
 ATTENTION_SUB_BLOCK = 32  # query rows per slice of a block a short step computes, where proven exact
 FORWARD_VERSION = "pcr-forward-v1"
@@ -107,6 +107,10 @@ class RMSNorm:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = (x.shape[-1],)
+        if self.weight is not None and x.dtype == torch.float32 == self.weight.dtype:
+            # one call, the same bits: float32 in and out, the weight applied last in both (measured 23 vs 35 us
+            # a call at 576 features, AVX2; 61 calls a decode step)
+            return F.rms_norm(x, shape, self.weight, self.eps)
         if self.offset_weight is not None:
             return F.rms_norm(x.float(), shape, self.offset_weight, self.eps).to(x.dtype)
         return F.rms_norm(x.float(), shape, None, self.eps).to(x.dtype) * self.weight

@@ -330,14 +330,39 @@ def test_cheapest_short_tiles_keeps_cost_rising_with_size():
 
 
 def test_default_short_tiles_are_fine_grained_where_exact():
-    """With the default granularity, a remainder runs in the smallest proven-exact multiple of 16 that holds it,
-    so an 18-token suffix pays a 32-row tile, not a 64-row one."""
+    """With the default granularity, a remainder runs in the smallest proven-exact multiple of 8 that holds it
+    (never the decode batch's 8 rows), so an 18-token suffix pays a 24-row tile where that is exact, not a 32- or
+    64-row one."""
     from pcr_rag.runtime.forward import SHORT_TILE_ROWS
 
     fw = _forward("llama", torch.float32, tile_rows=256, attention_block=128, short_tile_rows=SHORT_TILE_ROWS,
                   attention_sub_block=32)
-    assert SHORT_TILE_ROWS == 16
+    assert SHORT_TILE_ROWS == 8
     sizes = fw.short_tile_sizes
-    assert all(m % 16 == 0 and m < 256 for m in sizes) and list(sizes) == sorted(sizes)
+    assert all(m % 8 == 0 and m < 256 and m != fw.batch_rows for m in sizes) and list(sizes) == sorted(sizes)
     want = min((m for m in sizes if m >= 18), default=256)
     assert fw.tile_sizes(18) == (want,)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_norms_are_bit_identical_to_the_model_modules(arch, dtype):
+    """`RMSNorm` (float32: one fused call with the weight; bf16: the model's cast-then-scale order; Gemma: 1 + w in
+    float32) gives the transformers module's bits, on hidden rows and on per-head rows."""
+    from pcr_rag.runtime.forward import RMSNorm
+
+    model = tiny_loaded_model(arch, dtype=dtype).model
+    layer = model.model.layers[0]
+    g = torch.Generator().manual_seed(1)
+    modules = [layer.input_layernorm, layer.post_attention_layernorm, model.model.norm]
+    for m in modules:
+        with torch.no_grad():  # the tiny models' norms start at 1 (or 0 for Gemma): make the weight matter
+            m.weight.copy_(torch.randn(m.weight.shape, generator=g).to(dtype))
+    x = (torch.randn(5, modules[0].weight.shape[0], generator=g) * 3).to(dtype)
+    with torch.inference_mode():
+        for m in modules:
+            assert torch.equal(RMSNorm.of(m, arch == "gemma3")(x), m(x))
+        if hasattr(layer.self_attn, "q_norm"):
+            qn = layer.self_attn.q_norm
+            heads = torch.randn(5, 2, qn.weight.shape[0], generator=g).to(dtype)
+            assert torch.equal(RMSNorm.of(qn, arch == "gemma3")(heads), qn(heads))
