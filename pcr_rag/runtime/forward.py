@@ -21,13 +21,14 @@ This step makes a row's numbers depend on the row alone, by construction:
   the memory roofline over three runs, against 3.0-3.5x), same tokens.
 - **Short tiles where they are proven exact.** A step's last rows (a cache hit's question, say) need not pay a whole
   tile: a remainder of up to 248 rows runs as one tile of 16, 24, ..., 248 rows (`SHORT_TILE_ROWS` multiples; not
-  the decode batch's 8, whose calls must never be padded). Each linear layer runs such a tile as it is only if
-  `tile_probe.exact_row_counts` proved, at start-up, that its rows at that M are bit-identical to its rows in a
-  full tile; otherwise that layer pads the short tile to a full one (`weights.PaddedRows`) - or, where that makes
-  more sizes exact, runs its full tiles as two half-tile calls instead (`tile_probe.fit_to_tiles`). Measured on an AMX CPU (oneDNN bf16), probing multiples of 64: the
-  576-input projections match at M = 64..192; the 1536-input down projection matches at no M below 256, but its
-  rows at 64, 128 and 192 agree with each other, so its full tiles run as two 128-row calls (also faster there:
-  0.51 vs 0.59 ms a call). On an AVX2 CPU in float32 (oneDNN prepacked) every size from 16 to 248 matches. A size
+  a decode step's row count - 8 for the default batch, 1, 2 or 4 with fewer rows active - whose calls must never
+  be padded). Each linear layer runs such a tile as it is only if `tile_probe.exact_row_counts` proved, at
+  start-up, that its rows at that M are bit-identical to its rows in a full tile; otherwise that layer pads the
+  short tile to a full one (`weights.PaddedRows`) - or, where that makes more sizes exact, runs its full tiles as
+  two half-tile calls instead (`tile_probe.fit_to_tiles`). Measured on an AMX CPU (oneDNN bf16), probing
+  multiples of 64: the 576-input projections match at M = 64..192; the 1536-input down projection matches at no M
+  below 256, but its rows at 64, 128 and 192 agree with each other, so its full tiles run as two 128-row calls
+  (also faster there: 0.51 vs 0.59 ms a call). On an AVX2 CPU in float32 (oneDNN prepacked) every size from 16 to 248 matches. A size
   is kept only where it costs less than every larger size kept (`cheapest_short_tiles`: a linear padding it to a
   full tile can make it dearer), so the smallest size that holds a remainder is also the cheapest. Rows are the
   same whichever tile computes them. Split shapes change the numbers of full tiles, so they are named in `plan_id`.
@@ -191,14 +192,13 @@ class FastForward:
         # the fixed row counts (decode batch, prefill tile), for weight formats that prepack per M (compiled row
         # pieces trace plain linears instead)
         packed_rows = (batch_rows, tile_rows) if prepack and not compile else ()
-        # short tile sizes to consider (none when compiled: inductor may pick its GEMM per M; never the decode
-        # batch's M, whose calls must not be padded)
+        # decode row counts below the batch (for steps with fewer active rows), used where proven exact
+        decode_candidates = () if compile else tuple(m for m in _powers_of_two_below(batch_rows) if m != tile_rows)
+        # short tile sizes to consider (none when compiled: inductor may pick its GEMM per M); never a decode row
+        # count, whose calls must not be padded (a linear may pad a short tile size to a full prefill tile)
         short = short_tile_rows if short_tile_rows and not compile else None
-        candidates = tuple(m for m in range(short, tile_rows, short) if m != batch_rows) if short else ()
-        # decode row counts below the batch (for steps with fewer active rows), used where proven exact; never a
-        # short tile size (a linear may pad those to a full prefill tile)
-        decode_candidates = () if compile else tuple(
-            m for m in _powers_of_two_below(batch_rows) if m not in candidates and m != tile_rows)
+        decode_counts = {batch_rows, *decode_candidates}
+        candidates = tuple(m for m in range(short, tile_rows, short) if m not in decode_counts) if short else ()
 
         def make(w: torch.Tensor, b: torch.Tensor | None) -> Linear:
             return make_linear(weights, w, b, pack_rows=packed_rows, shared_rows=candidates,

@@ -366,3 +366,11 @@ def test_norms_are_bit_identical_to_the_model_modules(arch, dtype):
             qn = layer.self_attn.q_norm
             heads = torch.randn(5, 2, qn.weight.shape[0], generator=g).to(dtype)
             assert torch.equal(RMSNorm.of(qn, arch == "gemma3")(heads), qn(heads))
+
+
+def test_short_tiles_never_take_a_decode_row_count():
+    """A decode step's row counts (the batch, and 1, 2, 4, ... below it) are never short prefill tile sizes (a
+    linear may pad those to a full tile), and a larger decode batch keeps its smaller counts."""
+    fw = _forward("llama", torch.float32, tile_rows=64, batch_rows=16, short_tile_rows=8)
+    assert not {1, 2, 4, 8, 16} & set(fw.short_tile_sizes)
+    assert 8 in fw.decode_sizes and fw.short_tile_sizes and min(fw.short_tile_sizes) == 24
