@@ -9,8 +9,12 @@ from pcr_rag.bench import remote
 
 
 def _run(system: str, rate, ttft: float) -> dict:
+    """A run of 12 requests (2 repeats x 6, the same keys in every system) whose TTFTs average ``ttft``."""
     extra = {"remote_io": {"hits": 3, "errors": 0}} if system.startswith("pcr-remote") else {}
-    return {"system": system, "rate": rate, "ttft": {"mean": ttft}, "hit_ratio": {"dram": 0.5}, "extra": extra}
+    spread = [0.5, 0.8, 1.0, 1.0, 1.2, 1.5] * 2  # mean 1.0
+    requests = {"key": [[i // 6, i % 6] for i in range(12)], "ttft": [ttft * x for x in spread]}
+    return {"system": system, "rate": rate, "ttft": {"mean": ttft}, "hit_ratio": {"dram": 0.5}, "extra": extra,
+            "requests": requests}
 
 
 def test_ratios_per_rate_ignore_saturation_runs(monkeypatch, tmp_path):
@@ -36,3 +40,16 @@ def test_ratios_per_rate_ignore_saturation_runs(monkeypatch, tmp_path):
     assert out["ratios"]["ttft_remote_over_local"] == pytest.approx(0.8)
     assert {rate: set(io) for rate, io in out["remote_io_by_rate"].items()} == {
         "0.3": {"pcr-remote", "pcr-remote-down"}, "0.5": {"pcr-remote", "pcr-remote-down"}}
+    # every ratio carries its paired bootstrap interval; here every request scales alike, so it is the point itself
+    ci = out["intervals"]["ttft_remote_over_off"]
+    assert ci["n"] == 12 and ci["low"] == pytest.approx(0.4) and ci["high"] == pytest.approx(0.4)
+    assert set(out["intervals_by_rate"]["0.5"]) == set(out["ratios_by_rate"]["0.5"])
+
+
+def test_targets_are_judged_by_the_point_and_by_the_interval_end():
+    ratios = {"ttft_remote_over_off": 0.38, "ttft_down_over_off": 1.05, "read_throughput_tier_over_plain": 0.9}
+    intervals = {"ttft_remote_over_off": {"low": 0.30, "high": 0.45},
+                 "ttft_down_over_off": {"low": 0.95, "high": 1.08}}
+    met, ends = remote.judge_targets(ratios, intervals)
+    assert met == {"ttft_remote_over_off": True, "ttft_down_over_off": True, "read_throughput_tier_over_plain": True}
+    assert ends == {"ttft_remote_over_off": False, "ttft_down_over_off": True}  # no interval for the reads
