@@ -190,8 +190,8 @@ def bench_ratios(url: str, *, model: str | None, repeats: int, work: Path) -> di
         if run["system"] in cfg.systems and "remote_io" in run["extra"]:
             io.setdefault(str(run["rate"]), {})[run["system"]] = run["extra"]["remote_io"]
     return {"mean_ttft_s": by_rate, "ratios_by_rate": ratios, "target_rate": mid, "ratios": ratios[mid],
-            "intervals_by_rate": intervals, "intervals": intervals.get(mid, {}), "hit_ratio_at_target_rate": hit, "remote_io_by_rate": io, "notes": report["notes"],
-            "rate_loads": report.get("rate_loads")}
+            "intervals_by_rate": intervals, "intervals": intervals.get(mid, {}), "hit_ratio_at_target_rate": hit,
+            "remote_io_by_rate": io, "notes": report["notes"], "rate_loads": report.get("rate_loads")}
 
 
 def judge_targets(ratios: dict[str, float], intervals: dict[str, dict[str, Any]]

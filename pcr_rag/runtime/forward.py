@@ -28,10 +28,11 @@ This step makes a row's numbers depend on the row alone, by construction:
   two half-tile calls instead (`tile_probe.fit_to_tiles`). Measured on an AMX CPU (oneDNN bf16), probing
   multiples of 64: the 576-input projections match at M = 64..192; the 1536-input down projection matches at no M
   below 256, but its rows at 64, 128 and 192 agree with each other, so its full tiles run as two 128-row calls
-  (also faster there: 0.51 vs 0.59 ms a call). On an AVX2 CPU in float32 (oneDNN prepacked) every size from 16 to 248 matches. A size
-  is kept only where it costs less than every larger size kept (`cheapest_short_tiles`: a linear padding it to a
-  full tile can make it dearer), so the smallest size that holds a remainder is also the cheapest. Rows are the
-  same whichever tile computes them. Split shapes change the numbers of full tiles, so they are named in `plan_id`.
+  (also faster there: 0.51 vs 0.59 ms a call). On an AVX2 CPU in float32 (oneDNN prepacked) every size from 16 to
+  248 matches (a 21-row remainder: 24 rows in 106 ms vs 32 rows in 118 ms). A size is kept only where it costs
+  less than every larger size kept (`cheapest_short_tiles`: a linear padding it to a full tile can make it
+  dearer), so the smallest size that holds a remainder is also the cheapest. Rows are the same whichever tile
+  computes them. Split shapes change the numbers of full tiles, so they are named in `plan_id`.
 - **Prefill attention runs in query blocks aligned to absolute positions.** Block b covers queries
   [b*A, (b+1)*A) (A = `ATTENTION_BLOCK`) over keys [window start, (b+1)*A) with an explicit mask; queries of the
   block that this step does not compute are zero rows. The call for a block is the same whatever was cached, so
