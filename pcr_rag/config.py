@@ -52,8 +52,13 @@ class EngineConfig:
             depend on its batch company.
         max_model_len: tokens one row holds (prompt + generated); None = the model's context window (at most).
             A longer request raises `PromptTooLongError` before it takes a row.
-        prefill_chunk_tokens: prompt tokens computed per engine step, between decode steps (bounds the gap
-            between two streamed tokens; prefill is split-invariant, so the value never changes an answer).
+        prefill_chunk_tokens: prompt tokens per prefill step (prefill is split-invariant, so the value never
+            changes an answer).
+        itl_budget_steps: while rows are decoding, an engine step runs only the prefill layers predicted to take
+            at most ``itl_budget_steps - 1`` decode steps (a prefill step then spans several engine steps, same
+            numbers), so a streamed token waits about this many decode steps at most (the ITL P99/P50 the engine
+            plans for; `pcr_rag.runtime.step_budget`). A cold prompt's prefill shares the time with the decode
+            steps it lets through. None = prefill steps always run whole between two decode steps.
         schedule: "fcfs" (arrival order) or "cache-aware" (least uncached work first, with aging).
         weights: "bf16" (the model's own dtype), "int8" or "int4" weight-only quantization (CPU kernels PyTorch
             ships; falls back to the model dtype with a warning where unavailable). Part of the chunk keys' root.
@@ -98,6 +103,7 @@ class EngineConfig:
     max_active: int = 8
     max_model_len: int | None = 4096
     prefill_chunk_tokens: int = 256
+    itl_budget_steps: float | None = 3.0
     schedule: str = "cache-aware"
     weights: str = "bf16"
     compile: bool = False
@@ -138,6 +144,10 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        if self.itl_budget_steps is not None and (isinstance(self.itl_budget_steps, bool) or not isinstance(
+                self.itl_budget_steps, (int, float)) or not self.itl_budget_steps > 1):
+            raise ConfigError(f"itl_budget_steps must be a number > 1 (decode steps) or None, got "
+                              f"{self.itl_budget_steps!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ConfigError(f"max_model_len must be an int >= 2 (tokens) or None, got {self.max_model_len!r}")
         if self.schedule not in SCHEDULES:

@@ -52,6 +52,7 @@ from pcr_rag.runtime.model import LoadedModel, load_model
 from pcr_rag.runtime.prefetcher import Prefetcher
 from pcr_rag.runtime.runner import PrefillContext
 from pcr_rag.runtime.scheduler import Scheduler
+from pcr_rag.runtime.step_budget import StepBudget
 from pcr_rag.runtime.transfer import CopyEngine
 from pcr_rag.runtime.weights import resolve_weight_format
 
@@ -67,7 +68,8 @@ class EngineStats:
     off); ``prefetch``: window size, prefetch cycles and loads, announcement counts; ``layer_wait_s``: per-layer
     prefix-load wait (seconds); ``queue_depth``: requests waiting for a row; ``running``: requests holding a row
     (prefilling or decoding); ``prefill_tokens_per_s``: the measured prefill speed, which is also the cache-aware
-    schedule's aging rate (`admission.PrefillSpeed`)."""
+    schedule's aging rate (`admission.PrefillSpeed`); ``step_budget``: the ITL budget's reading (decode step and
+    prefill cost line in ms, the last layers-per-step cap chosen while rows decoded; `StepBudget.as_dict`)."""
 
     requests: Mapping[str, Any]
     cache: CacheStats
@@ -77,6 +79,7 @@ class EngineStats:
     layer_wait_s: list[float] = field(default_factory=list)
     running: int = 0
     prefill_tokens_per_s: float = 0.0
+    step_budget: Mapping[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """Everything as plain dicts and numbers (the bench's records, `prometheus`)."""
@@ -89,6 +92,7 @@ class EngineStats:
             "layer_wait_s": list(self.layer_wait_s),
             "running": self.running,
             "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "step_budget": dict(self.step_budget),
         }
 
     def prometheus(self) -> str:
@@ -155,7 +159,8 @@ class PCREngine:
         self.prefetcher: Prefetcher | None = None
         prefill_ctx = PrefillContext(self.forward, self.cache, self.copy_engine, config.layerwise)
         self.executor = BatchExecutor(
-            prefill_ctx, self.arena, prefill_chunk_tokens=config.prefill_chunk_tokens, schedule=config.schedule,
+            prefill_ctx, self.arena, prefill_chunk_tokens=config.prefill_chunk_tokens,
+            budget=StepBudget(len(self.forward.layers), config.itl_budget_steps), schedule=config.schedule,
             tokenizer=self.loaded.tokenizer, eos_ids=frozenset(self.loaded.eos_token_ids), recorder=self.recorder)
         self.scheduler = Scheduler(self.executor, schedule=config.schedule, max_queue=config.max_queue,
                                    work_of=self._uncached_tokens, speed=prefill_ctx.speed,
@@ -401,7 +406,8 @@ class PCREngine:
         return EngineStats(requests=req, cache=cache, prefetch=pf, queue_depth=self.scheduler.depth,
                            max_queue_depth=self.scheduler.max_depth,
                            layer_wait_s=list(self.copy_engine.waits.seconds), running=self.executor.active,
-                           prefill_tokens_per_s=self.executor.ctx.speed.tokens_per_s)
+                           prefill_tokens_per_s=self.executor.ctx.speed.tokens_per_s,
+                           step_budget=self.executor.budget.as_dict())
 
     def root_for(self, namespace: str | None = None) -> bytes:
         """The chunk keys' root for requests of ``namespace`` (None or "" = `root_key`, the engine's own).

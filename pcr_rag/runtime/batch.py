@@ -4,14 +4,16 @@ Rows: the KV arena has ``batch_rows`` rows; a request holds one from admission t
 1. **decode** (when any row is decoding): one `FastForward.decode` over all ``batch_rows`` rows - padding rows
    where nothing decodes; with fewer active rows its GEMMs run at a smaller row count proven at start-up to give
    the same numbers - so a row's numbers never depend on who is active; every decoding row then picks its token.
-2. **prefill** (when any admitted request is prefilling): the next ``prefill_chunk_tokens`` tokens of one request,
-   chosen by the schedule (`pcr_rag.runtime.admission`). A finished prefill yields the first token and the row
-   joins the decode batch at the next step.
+2. **prefill** (when any admitted request is prefilling): a step of the next ``prefill_chunk_tokens`` tokens of one
+   request, chosen by the schedule (`pcr_rag.runtime.admission`) - whole when no row decodes, else as many of its
+   layers as the ITL budget allows (`pcr_rag.runtime.step_budget`); a paused step resumes when the schedule picks
+   its request again. A finished prefill yields the first token and the row joins the decode batch at the
+   next step.
 
-So a long cold prefill never freezes streaming answers: the gap between two tokens of a decoding row is at most
-one decode forward plus one prefill chunk of `prefill_chunk_tokens` (measured: ITL p99 is such a step, p50 a decode
-step alone). And since the forward is split- and batch-invariant, a request's tokens are the same alone, in any
-batch and with any chunking.
+So a long cold prefill never freezes streaming answers: the gap between two tokens of a decoding row is one
+decode forward plus prefill layers planned to take at most ``itl_budget_steps - 1`` decode steps. And since the
+forward is split- and batch-invariant (and pausing between layers changes nothing), a request's tokens are the
+same alone, in any batch and with any chunking.
 Failures are per request: an error in one request's prefill or token choice fails that request only.
 """
 
@@ -31,6 +33,7 @@ from pcr_rag.requests import GenerationResult, Request, RequestState
 from pcr_rag.runtime.admission import Candidate, order_by
 from pcr_rag.runtime.kv_arena import KVArena
 from pcr_rag.runtime.runner import DecodeRow, PrefillContext, PrefillTask
+from pcr_rag.runtime.step_budget import StepBudget
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +53,15 @@ class ActiveRequest:
 class BatchExecutor:
     """Runs engine steps over the arena's rows (see the module docstring). Executor thread only."""
 
-    def __init__(self, ctx: PrefillContext, arena: KVArena, *, prefill_chunk_tokens: int, schedule: str,
+    def __init__(self, ctx: PrefillContext, arena: KVArena, *, prefill_chunk_tokens: int, budget: StepBudget,
+                 schedule: str,
                  tokenizer, eos_ids: frozenset[int], recorder: MetricsRecorder,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.ctx = ctx
         self.arena = arena
         self.batch_rows = arena.rows
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.budget = budget
         self.schedule = schedule
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
@@ -117,14 +122,19 @@ class BatchExecutor:
         self._drop_cancelled()
         decoding = [a for a in self._active.values() if a.decode is not None]
         if decoding:
+            started = self.clock()
             self._decode(decoding)
+            self.budget.record_decode(self.clock() - started)
         pending = self.prefilling()
         if pending:
-            self._prefill(self._next_prefill(pending))
+            decoding_now = any(a.decode is not None for a in self._active.values())
+            self._prefill(self._next_prefill(pending), lambda n: self.budget.layers(n, decoding_now))
 
     def _next_prefill(self, pending: list[ActiveRequest]) -> ActiveRequest:
         """The prefill to advance: by the schedule, over tasks whose next chunks nobody else is computing (a task
-        that would recompute chunks another running prefill is about to insert waits for them)."""
+        that would recompute chunks another running prefill is about to insert waits for them). A step paused
+        between its layers competes like any other: a hit need not wait for a cold step's remaining layers under
+        ``cache-aware``; each task keeps its own paused step."""
         in_flight: set[bytes] = set()
         for a in pending:
             in_flight |= a.prefill.pending_keys()
@@ -157,14 +167,17 @@ class BatchExecutor:
             except Exception as exc:  # noqa: BLE001 - this row alone fails
                 self._fail(a, exc)
 
-    def _prefill(self, a: ActiveRequest) -> None:
+    def _prefill(self, a: ActiveRequest, layers: Callable[[int], int]) -> None:
         task = a.prefill
         try:
-            logits = task.advance(self.prefill_chunk_tokens)
+            logits = task.advance(self.prefill_chunk_tokens, layers)
         except Exception as exc:  # noqa: BLE001 - this request alone fails
             self._fail(a, exc)
             return
+        if task.in_flight:
+            return
         self.prefill_steps += 1
+        self.budget.record_prefill(*task.last_step)
         if logits is None:
             return
         m = a.request.metrics

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -429,12 +429,22 @@ class FastForward:
         return time.perf_counter() - started
 
     # ---------------------------------------------------------------------------------------------- prefill
-    @torch.inference_mode()
     def prefill(self, row: RowKV, token_ids: torch.Tensor, start: int, *, hooks: LayerHooks | None = None,
                 want_logits: bool = True) -> torch.Tensor | None:
         """Compute positions [start, start + n) of ``row`` (``token_ids``: n token ids). Positions < start must
         be in the row (or arrive before each layer's attention, see `LayerHooks`). Returns the last position's
         logits ``[vocab]`` when ``want_logits``."""
+        return run_layers(self.prefill_layers(row, token_ids, start, hooks=hooks, want_logits=want_logits))[1]
+
+    @torch.inference_mode()
+    def prefill_layers(self, row: RowKV, token_ids: torch.Tensor, start: int, *, hooks: LayerHooks | None = None,
+                       want_logits: bool = True) -> Generator[int, None, torch.Tensor | None]:
+        """`prefill` one layer at a time: a generator that computes one more layer per ``next()`` - it yields
+        the layer's index after every layer but the last, and the last ``next()`` (the one that computes the
+        last layer) returns `prefill`'s result through ``StopIteration.value`` (see `run_layers`). So a step
+        can pause between layers (the engine's decode steps run in between: `step_budget`) without changing a
+        number: the layers, tiles and attention blocks are the ones `prefill` computes. The row's positions
+        [start, end) are in flux until it ends; nothing else may write them."""
         n = int(token_ids.shape[0])
         end = start + n
         if n < 1:
@@ -478,6 +488,8 @@ class FastForward:
                 hooks.after_layer(li, start, end)
             attn_rows[:n] = out[offset: offset + n]
             xs = [self._mlp_block(lw, x, attn_rows[a:b]) for (a, b), x in zip(spans, xs)]
+            if li < len(self.layers) - 1:
+                yield li
         self._log_first_call("prefill", started)
         if not want_logits:
             return None
@@ -643,6 +655,20 @@ class FastForward:
                 half = s.shape[-1] // 2
                 cos[kind], sin[kind] = c[0].contiguous(), torch.cat((-s[0, :, :half], s[0, :, half:]), -1)
         return cos, sin
+
+
+def run_layers(layers: Generator[int, None, torch.Tensor | None], count: int | None = None
+               ) -> tuple[bool, torch.Tensor | None]:
+    """Advance a `FastForward.prefill_layers` generator by ``count`` layers (None: to its end). Returns (whether
+    the step is complete, its result once complete)."""
+    done = 0
+    while count is None or done < count:
+        try:
+            next(layers)
+        except StopIteration as stop:
+            return True, stop.value
+        done += 1
+    return False, None
 
 
 def plan_tiles(n: int, tile: int, short_sizes: Sequence[int] = ()) -> tuple[int, ...]:

@@ -4,9 +4,11 @@ Prefill, on the request's arena row:
 1. `begin()` (at the first step, not at admission, so chunks that an earlier request is computing are cached by
    then): lease (pin) the longest cached prefix of the chunk plan, wait for in-flight prefetches of its SSD chunks
    (rather than reading them twice), and start the layer-wise load of the prefix into the row.
-2. `advance(budget)`: compute the next ``budget`` tokens with `FastForward.prefill`. The first step's layer i
-   waits only for layer i of the prefix; every plan chunk the step completes is offloaded layer by layer and
-   inserted into the cache (DRAM, then SSD write-back). Returns the last position's logits when the prompt is done.
+2. `advance(budget, layers)`: compute the next ``budget`` tokens with `FastForward.prefill_layers`, at most
+   ``layers(n)`` of the model's layers per call (a step may span engine steps; the ITL budget). The first step's
+   layer i waits only for layer i of the prefix; every plan chunk the step completes is offloaded layer by layer
+   and inserted into the cache (DRAM, then SSD write-back). Returns the last position's logits when the prompt
+   is done.
 3. `release()`: unpin.
 
 Because the forward is split-invariant, a hit replays bit for bit what it skips, whatever the step sizes. When
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +31,7 @@ from pcr_rag.errors import PrefixLoadError
 from pcr_rag.metrics import TIERS
 from pcr_rag.requests import Request
 from pcr_rag.runtime.admission import PrefillSpeed
-from pcr_rag.runtime.forward import FastForward
+from pcr_rag.runtime.forward import FastForward, run_layers
 from pcr_rag.runtime.kv_arena import RowKV
 from pcr_rag.runtime.sampling import TokenSampler
 from pcr_rag.runtime.transfer import ChunkOffload, CopyEngine, LoadSource, PrefixLoad
@@ -68,6 +70,19 @@ class _StepHooks:
             self.offload.after_layer(layer)
 
 
+@dataclass(eq=False)
+class _InflightStep:
+    """A prefill step between its layers: positions [start, end), the forward's layer generator, the offload of
+    the chunks it completes, and the seconds its calls took so far (``waited``: of which waiting for its KV)."""
+
+    start: int
+    end: int
+    layers: Generator[int, None, torch.Tensor | None]
+    offload: ChunkOffload | None
+    seconds: float = 0.0
+    waited: float = 0.0
+
+
 class PrefillTask:
     """A request's prefill, advanced in steps on the executor thread (see the module docstring)."""
 
@@ -89,6 +104,8 @@ class PrefillTask:
         self._stored_upto = 0                  # plan chunks [0, _stored_upto) are cached or matched
         self._max_chunks = len(self.plan)
         self.begun = False
+        self._inflight: _InflightStep | None = None
+        self.last_step: tuple[int, float] = (0, 0.0)  # the last complete step's (tokens, seconds without waits)
 
     # ------------------------------------------------------------------------------------------------ state
     @property
@@ -157,44 +174,62 @@ class PrefillTask:
                 in_memory.append(spec.key)
         self.memory_keys = frozenset(in_memory)
 
-    def advance(self, budget: int) -> torch.Tensor | None:
-        """Compute up to ``budget`` more tokens; the last position's logits once the prompt is complete."""
+    @property
+    def in_flight(self) -> bool:
+        """True while a step has computed some of its layers but not all (the next `advance` resumes it)."""
+        return self._inflight is not None
+
+    def advance(self, budget: int, layers: Callable[[int], int] | None = None) -> torch.Tensor | None:
+        """Compute the model's layers for up to ``budget`` more tokens: the step in flight, else a new step of at
+        most ``budget`` tokens. ``layers(n)`` caps the layers computed now for a step of n tokens (None: all);
+        the step pauses between layers and resumes at the next call. Returns the last position's logits once
+        the prompt is complete, else None."""
         if not self.begun:
             self.begin()
         while True:
             try:
-                return self._step(budget)
+                return self._step(budget, layers)
             except PrefixLoadError as exc:
                 self.retries += 1
                 log.warning("recomputing from chunk %d: %s", exc.chunk_index, exc)
+                self._inflight = None
                 self._cancel_load()
                 self.release()
                 self._max_chunks = min(self._max_chunks, exc.chunk_index)
                 self.begin()
 
-    def _step(self, budget: int) -> torch.Tensor | None:
-        start = self.position
-        end = min(self.total, _aligned_end(start, max(1, budget), self.ctx.forward.attention_block))
-        load = self._load
-        offload = self._offload_for(end)
-        waits_before = sum(self.ctx.copy.waits.seconds)
-        t0 = time.perf_counter()
-        logits = self.ctx.forward.prefill(self.row, self._ids[start:end], start, hooks=_StepHooks(load, offload),
-                                          want_logits=end == self.total)
-        compute_s = time.perf_counter() - t0
-        if load is not None:
-            load.wait_all()  # the first step waited for every layer; this only surfaces a late error
-            waited = sum(self.ctx.copy.waits.seconds) - waits_before
-            self.load_wait_s += waited
-            compute_s -= waited
+    def _step(self, budget: int, layers: Callable[[int], int] | None) -> torch.Tensor | None:
+        step = self._inflight
+        if step is None:
+            start = self.position
+            end = min(self.total, _aligned_end(start, max(1, budget), self.ctx.forward.attention_block))
+            offload = self._offload_for(end)
+            generator = self.ctx.forward.prefill_layers(self.row, self._ids[start:end], start,
+                                                        hooks=_StepHooks(self._load, offload),
+                                                        want_logits=end == self.total)
+            step = self._inflight = _InflightStep(start, end, generator, offload)
+        waits_before, t0 = sum(self.ctx.copy.waits.seconds), time.perf_counter()
+        count = None if layers is None else max(1, layers(step.end - step.start))
+        done, logits = run_layers(step.layers, count)
+        if done and self._load is not None:
+            self._load.wait_all()  # the first layers waited for their KV; this only surfaces a late error
+        step.seconds += time.perf_counter() - t0
+        step.waited += sum(self.ctx.copy.waits.seconds) - waits_before  # this task's own waits (other tasks run between its calls)
+        if not done:
+            return None
+        self._inflight = None
+        compute_s = step.seconds - step.waited
+        if self._load is not None:
+            self.load_wait_s += step.waited
             self._load = None
             self._promote_ssd_chunks()
-        self.ctx.speed.record(end - start, compute_s)
+        self.ctx.speed.record(step.end - step.start, compute_s)
         if self.ctx.cache is not None:  # the load-or-recompute decision's compute speed
-            self.ctx.cache.record_compute(end - start, compute_s)
-        self.position = end
-        if offload is not None:
-            self._insert_completed(offload)
+            self.ctx.cache.record_compute(step.end - step.start, compute_s)
+        self.last_step = (step.end - step.start, compute_s)
+        self.position = step.end
+        if step.offload is not None:
+            self._insert_completed(step.offload)
         return logits
 
     def _offload_for(self, end: int) -> ChunkOffload | None:
@@ -234,7 +269,8 @@ class PrefillTask:
             self._load = None
 
     def release(self) -> None:
-        """Unpin the leased prefix (idempotent); stops a load still running."""
+        """Unpin the leased prefix (idempotent); stops a load still running and drops a step in flight."""
+        self._inflight = None
         self._cancel_load()
         if self._lease is not None:
             self._lease.release()

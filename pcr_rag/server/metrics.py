@@ -9,6 +9,7 @@ Two sources, one registry per app (never the process-global one, so several apps
   ``pcr:api_errors_total{status}`` (rejected requests).
 - **Engine state** (read from `PCREngine.stats()` at scrape time, so they are exact and cost nothing per token):
   gauges ``pcr:num_requests_running`` / ``pcr:num_requests_waiting``, ``pcr:prefill_tokens_per_second``,
+  ``pcr:decode_step_seconds`` and ``pcr:prefill_layers_per_step`` (the ITL budget's reading),
   ``pcr:cache_usage_bytes{tier}``,
   ``pcr:cache_capacity_bytes{tier}``, ``pcr:cache_chunks{tier}``, ``pcr:cache_pinned_chunks``,
   ``pcr:announcements_pending``; counters ``pcr:prompt_tokens_total``,
@@ -139,6 +140,12 @@ class _EngineCollector(Collector):
         yield gauge("num_requests_waiting", "Requests waiting for a KV row.", s.queue_depth)
         yield gauge("prefill_tokens_per_second", "Measured prefill speed (the cache-aware schedule's aging rate).",
                     s.prefill_tokens_per_s)
+        budget = s.step_budget
+        if budget.get("decode_step_ms") is not None:
+            yield gauge("decode_step_seconds", "Median of the recent decode forwards (the ITL budget's unit).",
+                        budget["decode_step_ms"] / 1e3)
+        yield gauge("prefill_layers_per_step", "Prefill layers an engine step runs while rows decode (the ITL "
+                    "budget's last cap; every layer when nothing decodes).", budget.get("layers_per_step", 0))
         yield counter("prompt_tokens", "Prompt tokens of finished requests.", req["prompt_tokens"])
         by_source = CounterMetricFamily(PREFIX + "prompt_tokens_by_source",
                                         "Prompt tokens of finished requests by where their KV came from: computed, "

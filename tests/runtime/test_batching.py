@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -116,6 +117,50 @@ def test_long_prefill_does_not_freeze_streaming(tmp_path):
         assert eng.executor.prefill_steps - steps_before >= 10, "the long prompt must span many prefill steps"
     assert len(stamps) >= 50
     assert eng.executor.decode_steps >= 59
+
+
+def test_prefill_pauses_between_layers_while_rows_decode(tmp_path):
+    """Under the ITL budget an engine step with decoding rows runs only some of a prefill step's layers (here one:
+    a budget of barely one decode step fits no more) and the step resumes at the next engine step; with nothing
+    decoding a step runs whole. The answer is the same as with whole steps."""
+    model, tok = tiny_model("llama")
+    docs = tuple(DOCS) * 3
+    with _engine(model, tok, tmp_path / "ref", enable_cache=False, prefill_chunk_tokens=128,
+                 itl_budget_steps=None) as eng:
+        ref = eng.generate("long cold prompt", docs, max_new_tokens=4)
+    with _engine(model, tok, tmp_path / "c", prefill_chunk_tokens=128, max_active=2, itl_budget_steps=1.001) as eng:
+        layers = len(eng.forward.layers)
+        per_step: Counter[tuple[int, bool]] = Counter()  # (engine step, rows decoding) -> prefill layers run
+        prefill_layers = eng.forward.prefill_layers
+
+        def spy(*args, **kwargs):
+            inner = prefill_layers(*args, **kwargs)
+
+            def counted():
+                while True:
+                    decoding = any(a.decode is not None for a in eng.executor._active.values())
+                    per_step[eng.executor.steps, decoding] += 1
+                    try:
+                        value = next(inner)
+                    except StopIteration as stop:
+                        return stop.value
+                    yield value
+            return counted()
+
+        eng.forward.prefill_layers = spy
+        eng.executor.eos_ids = frozenset()
+        streaming = eng.submit(RagPrompt("stream please", (DOCS[3],)), SamplingParams(max_new_tokens=40))
+        it = iter(streaming)
+        next(it)
+        got = eng.submit(RagPrompt("long cold prompt", docs), SamplingParams(max_new_tokens=4)).result(timeout=120)
+        list(it)
+        assert eng.stats().step_budget["layers_per_step"] == 1
+    during = [count for (_, decoding), count in per_step.items() if decoding]
+    alone = [count for (_, decoding), count in per_step.items() if not decoding]
+    assert len(during) >= 30 and set(during) == {1}, per_step
+    assert layers in alone, "a step with nothing decoding runs every layer"
+    assert got.token_ids[:len(ref.token_ids)] == ref.token_ids
+    assert torch.equal(got.first_token_logits, ref.first_token_logits)
 
 
 def test_bad_config_and_oversized_requests(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pcr_rag.runtime.forward import FastForward, UnsupportedArchitectureError, plan_tiles
+from pcr_rag.runtime.forward import FastForward, UnsupportedArchitectureError, plan_tiles, run_layers
 from pcr_rag.runtime.weights import PaddedRows
 from pcr_rag.testing import tiny_loaded_model
 
@@ -185,6 +185,35 @@ def test_probe_pads_a_linear_whose_rows_depend_on_m():
     assert exact == frozenset({4, 8, 12})
     # full tiles run as two 8-row calls take the small-M path too: every short size is exact against them
     assert exact_row_counts(SplitK, 96, 40, kind="test-split-k", split=8, **kw) == frozenset({4, 8, 12})
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_step_paused_between_layers_computes_the_same_numbers(arch, dtype):
+    """`prefill_layers` one layer at a time, with decode steps of other rows and another row's step in between
+    (what the engine runs under the ITL budget), writes the KV and yields the logits of one `prefill` call."""
+    fw = _forward(arch, dtype)
+    ids = _ids(40)
+    arena = fw.new_arena(4, 64)
+    whole = fw.prefill(arena.row(0), ids, 0)
+    fw.prefill(arena.row(2), _ids(21, seed=3), 0, want_logits=False)
+    first = fw.prefill_layers(arena.row(1), ids[:24], 0, want_logits=False)
+    layers = len(fw.layers)
+    for li in range(layers):
+        done, result = run_layers(first, 1)
+        assert done == (li == layers - 1) and result is None
+        fw.decode(arena, [None, None, 2, None], torch.tensor([0, 0, 7, 0]), torch.tensor([0, 0, 21 + li, 0]))
+        if li == 0:  # a third row's whole step while this one is paused
+            fw.prefill(arena.row(3), _ids(9, seed=5), 0)
+    second, done, calls = fw.prefill_layers(arena.row(1), ids[24:], 24), False, 0
+    while not done:
+        done, logits = run_layers(second, 2)
+        calls += 1
+        fw.decode(arena, [None, None, 2, None], torch.tensor([0, 0, 8, 0]), torch.tensor([0, 0, 21 + calls, 0]))
+    assert calls == -(-layers // 2) and torch.equal(logits, whole)
+    for layer in range(layers):
+        assert torch.equal(arena.k[layer][0, :, :40], arena.k[layer][1, :, :40])
+        assert torch.equal(arena.v[layer][0, :, :40], arena.v[layer][1, :, :40])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])

@@ -111,6 +111,36 @@ def test_corrupt_ssd_chunk_is_recomputed_transparently(tmp_path):
     assert r.metrics.reused_tokens < ref.metrics.prompt_tokens
 
 
+def test_corrupt_chunk_found_while_a_step_is_paused_between_layers(tmp_path):
+    """Under the ITL budget a hit's step runs one layer per engine step next to a decoding row; a corrupt chunk
+    found at a later layer restarts the prefill before it, and the answer is still exact."""
+    from pcr_rag.requests import RagPrompt, SamplingParams
+
+    model, tok = tiny_model("llama", num_layers=4)
+    path = tmp_path / "paused"
+    with _engine(model, tok, path) as eng:
+        ref = eng.generate("kafka?", [DOC_A, DOC_B])
+        eng.flush()
+    for f in sorted(p for p in path.rglob("*") if p.is_file() and p.stat().st_size > 4096):
+        data = bytearray(f.read_bytes())
+        data[len(data) * 3 // 4] ^= 0xFF  # a late layer: the first layers load fine
+        f.write_bytes(bytes(data))
+    with _engine(model, tok, path, prefetch=False, itl_budget_steps=1.001) as eng:
+        eng.executor.eos_ids = frozenset()
+        # its own system prompt: it shares no (corrupt) chunk with the hit
+        streaming = eng.submit(RagPrompt("stream", (DOC_C,), "Answer at length."), SamplingParams(max_new_tokens=200))
+        it = iter(streaming)
+        next(it)
+        r = eng.generate("kafka?", [DOC_A, DOC_B])
+        assert eng.stats().step_budget["layers_per_step"] == 1
+        streaming.cancel()
+        dropped = eng.cache.stats().corrupt_chunks_dropped
+    assert r.metrics.recomputed_after_error >= 1
+    assert r.token_ids == ref.token_ids
+    assert torch.equal(r.first_token_logits, ref.first_token_logits)
+    assert dropped > 0
+
+
 def test_unclaimed_announcement_expires(tmp_path):
     model, tok = tiny_model("llama", num_layers=2)
     with _engine(model, tok, tmp_path / "exp", announce_ttl_s=0.2) as eng:

@@ -200,6 +200,10 @@ def test_health_and_metrics(base_url, client, engine, h) -> None:
     assert sample("pcr:prefix_cache_queries_total") >= sample("pcr:prefix_cache_hits_total")
     assert sample("pcr:num_requests_running") == 0 and sample("pcr:num_requests_waiting") == 0
     assert sample("pcr:prefill_tokens_per_second") == engine.stats().prefill_tokens_per_s > 0
+    budget = engine.stats().step_budget
+    assert budget["decode_step_ms"] > 0
+    assert sample("pcr:decode_step_seconds") == pytest.approx(budget["decode_step_ms"] / 1e3)
+    assert 1 <= sample("pcr:prefill_layers_per_step") == budget["layers_per_step"] <= len(engine.forward.layers)
     assert sample("pcr:cache_pinned_chunks") == 0
     assert sample("pcr:cache_usage_bytes", tier="dram") > 0
     assert sample("pcr:cache_capacity_bytes", tier="dram") == 64 * 2**20
