@@ -118,7 +118,7 @@ class StepBudget:
             return self.num_layers  # nothing measured yet (a request decodes only after a prefill step)
         per_layer = cost.seconds(tokens) / self.num_layers
         allowed = (self.budget_steps - 1.0) * decode_s
-        self.last_layers = max(1, min(self.num_layers, int(allowed / per_layer)))
+        self.last_layers = max(1, int(min(float(self.num_layers), allowed / per_layer)))
         return self.last_layers
 
     def as_dict(self) -> dict[str, float | int | None]:

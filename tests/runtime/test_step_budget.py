@@ -44,6 +44,10 @@ def test_a_line_is_fitted_once_sizes_spread():
         "at least one layer, so a prompt always advances"
 
 
+def test_an_unbounded_budget_runs_every_layer():
+    assert _budget(float("inf")).layers(256, decoding=True) == 30
+
+
 def test_one_slow_decode_step_does_not_move_the_budget():
     budget = _budget()
     for _ in range(4):
