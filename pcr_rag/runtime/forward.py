@@ -3,6 +3,8 @@
 Two entry points, both on the `KVArena`:
 - `FastForward.prefill(row, token_ids, start)`: computes positions [start, start + n) of one request, reading the
   KV of positions < start from its row (cached or computed by an earlier step) and writing the new KV into it.
+  `FastForward.prefill_layers` is the same step as a generator, one layer per ``next()``, so the engine can pause
+  it between layers (the ITL budget) without changing a number.
 - `FastForward.decode(rows, tokens, positions)`: one new token for each of a fixed number of rows.
 
 Why not the transformers forward: its arithmetic depends on how a prompt is split and on who shares a batch.
