@@ -12,6 +12,7 @@ import torch
 from pcr_rag.cache.config import RemoteConfig
 from pcr_rag.errors import ConfigError
 from pcr_rag.runtime.admission import SCHEDULES
+from pcr_rag.runtime.step_budget import check_budget_steps
 from pcr_rag.runtime.weights import WEIGHT_FORMATS
 from pcr_rag.units import parse_bytes
 
@@ -144,10 +145,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
-        if self.itl_budget_steps is not None and (isinstance(self.itl_budget_steps, bool) or not isinstance(
-                self.itl_budget_steps, (int, float)) or not self.itl_budget_steps > 1):
-            raise ConfigError(f"itl_budget_steps must be a number > 1 (decode steps) or None, got "
-                              f"{self.itl_budget_steps!r}")
+        check_budget_steps(self.itl_budget_steps)
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ConfigError(f"max_model_len must be an int >= 2 (tokens) or None, got {self.max_model_len!r}")
         if self.schedule not in SCHEDULES:

@@ -214,7 +214,8 @@ class PrefillTask:
         if done and self._load is not None:
             self._load.wait_all()  # the first layers waited for their KV; this only surfaces a late error
         step.seconds += time.perf_counter() - t0
-        step.waited += sum(self.ctx.copy.waits.seconds) - waits_before  # this task's own waits (other tasks run between its calls)
+        # this task's own waits only: other tasks' steps run between its calls
+        step.waited += sum(self.ctx.copy.waits.seconds) - waits_before
         if not done:
             return None
         self._inflight = None

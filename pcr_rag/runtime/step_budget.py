@@ -41,6 +41,14 @@ DECODE_SAMPLES = 16   # decode steps whose median is "a decode step"
 _MIN_SPREAD = 0.25    # the sampled sizes' spread (stdev / mean) from which a line is fitted, not assumed
 
 
+def check_budget_steps(value: object) -> None:
+    """Raise `ConfigError` unless ``value`` is None or a number of decode steps > 1 (``itl_budget_steps``)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 1:
+        raise ConfigError(f"itl_budget_steps must be a number > 1 (decode steps) or None, got {value!r}")
+
+
 @dataclass(frozen=True)
 class StepCost:
     """The predicted seconds of a whole prefill step of ``tokens`` tokens: ``fixed_s + per_token_s * tokens``."""
@@ -62,8 +70,7 @@ class StepBudget:
     """
 
     def __init__(self, num_layers: int, budget_steps: float | None = None) -> None:
-        if budget_steps is not None and (isinstance(budget_steps, bool) or not budget_steps > 1):
-            raise ConfigError(f"itl_budget_steps must be > 1 (decode steps) or None, got {budget_steps!r}")
+        check_budget_steps(budget_steps)
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         self.num_layers = int(num_layers)

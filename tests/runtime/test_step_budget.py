@@ -62,6 +62,7 @@ def test_bad_budgets_are_config_errors():
     for bad in (1.0, 0.5, -2, True, "3"):
         with pytest.raises(ConfigError, match="itl_budget_steps"):
             EngineConfig(itl_budget_steps=bad)
-    with pytest.raises(ConfigError, match="itl_budget_steps"):
-        StepBudget(30, 1.0)
+    for bad in (1.0, "3", False):
+        with pytest.raises(ConfigError, match="itl_budget_steps"):
+            StepBudget(30, bad)
     assert EngineConfig(itl_budget_steps=None).itl_budget_steps is None
