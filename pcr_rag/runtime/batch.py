@@ -5,9 +5,9 @@ Rows: the KV arena has ``batch_rows`` rows; a request holds one from admission t
    where nothing decodes; with fewer active rows its GEMMs run at a smaller row count proven at start-up to give
    the same numbers - so a row's numbers never depend on who is active; every decoding row then picks its token.
 2. **prefill** (when any admitted request is prefilling): a step of the next ``prefill_chunk_tokens`` tokens of one
-   request, chosen by the schedule (`pcr_rag.runtime.admission`) - whole when no row decodes, else as many of its
-   layers as the ITL budget allows (`pcr_rag.runtime.step_budget`); a paused step resumes when the schedule picks
-   its request again. A finished prefill yields the first token and the row joins the decode batch at the
+   request, chosen by the schedule (`pcr_rag.runtime.admission.prefill_candidates`: prefills that share documents
+   rank as a group) - whole when no row decodes, else as many of its layers as the ITL budget allows
+   (`pcr_rag.runtime.step_budget`); a paused step resumes when the schedule picks its request again. A finished prefill yields the first token and the row joins the decode batch at the
    next step.
 
 So a long cold prefill never freezes streaming answers: the gap between two tokens of a decoding row is one
@@ -30,7 +30,7 @@ import torch
 from pcr_rag.errors import RequestCancelledError
 from pcr_rag.metrics import MetricsRecorder
 from pcr_rag.requests import GenerationResult, Request, RequestState
-from pcr_rag.runtime.admission import Candidate, order_by
+from pcr_rag.runtime.admission import prefill_candidates, rank
 from pcr_rag.runtime.kv_arena import KVArena
 from pcr_rag.runtime.runner import DecodeRow, PrefillContext, PrefillTask
 from pcr_rag.runtime.step_budget import StepBudget
@@ -131,18 +131,14 @@ class BatchExecutor:
             self._prefill(self._next_prefill(pending), lambda n: self.budget.layers(n, decoding_now))
 
     def _next_prefill(self, pending: list[ActiveRequest]) -> ActiveRequest:
-        """The prefill to advance: by the schedule, over tasks whose next chunks nobody else is computing (a task
-        that would recompute chunks another running prefill is about to insert waits for them). A step paused
-        between its layers competes like any other: a hit need not wait for a cold step's remaining layers under
-        ``cache-aware``; each task keeps its own paused step."""
-        in_flight: set[bytes] = set()
-        for a in pending:
-            in_flight |= a.prefill.pending_keys()
-        ready = [a for a in pending if a.prefill.begun or not (in_flight & {c.key for c in a.prefill.plan})]
-        now = self.clock()
-        return order_by(self.schedule, ready or pending,
-                        lambda a: Candidate(a.request.submitted_at, a.prefill.estimated_work()), now,
-                        self.ctx.speed.tokens_per_s)[0]
+        """The prefill to advance, by the schedule over `prefill_candidates`: a prefill whose next chunks another
+        running prefill is computing waits for them and lends it its place; one that others will reuse ranks by
+        its group's work per request. A step paused between its layers competes like any other: a hit need not
+        wait for a cold step's remaining layers under ``cache-aware``; each task keeps its own paused step."""
+        candidates = prefill_candidates(self.schedule, [a.prefill.outlook() for a in pending])
+        runnable = [(a, c) for a, c in zip(pending, candidates, strict=True) if c is not None]
+        order = rank(self.schedule, [c for _, c in runnable], self.clock(), self.ctx.speed.tokens_per_s)
+        return runnable[order[0]][0]
 
     def _decode(self, decoding: list[ActiveRequest]) -> None:
         rows: list[int | None] = [None] * self.batch_rows

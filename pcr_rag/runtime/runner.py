@@ -30,7 +30,7 @@ from pcr_rag.cache import CacheEngine, ChunkSpec, Tier
 from pcr_rag.errors import PrefixLoadError
 from pcr_rag.metrics import TIERS
 from pcr_rag.requests import Request
-from pcr_rag.runtime.admission import PrefillSpeed
+from pcr_rag.runtime.admission import PrefillOutlook, PrefillSpeed
 from pcr_rag.runtime.forward import FastForward, run_layers
 from pcr_rag.runtime.kv_arena import RowKV
 from pcr_rag.runtime.sampling import TokenSampler
@@ -117,19 +117,20 @@ class PrefillTask:
     def computed_tokens(self) -> int:
         return self.total - sum(self.reused_by_tier.values())
 
-    def pending_keys(self) -> frozenset[bytes]:
-        """Keys of the plan chunks this task will compute and insert but has not yet (empty before `begin`)."""
-        if not self.begun or self.ctx.cache is None:
-            return frozenset()
-        return frozenset(spec.key for spec in self.plan[self._stored_upto:])
-
-    def estimated_work(self) -> int:
-        """Tokens left to compute: exact once begun, else the prompt minus what the cache matches now."""
+    def outlook(self) -> PrefillOutlook:
+        """What the schedule ranks this task by: tokens left to compute (exact once begun, else the prompt minus
+        what the cache matches now) and the plan chunks it will compute and insert but has not yet (once begun:
+        after its stored prefix; before: after the cache's match; none without a cache)."""
+        cache = self.ctx.cache
         if self.begun:
-            return self.remaining
-        if self.ctx.cache is None:
-            return self.total
-        return self.total - self.ctx.cache.match([c.key for c in self.plan]).num_tokens
+            work, first = self.remaining, self._stored_upto
+        elif cache is None:
+            work, first = self.total, len(self.plan)
+        else:
+            match = cache.match([c.key for c in self.plan])
+            work, first = self.total - match.num_tokens, match.num_chunks
+        chunks = {} if cache is None else {spec.key: spec.num_tokens for spec in self.plan[first:]}
+        return PrefillOutlook(self.request.submitted_at, work, chunks, self.begun)
 
     # -------------------------------------------------------------------------------------------- lifecycle
     def begin(self) -> None:

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from pcr_rag.errors import ConfigError
-from pcr_rag.runtime.admission import AGING_TOKENS_PER_S, Candidate, PrefillSpeed, rank
+from pcr_rag.runtime.admission import (
+    AGING_TOKENS_PER_S,
+    Candidate,
+    PrefillOutlook,
+    PrefillSpeed,
+    prefill_candidates,
+    rank,
+)
 
 
 def test_fcfs_is_arrival_order():
@@ -62,3 +69,60 @@ def test_prefill_speed_weighs_steps_by_their_length():
     for _ in range(200):  # the machine got faster: the rate follows
         speed.record(256, 0.256)
     assert speed.tokens_per_s == pytest.approx(1000.0, rel=1e-3)
+
+
+# ------------------------------------------------------------------------------------------ prefills that share
+def _chunks(*names: str, tokens: int = 100) -> dict[bytes, int]:
+    return {name.encode(): tokens for name in names}
+
+
+def test_prefills_without_shared_chunks_rank_as_themselves():
+    ps = [PrefillOutlook(1.0, 300, _chunks("a", "b", "c"), True), PrefillOutlook(2.0, 100, _chunks("d"), False),
+          PrefillOutlook(3.0, 0, {}, False)]
+    for schedule in ("fcfs", "cache-aware"):
+        assert prefill_candidates(schedule, ps) == [Candidate(1.0, 300), Candidate(2.0, 100), Candidate(3.0, 0)]
+
+
+def test_a_prefill_waits_for_chunks_a_running_one_computes_and_lends_it_its_arrival():
+    """B (oldest) needs chunk "a" that A is computing: B waits (None) and A inherits B's arrival, so under fcfs A
+    now outranks C, which arrived between them; a begun prefill is never made to wait."""
+    a = PrefillOutlook(5.0, 300, _chunks("a", "b", "c"), True)
+    b = PrefillOutlook(1.0, 320, {**_chunks("a", "b"), b"q": 20}, False)
+    c = PrefillOutlook(2.0, 100, _chunks("z"), False)
+    cands = prefill_candidates("fcfs", [a, b, c])
+    assert cands[1] is None
+    assert cands[0] == Candidate(1.0, 300) and cands[2] == Candidate(2.0, 100)
+    assert rank("fcfs", [cands[0], cands[2]], now=6.0) == [0, 1]
+
+
+def test_cache_aware_work_is_the_groups_work_per_request():
+    """A cold 1,000-token prefill whose chunks two others would reuse (residuals 40 and 60 tokens) ranks at
+    (1000 + 40 + 60) / 3 = 367 tokens, ahead of a lone 500-token one; a dependent with a large residual is left
+    out of the mean when it would raise it (min over k)."""
+    shared = _chunks("a", "b", "c", "d", "e", tokens=200)
+    cold = PrefillOutlook(0.0, 1000, shared, False)
+    dep1 = PrefillOutlook(0.1, 1040, {**shared, b"x": 40}, False)
+    dep2 = PrefillOutlook(0.2, 1060, {**shared, b"y": 60}, False)
+    lone = PrefillOutlook(0.3, 500, _chunks("z", tokens=500), False)
+    far = PrefillOutlook(0.4, 2200, {**_chunks("a", tokens=200), b"w": 2000}, False)  # shares only chunk "a"
+    cands = prefill_candidates("cache-aware", [cold, dep1, dep2, lone, far])
+    assert cands[0].work_tokens == round((1000 + 40 + 60) / 3)
+    assert cands[3] == Candidate(0.3, 500)
+    assert rank("cache-aware", [c for c in cands if c is not None], now=0.4)[0] == 0
+    alone = prefill_candidates("cache-aware", [cold, far])
+    assert alone[0].work_tokens == 1000, "a 2,000-token residual would raise the mean: k = 0"
+
+
+def test_the_groups_work_ages_from_its_oldest_counted_request():
+    """The prefill inherits the arrival of the dependents its work counts, so aging serves the group's oldest
+    request; uncounted dependents that do not wait on it lend nothing."""
+    shared = _chunks("a", "b", tokens=400)
+    newer = PrefillOutlook(10.0, 800, shared, False)
+    older_dep = PrefillOutlook(1.0, 830, {**shared, b"x": 30}, False)
+    cands = prefill_candidates("cache-aware", [newer, older_dep])
+    assert cands[0] == Candidate(1.0, round((800 + 30) / 2))
+
+
+def test_prefill_candidates_reject_an_unknown_schedule():
+    with pytest.raises(ConfigError, match="fcfs"):
+        prefill_candidates("random", [PrefillOutlook(0.0, 1, {}, False)])

@@ -230,3 +230,27 @@ def test_the_schedule_ages_at_the_measured_prefill_speed(tmp_path):
         speed = eng.stats().prefill_tokens_per_s
         assert speed > 0 and speed != AGING_TOKENS_PER_S
         assert eng.scheduler.speed.tokens_per_s == speed
+
+
+@pytest.mark.parametrize("schedule", ["cache-aware", "fcfs"])
+def test_a_prefill_others_wait_on_runs_first(schedule, tmp_path):
+    """Three requests admitted together: A and B share two documents, C is a lone, shorter cold prompt submitted
+    first. One of A and B computes the documents; the other waits for its chunks rather than computing them twice,
+    and reuses them. The one computing ranks by its group's work per request (cache-aware: about half its own plus
+    the other's few tokens, less than C's) or by the oldest arrival it serves (fcfs: C is older, so C first): under
+    cache-aware C no longer overtakes the prefill that another request waits on."""
+    model, tok = tiny_model("llama")
+    with _engine(model, tok, tmp_path / "c", max_active=3, schedule=schedule) as eng:
+        eng.executor.ctx.speed.record = lambda tokens, seconds: None  # aging at the fixed default rate
+        with eng.scheduler._cond:  # hold admission until all three are queued: one admission round
+            handles = {name: eng.submit(RagPrompt(q, docs), SamplingParams(max_new_tokens=2))
+                       for name, q, docs in [("C", "lone question", (DOCS[2],)),
+                                             ("A", "first question on both", (DOCS[0], DOCS[1])),
+                                             ("B", "second one on both", (DOCS[0], DOCS[1]))]}
+        m = {name: h.result(timeout=120).metrics for name, h in handles.items()}
+    first, second = sorted("AB", key=lambda k: m[k].ttft_s)
+    assert m[first].reused_tokens < 40 and m[second].computed_tokens <= 40, "one computes the documents, one reuses"
+    assert m[second].reused_tokens > m["C"].prompt_tokens > 0
+    assert m["C"].computed_tokens < m[first].computed_tokens, "C alone is less work than the shared prefill"
+    order = sorted("ABC", key=lambda k: m[k].ttft_s)
+    assert order == ([first, second, "C"] if schedule == "cache-aware" else ["C", first, second]), (order, m)
