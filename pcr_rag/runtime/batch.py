@@ -7,8 +7,8 @@ Rows: the KV arena has ``batch_rows`` rows; a request holds one from admission t
 2. **prefill** (when any admitted request is prefilling): a step of the next ``prefill_chunk_tokens`` tokens of one
    request, chosen by the schedule (`pcr_rag.runtime.admission.prefill_candidates`: prefills that share documents
    rank as a group) - whole when no row decodes, else as many of its layers as the ITL budget allows
-   (`pcr_rag.runtime.step_budget`); a paused step resumes when the schedule picks its request again. A finished prefill yields the first token and the row joins the decode batch at the
-   next step.
+   (`pcr_rag.runtime.step_budget`); a paused step resumes when the schedule picks its request again. A finished
+   prefill yields the first token and the row joins the decode batch at the next step.
 
 So a long cold prefill never freezes streaming answers: the gap between two tokens of a decoding row is one
 decode forward plus prefill layers planned to take at most ``itl_budget_steps - 1`` decode steps. And since the
