@@ -23,6 +23,7 @@ from pcr_rag.config import EngineConfig
 from pcr_rag.corpus import split_passages, stdlib_corpus
 from pcr_rag.engine import PCREngine
 from pcr_rag.requests import RagPrompt, SamplingParams
+from pcr_rag.runtime.step_budget import check_budget_steps
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,18 @@ class BudgetTrial:
 def measure_itl_budget(engine: PCREngine, passages: Sequence[str], *, budgets: Sequence[float | None] = (None, 3.0, 4.0),
                        trials: int = 3, documents: int = 3, stream_tokens: int = 120,
                        start_after: int = 5) -> list[BudgetTrial]:
-    """Trials as in the module docstring, on ``engine`` (its budget is set per run and restored after)."""
+    """Trials as in the module docstring, on ``engine`` (its budget is set per run and restored after). Bad
+    arguments raise before any request runs: each budget must be a valid ``itl_budget_steps``, the stream must
+    outlast ``start_after`` tokens, and every run needs its own ``documents`` passages plus the stream's (the
+    last passage, never one of the cold prompts')."""
+    for budget in budgets:
+        check_budget_steps(budget)
+    if not 0 <= start_after < stream_tokens:
+        raise ValueError(f"start_after must be in [0, stream_tokens={stream_tokens}), got {start_after}")
+    needed = trials * len(budgets) * documents + 1
+    if len(passages) < needed:
+        raise ValueError(f"{len(passages)} passages are too few: {trials} trials x {len(budgets)} budgets x "
+                         f"{documents} documents + 1 for the stream = {needed}")
     executor = engine.executor
     saved_budget, saved_eos = executor.budget.budget_steps, executor.eos_ids
     executor.eos_ids = frozenset()  # the stream must outlast the cold prompt
@@ -59,9 +71,6 @@ def measure_itl_budget(engine: PCREngine, passages: Sequence[str], *, budgets: S
                 executor.budget.budget_steps = budget
                 docs = tuple(passages[used: used + documents])
                 used += documents
-                if len(docs) < documents:
-                    raise ValueError(f"{len(passages)} passages are too few for {trials} trials of {len(budgets)} "
-                                     f"budgets x {documents} documents")
                 stream = engine.submit(RagPrompt("Summarise this.", (passages[-1],)),
                                        SamplingParams(max_new_tokens=stream_tokens))
                 stamps: list[float] = []
