@@ -44,6 +44,7 @@ from pcr_rag.requests import (
     StreamChunk,
     TokenChannel,
 )
+from pcr_rag.runtime.admission import PrefillOutlook
 from pcr_rag.runtime.announcements import AnnouncementBoard, Ticket
 from pcr_rag.runtime.batch import BatchExecutor
 from pcr_rag.runtime.forward import FastForward
@@ -163,7 +164,7 @@ class PCREngine:
             budget=StepBudget(len(self.forward.layers), config.itl_budget_steps), schedule=config.schedule,
             tokenizer=self.loaded.tokenizer, eos_ids=frozenset(self.loaded.eos_token_ids), recorder=self.recorder)
         self.scheduler = Scheduler(self.executor, schedule=config.schedule, max_queue=config.max_queue,
-                                   work_of=self._uncached_tokens, speed=prefill_ctx.speed,
+                                   outlook_of=self._waiting_outlook, speed=prefill_ctx.speed,
                                    on_change=self._queue_changed)
         if self.cache is not None and (config.prefetch or config.eviction == "lookahead-lru"):
             self.prefetcher = Prefetcher(
@@ -498,11 +499,14 @@ class PCREngine:
         if self.prefetcher is not None:
             self.prefetcher.wake()
 
-    def _uncached_tokens(self, req: Request) -> int:
-        """Tokens ``req`` would compute if admitted now (its prompt minus the cached prefix)."""
+    def _waiting_outlook(self, req: Request) -> PrefillOutlook:
+        """``req`` as the waiting queue ranks it: the tokens it would compute if admitted now (its prompt minus the
+        cached prefix) and the plan chunks after that prefix (none without a cache)."""
         if self.cache is None:
-            return len(req.token_ids)
-        return len(req.token_ids) - self.cache.match(req.keys).num_tokens
+            return PrefillOutlook(req.submitted_at, len(req.token_ids), {}, begun=False)
+        match = self.cache.match(req.keys)
+        return PrefillOutlook(req.submitted_at, len(req.token_ids) - match.num_tokens,
+                              {c.key: c.num_tokens for c in req.plan[match.num_chunks:]}, begun=False)
 
     def _cancel(self, req: Request) -> bool:
         """Cancel ``req``: a waiting one leaves the queue and fails now; a running one fails at its next forward.

@@ -19,13 +19,17 @@ place - without this a cold prefill that others wait on was overtaken by every n
 the least ``(own + residual work of the k cheapest prefills that reuse its chunks) / (1 + k)`` over k, Smith's
 rule (shortest weighted work first, which minimises mean completion time) with a request's TTFT as its weight.
 
-`rank`, `order_by` and `prefill_candidates` are pure functions of their arguments: deterministic, testable with a
-fake clock. The prefetch window follows the same order, so what is prefetched is what runs next.
+The waiting queue ranks the same way (`queue_candidates`): a waiting request's work leaves out the chunks admitted
+prefills will compute (it reuses them once admitted), and waiting requests that share uncached documents rank as a
+group, so when every row is taken the next free row goes to the request that ends the most waiting per token.
+
+`rank`, `prefill_candidates` and `queue_candidates` are pure functions of their arguments: deterministic, testable
+with a fake clock. The prefetch window follows the queue's order, so what is prefetched is what runs next.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -92,13 +96,6 @@ def rank(schedule: str, candidates: Sequence[Candidate], now: float,
     raise ConfigError(f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
 
 
-def order_by(schedule: str, items: Sequence, candidate: Callable[[object], Candidate], now: float,
-             aging: float = AGING_TOKENS_PER_S) -> list:
-    """``items`` reordered by `rank` of their candidates."""
-    cands = [candidate(x) for x in items]
-    return [items[i] for i in rank(schedule, cands, now, aging)]
-
-
 def prefill_candidates(schedule: str, prefills: Sequence[PrefillOutlook]) -> list[Candidate | None]:
     """How each admitted prefill ranks (`rank`) this step, None for one that must wait: a prefill that has not
     begun and would compute a chunk a begun one is computing waits for it (else the chunk is computed twice).
@@ -146,3 +143,24 @@ def prefill_candidates(schedule: str, prefills: Sequence[PrefillOutlook]) -> lis
             arrived = min([arrived] + [a for _, a, _ in dependents[:best_k]])
         out.append(Candidate(arrived, round(work)))
     return out
+
+
+def queue_candidates(schedule: str, waiting: Sequence[PrefillOutlook], in_flight: Collection[bytes]
+                     ) -> list[Candidate]:
+    """How each waiting request ranks (`rank`) for the next free row. ``waiting``: the requests' outlooks as if
+    admitted now (not begun; chunks = their plan after the cache's match); ``in_flight``: chunk keys that admitted
+    prefills will compute.
+
+    A waiting request's work leaves out its chunks in ``in_flight`` (admitted now, it would wait for them and reuse
+    them: `prefill_candidates`); then waiting requests that share the remaining chunks rank as a group, as in
+    `prefill_candidates` with nothing begun (``cache-aware``: the group's work per request; arrival from the
+    requests that work counts). Invariants: with nothing in flight and no shared chunks every candidate is
+    ``Candidate(arrived_s, work_tokens)``; under ``fcfs`` every candidate keeps its own arrival (arrival order)."""
+    residual = []
+    for p in waiting:
+        reused = sum(tokens for key, tokens in p.chunks.items() if key in in_flight)
+        residual.append(PrefillOutlook(p.arrived_s, max(0, p.work_tokens - reused),
+                                       {k: t for k, t in p.chunks.items() if k not in in_flight}, begun=False))
+    out = prefill_candidates(schedule, residual)
+    assert all(c is not None for c in out), "nothing begun: no prefill waits"
+    return [c for c in out if c is not None]

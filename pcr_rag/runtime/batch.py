@@ -97,6 +97,13 @@ class BatchExecutor:
             tasks = [a.prefill for a in self._active.values() if a.prefill is not None]
         return [[c.key for c in t.plan] for t in tasks if not t.begun]
 
+    def in_flight_keys(self) -> set[bytes]:
+        """Chunk keys in the plans of admitted requests still prefilling (any thread): what the waiting queue counts
+        as on its way into the cache (`pcr_rag.runtime.admission.queue_candidates`)."""
+        with self._lock:
+            tasks = [a.prefill for a in self._active.values() if a.prefill is not None]
+        return {c.key for t in tasks for c in t.plan}
+
     # -------------------------------------------------------------------------------------------- admission
     def admit(self, req: Request) -> None:
         """Give ``req`` a row; its prefill begins (lease + load) at its first step. Needs a free row."""

@@ -1,7 +1,8 @@
 """The waiting queue and the executor thread that runs engine steps.
 
 One executor thread owns the model: each iteration it admits waiting requests into free rows - in the order of
-the schedule (`pcr_rag.runtime.admission`: ``fcfs`` or ``cache-aware``) - and runs one engine step
+the schedule (`pcr_rag.runtime.admission`: ``fcfs`` or ``cache-aware``, with requests that share uncached
+documents ranked as a group, `queue_candidates`) - and runs one engine step
 (`BatchExecutor.step`: a fixed-shape decode over every decoding row, then at most one prefill chunk). Requests
 enter from any thread or event loop; TTFT counts from submission, queueing included. `window` gives the waiting
 requests in the order they will be admitted, which is what the prefetcher looks ahead at.
@@ -21,7 +22,7 @@ from typing import Protocol
 
 from pcr_rag.errors import EngineClosedError, QueueFullError
 from pcr_rag.requests import Request, RequestState
-from pcr_rag.runtime.admission import Candidate, PrefillSpeed, order_by
+from pcr_rag.runtime.admission import PrefillOutlook, PrefillSpeed, queue_candidates, rank
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ class StepExecutor(Protocol):
 
     def admit(self, req: Request) -> None: ...
 
+    def in_flight_keys(self) -> set[bytes]: ...
+
     def step(self) -> None: ...
 
     def fail_all(self, exc: BaseException) -> None: ...
@@ -45,18 +48,19 @@ class StepExecutor(Protocol):
 class Scheduler:
     """Waiting queue + executor thread (see the module docstring).
 
-    ``work_of(request)`` returns the tokens a waiting request would still compute given the cache now; ``speed``
-    is the engine's measured prefill speed, the cache-aware schedule's aging rate (the executor ranks its prefills
-    with the same object); ``on_change()`` is called when the queue changes (wakes the prefetcher)."""
+    ``outlook_of(request)`` is a waiting request's outlook if admitted now (the tokens it would compute given the
+    cache now, and the plan chunks after the cache's match); ``speed`` is the engine's measured prefill speed, the
+    cache-aware schedule's aging rate (the executor ranks its prefills with the same object); ``on_change()`` is
+    called when the queue changes (wakes the prefetcher)."""
 
     def __init__(self, executor: StepExecutor, *, schedule: str, max_queue: int,
-                 work_of: Callable[[Request], int], speed: PrefillSpeed,
+                 outlook_of: Callable[[Request], PrefillOutlook], speed: PrefillSpeed,
                  on_change: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.executor = executor
         self.schedule = schedule
         self.max_queue = max_queue
-        self.work_of = work_of
+        self.outlook_of = outlook_of
         self.speed = speed
         self.on_change = on_change
         self.clock = clock
@@ -106,8 +110,9 @@ class Scheduler:
     def _ordered(self, waiting: list[Request]) -> list[Request]:
         if self.schedule == "fcfs" or len(waiting) < 2:
             return waiting
-        return order_by(self.schedule, waiting, lambda r: Candidate(r.submitted_at, self.work_of(r)), self.clock(),
-                        self.speed.tokens_per_s)
+        candidates = queue_candidates(self.schedule, [self.outlook_of(r) for r in waiting],
+                                      self.executor.in_flight_keys())
+        return [waiting[i] for i in rank(self.schedule, candidates, self.clock(), self.speed.tokens_per_s)]
 
     def _changed(self) -> None:
         if self.on_change is not None:

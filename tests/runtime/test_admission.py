@@ -11,6 +11,7 @@ from pcr_rag.runtime.admission import (
     PrefillOutlook,
     PrefillSpeed,
     prefill_candidates,
+    queue_candidates,
     rank,
 )
 
@@ -126,3 +127,38 @@ def test_the_groups_work_ages_from_its_oldest_counted_request():
 def test_prefill_candidates_reject_an_unknown_schedule():
     with pytest.raises(ConfigError, match="fcfs"):
         prefill_candidates("random", [PrefillOutlook(0.0, 1, {}, False)])
+
+
+def test_waiting_requests_rank_as_themselves_without_flight_or_sharing():
+    ws = [PrefillOutlook(1.0, 300, _chunks("a", "b", "c"), False), PrefillOutlook(2.0, 100, _chunks("d"), False),
+          PrefillOutlook(3.0, 0, {}, False)]
+    for schedule in ("fcfs", "cache-aware"):
+        assert queue_candidates(schedule, ws, in_flight=set()) == [Candidate(1.0, 300), Candidate(2.0, 100),
+                                                                  Candidate(3.0, 0)]
+    assert queue_candidates("fcfs", ws, in_flight={b"a", b"d"})[0].arrived_s == 1.0
+
+
+def test_a_waiting_request_does_not_count_chunks_an_admitted_prefill_computes():
+    """Documents an admitted prefill is computing are reuse for the waiting request (it waits for them once
+    admitted): its work is its own tail, so it outranks a lone request with less work than its whole prompt."""
+    follower = PrefillOutlook(0.0, 840, {**_chunks("a", "b", tokens=400), b"q": 40}, False)
+    lone = PrefillOutlook(0.0, 300, _chunks("z", tokens=300), False)
+    cands = queue_candidates("cache-aware", [follower, lone], in_flight={b"a", b"b"})
+    assert cands == [Candidate(0.0, 40), Candidate(0.0, 300)]
+    assert rank("cache-aware", cands, now=0.0) == [0, 1]
+    assert rank("cache-aware", queue_candidates("cache-aware", [follower, lone], set()), now=0.0) == [1, 0]
+
+
+def test_waiting_requests_that_share_documents_rank_as_a_group():
+    """Two waiting requests on the same cold 800 tokens (tails 30 and 50) rank at (830 + 50) / 2 = 440 tokens per
+    request served, ahead of a lone 500-token request that alone ranks ahead of either of them (aging set aside);
+    under fcfs the queue stays in arrival order."""
+    shared = _chunks("a", "b", tokens=400)
+    first = PrefillOutlook(0.2, 830, {**shared, b"x": 30}, False)
+    second = PrefillOutlook(0.3, 850, {**shared, b"y": 50}, False)
+    lone = PrefillOutlook(0.1, 500, _chunks("z", tokens=500), False)
+    cands = queue_candidates("cache-aware", [first, second, lone], set())
+    assert cands[0].work_tokens == 440 and cands[2] == Candidate(0.1, 500)
+    assert rank("cache-aware", cands, now=0.3, aging=1.0)[0] == 0
+    assert rank("cache-aware", queue_candidates("cache-aware", [first, lone], set()), now=0.3, aging=1.0) == [1, 0]
+    assert rank("fcfs", queue_candidates("fcfs", [first, second, lone], set()), now=0.3) == [2, 0, 1]

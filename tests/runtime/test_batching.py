@@ -254,3 +254,25 @@ def test_a_prefill_others_wait_on_runs_first(schedule, tmp_path):
     assert m["C"].computed_tokens < m[first].computed_tokens, "C alone is less work than the shared prefill"
     order = sorted("ABC", key=lambda k: m[k].ttft_s)
     assert order == ([first, second, "C"] if schedule == "cache-aware" else ["C", first, second]), (order, m)
+
+
+@pytest.mark.parametrize("schedule", ["cache-aware", "fcfs"])
+def test_waiting_requests_that_share_documents_are_admitted_as_a_group(schedule, tmp_path):
+    """One row, three waiting requests: C, a lone cold prompt submitted first, is less work than A or B, which share
+    two documents. Under cache-aware the waiting queue ranks A and B by their group's work per request (about half
+    of one's prompt), less than C's, so the pair is served first and the second of them reuses the first's
+    documents; C goes last. Under fcfs the queue stays in arrival order. (Before the queue ranked groups, C went
+    first under cache-aware too.)"""
+    model, tok = tiny_model("llama")
+    with _engine(model, tok, tmp_path / "c", max_active=1, schedule=schedule) as eng:
+        eng.executor.ctx.speed.record = lambda tokens, seconds: None  # aging at the fixed default rate
+        with eng.scheduler._cond:  # hold admission until all three are queued
+            handles = {name: eng.submit(RagPrompt(q, docs), SamplingParams(max_new_tokens=2))
+                       for name, q, docs in [("C", "lone question", (DOCS[2],)),
+                                             ("A", "first question on both", (DOCS[0], DOCS[1])),
+                                             ("B", "second one on both", (DOCS[0], DOCS[1]))]}
+        m = {name: h.result(timeout=120).metrics for name, h in handles.items()}
+    assert m["C"].computed_tokens < min(m["A"].prompt_tokens, m["B"].prompt_tokens), "C alone is the least work"
+    order = sorted("ABC", key=lambda k: m[k].ttft_s)
+    assert order == (["A", "B", "C"] if schedule == "cache-aware" else ["C", "A", "B"]), (order, m)
+    assert m["B"].computed_tokens <= 40 and m["B"].reused_tokens > m["C"].prompt_tokens, "B reuses A's documents"
