@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
                       chunk_size=wl.chunk_size, extra=extra, progress=say)
     notes = [
         f"simulated: profile {profile.name} ({profile.source}); compute and transfer times from the cost model, "
-        "cache decisions from the real CacheEngine and the runtime's plan_prefetch",
+        "cache decisions from the real CacheEngine, the runtime's plan_prefetch and its admission policy",
         f"max_batch={max_batch} ("
         + ("serial executor, like the runtime" if max_batch == 1 else "vLLM-like batched decode, prefill-first")
         + f"), prefill steps {args.prefill_steps or profile.prefill_steps}",

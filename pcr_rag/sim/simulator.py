@@ -1,16 +1,21 @@
 """Discrete-event simulation of serving a request trace, with the real cache engine and prefetch decisions.
 
 What is real: the :class:`~pcr_rag.cache.CacheEngine` (prefix tree, tiers, eviction policies, look-ahead
-protection, write-back) running on a virtual clock with metadata-only payloads and synchronous I/O, and the
-runtime's :func:`~pcr_rag.runtime.prefetcher.plan_prefetch`. What is modelled: the time of compute and transfers
+protection, write-back) running on a virtual clock with metadata-only payloads and synchronous I/O, the
+runtime's :func:`~pcr_rag.runtime.prefetcher.plan_prefetch`, and its admission policy
+(:func:`~pcr_rag.runtime.admission.queue_candidates` and ``rank``). What is modelled: the time of compute and transfers
 (:mod:`pcr_rag.sim.costmodel`) and the order of events. The simulator mirrors the runtime's request path
 (``pcr_rag/runtime/runner.py``): ``acquire(keys, max_chunks=len(plan) - 1)`` (the last chunk is always computed),
 chunks on SSD are read on demand layer by layer and copied back to DRAM afterwards, every computed chunk is inserted,
 the lease is released when the prefill ends.
 
-Scheduling: FCFS. ``max_batch=1`` is the runtime's executor (one request at a time, prefill then decode);
-``max_batch>1`` models a vLLM-like engine: prefill-first, running requests decode together one token per step,
-admission bounded by the device KV pool (tokens).
+Scheduling: the waiting queue is admitted in the system's ``schedule`` order, computed by the runtime's own
+functions - ``fcfs`` (arrival) or ``cache-aware`` (least uncached work first, aged at the profile's prefill speed;
+a waiting request's work leaves out the chunks of the prefill in flight, and requests sharing uncached documents
+rank as a group) - and the look-ahead window follows that order. ``max_batch=1``: one request at a time, prefill
+then decode (the runtime with ``max_active=1``); ``max_batch>1`` models a vLLM-like engine: prefill-first,
+running requests decode together one token per step, admission bounded by the device KV pool (tokens). Neither
+models the runtime's ITL budget (prefill layers interleaved with decode steps).
 
 Resources: one compute stream; the SSD as one FIFO read channel shared by prefetches and on-demand reads; DRAM ->
 SSD write-back on a separate write channel (background; it never delays a read, its busy time is reported).
@@ -45,6 +50,7 @@ from pcr_rag.cache import (
     Tier,
     VirtualPayload,
 )
+from pcr_rag.runtime.admission import PrefillOutlook, queue_candidates, rank
 from pcr_rag.runtime.prefetcher import plan_prefetch
 from pcr_rag.sim.costmodel import CostModel, PrefillWork
 from pcr_rag.sim.profiles import Profile
@@ -161,7 +167,9 @@ class Simulator:
         self._uses_window = self.engine is not None and self.sys.uses_window
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
-        self.waiting: deque[SimRequest] = deque()
+        self.waiting: deque[SimRequest] = deque()  # arrival order; admitted in `_admission_order`
+        self._prefilling: frozenset[bytes] = frozenset()  # chunk keys of the prefill in flight
+        self._aging = 1024 / self.cm.compute_only_s((1024,))  # the profile's prefill speed, tokens/s
         self.running: list[_Running] = []
         self.exec_busy = False
         self.ssd_demand_free = 0.0  # on-demand SSD reads (priority) keep the device busy until then
@@ -272,17 +280,39 @@ class Simulator:
                 self.ssd_at_entry[req.rid] = ssd
         if not self.exec_busy:
             self._exec_ready(now, self._next_arrival)
-        elif len(self.waiting) <= self.sys.window:
+        elif len(self.waiting) <= self.sys.window or self.sys.schedule != "fcfs":  # it may rank into the window
             self._refresh_prefetch(now)
 
     def _exec_ready(self, now: float, next_arrival: float) -> None:
         if self.exec_busy:
             return
-        if self.waiting and self._can_admit(self.waiting[0]):
-            self._start_prefill(self.waiting.popleft(), now)
-            return
+        if self.waiting:
+            head = self._admission_order(now)[0]
+            if self._can_admit(head):
+                self.waiting.remove(head)
+                self._start_prefill(head, now)
+                return
         if self.running:
             self._decode(now, next_arrival)
+
+    def _admission_order(self, now: float) -> list[SimRequest]:
+        """The waiting requests in the order the runtime's schedule admits them (see the module docstring)."""
+        waiting = list(self.waiting)
+        if self.sys.schedule == "fcfs" or len(waiting) < 2:
+            return waiting
+        outlooks = [self._outlook(r) for r in waiting]
+        candidates = queue_candidates(self.sys.schedule, outlooks, self._prefilling)
+        return [waiting[i] for i in rank(self.sys.schedule, candidates, now, self._aging)]
+
+    def _outlook(self, req: SimRequest) -> PrefillOutlook:
+        """``req`` as the runtime's waiting queue sees it (`PCREngine._waiting_outlook`): the tokens it would
+        compute if admitted now and its plan chunks after the cache's match."""
+        arrived = self.outcomes[req.rid].arrival_s
+        if self.engine is None:
+            return PrefillOutlook(arrived, req.prompt_tokens, {}, begun=False)
+        match = self.engine.match(req.keys)
+        return PrefillOutlook(arrived, req.prompt_tokens - match.num_tokens,
+                              {c.key: c.num_tokens for c in req.plan[match.num_chunks:]}, begun=False)
 
     def _can_admit(self, req: SimRequest) -> bool:
         if len(self.running) >= self.cfg.max_batch:
@@ -296,6 +326,7 @@ class Simulator:
     def _start_prefill(self, req: SimRequest, now: float) -> None:
         out = self.outcomes[req.rid]
         out.start_s = now
+        self._prefilling = frozenset(req.keys)
         self.pool_used += req.prompt_tokens + req.output_tokens  # its KV slots, until it finishes
         plan = req.plan
         kb = self.kv_bytes_per_token
@@ -385,6 +416,7 @@ class Simulator:
         req, lease, matched, ssd_read = data
         out = self.outcomes[req.rid]
         out.first_token_s = now
+        self._prefilling = frozenset()
         if self.engine is not None:
             self._store(req, matched, ssd_read, now)
             lease.release()
@@ -472,7 +504,7 @@ class Simulator:
     def _refresh_prefetch(self, now: float) -> None:
         if not self._uses_window:
             return
-        window = [r.keys for r in itertools.islice(self.waiting, self.sys.window)]
+        window = [r.keys for r in self._admission_order(now)[: self.sys.window]]
         plan = plan_prefetch(window, self.engine)
         if self.sys.lookahead:
             self.engine.set_lookahead(plan.protect)

@@ -30,6 +30,8 @@ class SimSystem:
     - ``prefetch``: SSD -> DRAM loads for requests in the look-ahead window.
     - ``lookahead``: protect the window's chunks from eviction (look-ahead LRU; else plain LRU).
     - ``window``: look-ahead window in requests.
+    - ``schedule``: admission order of the waiting queue, the runtime's own policy (`pcr_rag.runtime.admission`:
+      ``fcfs`` or ``cache-aware``); the look-ahead window follows it.
     """
 
     name: str
@@ -41,6 +43,7 @@ class SimSystem:
     prefetch: bool = True
     lookahead: bool = True
     window: int = 6
+    schedule: str = "fcfs"
 
     @property
     def policy(self) -> str:
@@ -68,12 +71,13 @@ def from_bench(spec: bench_systems.SystemSpec) -> SimSystem:
         prefetch=bool(cfg["prefetch"]) and ssd,
         lookahead=cfg["eviction"] == "lookahead-lru",
         window=int(cfg["prefetch_window"]),
+        schedule=str(cfg["schedule"]),
     )
 
 
 SIM_ONLY_SYSTEMS: dict[str, SimSystem] = {
     "device-only": SimSystem(
-        "device-only", "vLLM-like automatic prefix caching in the device KV pool (LRU, no host tiers)",
+        "device-only", "vLLM-like automatic prefix caching in the device KV pool (LRU, no host tiers, FCFS)",
         device_cache=True, ssd=False, overlap=False, prefetch=False, lookahead=False, window=0,
     ),
 }

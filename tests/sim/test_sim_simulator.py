@@ -155,3 +155,30 @@ def test_run_system_keeps_the_cache_across_rates():
     assert [r.rate for r in recs] == [1.0, 2.0]
     assert all(r.samples[0].reused_by_tier["dram"] > 0 for r in recs)  # warm-up filled the cache
     assert not math.isnan(recs[0].samples[0].ttft_s)
+
+
+@pytest.mark.parametrize("schedule", ["cache-aware", "fcfs"])
+def test_the_waiting_queue_is_admitted_in_the_runtimes_schedule_order(schedule):
+    """The simulator admits with the runtime's own policy. X takes the executor; then L (one cold document) and
+    A, B, C (the same two cold documents) queue. Under cache-aware the three rank by their group's work per request,
+    less than L's although each has more work than L alone, so A, B, C (hits after A) go before L; under fcfs the
+    queue goes in arrival order. Grouping lowers the mean TTFT."""
+    docs = [("x",), ("z",), ("a", "b"), ("a", "b"), ("a", "b")]
+
+    def run(system: str):
+        return _sim(system).run(_reqs(docs, [0.0] * len(docs)))
+
+    res = run(f"pcr-schedule-{schedule}")
+    assert res.outcomes[1].computed_tokens < res.outcomes[2].prompt_tokens - CS  # L alone is less work than A
+    order = sorted(range(len(docs)), key=lambda i: res.outcomes[i].start_s)
+    assert order == ([0, 2, 3, 4, 1] if schedule == "cache-aware" else [0, 1, 2, 3, 4])
+    if schedule == "cache-aware":
+        fcfs = run("pcr-schedule-fcfs")
+        assert sum(o.ttft_s for o in res.outcomes) < sum(o.ttft_s for o in fcfs.outcomes)
+
+
+def test_the_default_pcr_system_uses_the_engines_default_schedule():
+    from pcr_rag.config import EngineConfig
+
+    assert get_system("pcr").schedule == EngineConfig().schedule
+    assert get_system("pcr-schedule-fcfs").schedule == "fcfs" and get_system("device-only").schedule == "fcfs"
