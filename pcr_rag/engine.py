@@ -502,11 +502,8 @@ class PCREngine:
     def _waiting_outlook(self, req: Request) -> PrefillOutlook:
         """``req`` as the waiting queue ranks it: the tokens it would compute if admitted now (its prompt minus the
         cached prefix) and the plan chunks after that prefix (none without a cache)."""
-        if self.cache is None:
-            return PrefillOutlook(req.submitted_at, len(req.token_ids), {}, begun=False)
-        match = self.cache.match(req.keys)
-        return PrefillOutlook(req.submitted_at, len(req.token_ids) - match.num_tokens,
-                              {c.key: c.num_tokens for c in req.plan[match.num_chunks:]}, begun=False)
+        match = None if self.cache is None else self.cache.match(req.keys)
+        return PrefillOutlook.not_begun(req.submitted_at, len(req.token_ids), req.plan, match)
 
     def _cancel(self, req: Request) -> bool:
         """Cancel ``req``: a waiting one leaves the queue and fails now; a running one fails at its next forward.

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from pcr_rag.errors import ConfigError
 
@@ -50,6 +50,26 @@ class Candidate:
     work_tokens: int
 
 
+class PlanChunk(Protocol):
+    """A chunk of a request's plan (`pcr_rag.cache.keys.ChunkSpec`)."""
+
+    @property
+    def key(self) -> bytes: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+class CacheMatch(Protocol):
+    """The cache's longest cached prefix of a plan (`pcr_rag.cache.MatchResult`)."""
+
+    @property
+    def num_chunks(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class PrefillOutlook:
     """An admitted prefill as the executor ranks it: arrival time (seconds), tokens it still has to compute, the
@@ -60,6 +80,18 @@ class PrefillOutlook:
     work_tokens: int
     chunks: Mapping[bytes, int]
     begun: bool
+
+    @classmethod
+    def not_begun(cls, arrived_s: float, total_tokens: int, plan: Sequence[PlanChunk],
+                  match: CacheMatch | None) -> PrefillOutlook:
+        """A prefill that has not begun (waiting, or admitted and not yet started): the ``total_tokens`` of its
+        prompt less the cache's ``match`` of its ``plan``, and the plan chunks after that match (no chunks, all the
+        work, without a cache: ``match`` None). The one definition the scheduler, the executor and the simulator
+        share."""
+        if match is None:
+            return cls(arrived_s, total_tokens, {}, begun=False)
+        return cls(arrived_s, total_tokens - match.num_tokens,
+                   {c.key: c.num_tokens for c in plan[match.num_chunks:]}, begun=False)
 
 
 class PrefillSpeed:

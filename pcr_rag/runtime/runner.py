@@ -121,16 +121,12 @@ class PrefillTask:
         """What the schedule ranks this task by: tokens left to compute (exact once begun, else the prompt minus
         what the cache matches now) and the plan chunks it will compute and insert but has not yet (once begun:
         after its stored prefix; before: after the cache's match; none without a cache)."""
-        cache = self.ctx.cache
-        if self.begun:
-            work, first = self.remaining, self._stored_upto
-        elif cache is None:
-            work, first = self.total, len(self.plan)
-        else:
-            match = cache.match([c.key for c in self.plan])
-            work, first = self.total - match.num_tokens, match.num_chunks
-        chunks = {} if cache is None else {spec.key: spec.num_tokens for spec in self.plan[first:]}
-        return PrefillOutlook(self.request.submitted_at, work, chunks, self.begun)
+        cache, arrived = self.ctx.cache, self.request.submitted_at
+        if not self.begun:
+            match = None if cache is None else cache.match([c.key for c in self.plan])
+            return PrefillOutlook.not_begun(arrived, self.total, self.plan, match)
+        chunks = {} if cache is None else {spec.key: spec.num_tokens for spec in self.plan[self._stored_upto:]}
+        return PrefillOutlook(arrived, self.remaining, chunks, begun=True)
 
     # -------------------------------------------------------------------------------------------- lifecycle
     def begin(self) -> None:

@@ -307,12 +307,8 @@ class Simulator:
     def _outlook(self, req: SimRequest) -> PrefillOutlook:
         """``req`` as the runtime's waiting queue sees it (`PCREngine._waiting_outlook`): the tokens it would
         compute if admitted now and its plan chunks after the cache's match."""
-        arrived = self.outcomes[req.rid].arrival_s
-        if self.engine is None:
-            return PrefillOutlook(arrived, req.prompt_tokens, {}, begun=False)
-        match = self.engine.match(req.keys)
-        return PrefillOutlook(arrived, req.prompt_tokens - match.num_tokens,
-                              {c.key: c.num_tokens for c in req.plan[match.num_chunks:]}, begun=False)
+        match = None if self.engine is None else self.engine.match(req.keys)
+        return PrefillOutlook.not_begun(self.outcomes[req.rid].arrival_s, req.prompt_tokens, req.plan, match)
 
     def _can_admit(self, req: SimRequest) -> bool:
         if len(self.running) >= self.cfg.max_batch:

@@ -162,3 +162,14 @@ def test_waiting_requests_that_share_documents_rank_as_a_group():
     assert rank("cache-aware", cands, now=0.3, aging=1.0)[0] == 0
     assert rank("cache-aware", queue_candidates("cache-aware", [first, lone], set()), now=0.3, aging=1.0) == [1, 0]
     assert rank("fcfs", queue_candidates("fcfs", [first, second, lone], set()), now=0.3) == [2, 0, 1]
+
+
+def test_a_not_begun_outlook_is_the_prompt_less_the_caches_match():
+    """One definition for the queue, the executor and the simulator: without a cache all the work and no chunks;
+    with a match of the first two chunks, the rest of the prompt and the chunks after them."""
+    from types import SimpleNamespace
+
+    plan = [SimpleNamespace(key=k.encode(), num_tokens=t) for k, t in (("s", 32), ("a", 256), ("b", 200), ("q", 12))]
+    assert PrefillOutlook.not_begun(1.0, 500, plan, None) == PrefillOutlook(1.0, 500, {}, False)
+    match = SimpleNamespace(num_chunks=2, num_tokens=288)
+    assert PrefillOutlook.not_begun(1.0, 500, plan, match) == PrefillOutlook(1.0, 212, {b"b": 200, b"q": 12}, False)
