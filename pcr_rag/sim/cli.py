@@ -31,6 +31,7 @@ from pcr_rag.sim.experiment import (
 from pcr_rag.sim.profiles import ProfileError, get_profile, shipped_profile_names
 from pcr_rag.sim.remote_link import REMOTE_LINKS, get_link
 from pcr_rag.sim.replicas import two_replica_experiment
+from pcr_rag.sim.simulator import ENGINE_DEFAULT_ITL_BUDGET, ENGINE_DEFAULT_MAX_ACTIVE, EXECUTORS
 from pcr_rag.sim.systems import DEFAULT_SYSTEMS, UnknownSystemError, get_system, parse_systems
 from pcr_rag.sim.validate import run_validation
 
@@ -47,9 +48,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rates", type=parse_floats, default=None, help="request rates in req/s, comma-separated")
     g.add_argument("--loads", type=parse_floats, default=(0.3, 0.5, 0.7, 0.9, 1.1),
                    help="rates as multiples of the no-reuse system's capacity on the same traces (unless --rates)")
+    g.add_argument("--executor", choices=EXECUTORS, default=None,
+                   help="engine-steps = the runtime's executor (rows, one decode step + one prefill step per engine "
+                        "step, ITL budget); prefill-first = vLLM-like batched decode; serial = one request at a time "
+                        "(default: engine-steps for a CPU profile, prefill-first otherwise)")
     g.add_argument("--max-batch", type=int, default=None,
-                   help="1 = the runtime's serial executor; >1 = vLLM-like batched decode (default: 1 for a "
-                        "CPU profile, 256 otherwise)")
+                   help=f"rows (engine-steps) or running requests (prefill-first); default: the engine's max_active "
+                        f"({ENGINE_DEFAULT_MAX_ACTIVE}) for engine-steps, 256 for prefill-first")
+    g.add_argument("--itl-budget", type=float, default=ENGINE_DEFAULT_ITL_BUDGET,
+                   help="engine-steps: the ITL budget in decode steps (the engine's itl_budget_steps; default "
+                        "%(default)s)")
     g.add_argument("--prefill-steps", choices=("single", "per_chunk"), default=None,
                    help="one forward per prefill, or one per chunk like the runtime (default: the profile's)")
     w = parser.add_argument_group("workload (the bench's generator and defaults)")
@@ -108,8 +116,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.validate:
         return run_validation(args, profile, say)
-    max_batch = args.max_batch if args.max_batch is not None else (1 if profile.device_is_host else 256)
-    settings = SimSettings(max_batch=max_batch, prefill_steps=args.prefill_steps)
+    executor = args.executor or ("engine-steps" if profile.device_is_host else "prefill-first")
+    if args.max_batch is not None:
+        max_batch = args.max_batch
+    else:
+        max_batch = {"serial": 1, "engine-steps": ENGINE_DEFAULT_MAX_ACTIVE}.get(executor, 256)
+    if max_batch < 1 or (executor == "serial" and max_batch != 1):
+        print(f"error: --max-batch {max_batch} does not fit --executor {executor}", file=sys.stderr)
+        return 2
+    settings = SimSettings(max_batch=max_batch, prefill_steps=args.prefill_steps, executor=executor,
+                           itl_budget_steps=args.itl_budget)
     if profile.device_is_host and args.systems is None:
         systems = [s for s in systems if not s.device_cache]  # a CPU has no device KV pool to cache in
     windows = list(args.windows)
@@ -149,8 +165,11 @@ def run(args: argparse.Namespace) -> int:
     notes = [
         f"simulated: profile {profile.name} ({profile.source}); compute and transfer times from the cost model, "
         "cache decisions from the real CacheEngine, the runtime's plan_prefetch and its admission policy",
-        f"max_batch={max_batch} ("
-        + ("serial executor, like the runtime" if max_batch == 1 else "vLLM-like batched decode, prefill-first")
+        f"executor {executor}, max_batch={max_batch} ("
+        + {"serial": "one request at a time",
+           "prefill-first": "vLLM-like batched decode, prefill-first",
+           "engine-steps": f"the runtime's rows: a decode step and one prefill step per engine step, ITL budget "
+                           f"{args.itl_budget} decode steps"}[executor]
         + f"), prefill steps {args.prefill_steps or profile.prefill_steps}",
         f"no-reuse capacity {capacity:.4g} req/s on these traces; loads {[round(x, 3) for x in loads]}",
     ]
@@ -159,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
         target_rate=rates[mid] if mid is not None else None,
         config={"profile": profile.name, "profile_source": profile.source, "systems": [s.name for s in systems],
                 "rates": rates, "loads": loads, "windows": windows, "sweep_rates": args.sweep_rates,
+                "executor": executor, "itl_budget_steps": args.itl_budget,
                 "max_batch": max_batch, "prefill_steps": args.prefill_steps or profile.prefill_steps,
                 "workload": wl.describe(), "working_set_bytes": scenario.working_set_bytes,
                 "dram_capacity": scenario.dram_bytes, "ssd_capacity": scenario.ssd_bytes,

@@ -138,6 +138,8 @@ class PrefillCost:
     ssd_read_s: float
     d2h_s: float
     stall_s: float  # critical-path time not spent computing
+    step_s: tuple[float, ...] = ()  # seconds of each forward step, in order; sums to total_s (the first step
+    #                                 carries the request overhead, the last the copy-back of SSD-read chunks)
 
 
 class CostModel:
@@ -175,9 +177,12 @@ class CostModel:
         mean_ctx = context_tokens + (new_tokens - 1) / 2.0
         return new_tokens * (p.decode_s_per_token + p.decode_s_per_token_ctx * mean_ctx)
 
-    def decode_step_s(self, context_tokens: int) -> float:
+    def decode_step_s(self, context_tokens: int, rows: int = 1) -> float:
+        """One decode step of ``rows`` sequences holding ``context_tokens`` tokens of KV in all: the weights are
+        read once, each row adds ``decode_s_per_row`` (its own attention and row work), every token of KV is read."""
         p = self.profile
-        return p.decode_s_per_token + p.decode_s_per_token_ctx * context_tokens
+        return (p.decode_s_per_token + p.decode_s_per_row * max(0, rows - 1)
+                + p.decode_s_per_token_ctx * context_tokens)
 
     # --- transfers ---------------------------------------------------------------------------------------------
     def h2d_s(self, tokens: int) -> float:
@@ -210,7 +215,8 @@ class CostModel:
         )
         load_layer = h2d_layer + ssd_layer
         sync = p.layer_sync_s if (load_layer > 0 or work.offload) else 0.0
-        total = compute = d2h = stall = 0.0
+        compute = d2h = stall = 0.0
+        steps: list[float] = []
         ctx = work.cached_tokens
         first = True
         for step in work.compute_steps:
@@ -228,14 +234,18 @@ class CostModel:
                 load_start=work.ssd_wait_s if first and ssd_layer > 0 else 0.0,
                 post_s=p.step_s_fixed,
             )
-            total += res.done_s
+            steps.append(res.done_s + (p.request_overhead_s if first else 0.0))
             stall += res.done_s - n * c - p.step_s_fixed
             compute += n * c + p.step_s_fixed
             d2h += n * o
             ctx += step
             first = False
         promote = self.d2h_s(work.promote_tokens)
-        total += promote + p.request_overhead_s
+        if steps:
+            steps[-1] += promote
+        else:  # nothing to compute (not a runtime case: its last chunk is always computed)
+            steps.append(promote + p.request_overhead_s)
+        total = sum(steps)
         stall += promote
         return PrefillCost(
             total_s=total,
@@ -244,4 +254,5 @@ class CostModel:
             ssd_read_s=n * ssd_layer,
             d2h_s=d2h + promote,
             stall_s=max(0.0, stall),
+            step_s=tuple(steps),
         )

@@ -24,7 +24,7 @@ from pcr_rag.bench.workload import Request, make_requests, tier_capacities, work
 from pcr_rag.cache import CacheStats, namespace_key
 from pcr_rag.sim.belady import HitResult, TraceChunk, belady_hits_per_request
 from pcr_rag.sim.profiles import Profile
-from pcr_rag.sim.simulator import SimConfig, SimResult, Simulator
+from pcr_rag.sim.simulator import ENGINE_DEFAULT_ITL_BUDGET, SimConfig, SimResult, Simulator
 from pcr_rag.sim.systems import SimSystem, get_system
 from pcr_rag.sim.trace import SimRequest, TraceBuilder, lognormal_lengths, synthetic_tokens
 
@@ -125,19 +125,32 @@ def build_scenario(workload: SimWorkload, profile: Profile, num_slots: int) -> S
 
 @dataclass
 class SimSettings:
-    """How the systems run: batching (1 = the runtime's serial executor) and the prefill step mode."""
+    """How the systems run: the executor (`Simulator`'s module docstring; None: serial for ``max_batch`` 1, else
+    prefill-first), its rows or batch, its ITL budget (engine-steps) and the prefill step mode. Under
+    ``engine-steps`` a system's own ``max_active`` / ``itl_budget_steps`` (`SimSystem.executor_overrides`) replace
+    ``max_batch`` / ``itl_budget_steps``; an outside baseline runs serially with one-shot prefill whatever the
+    run's executor."""
 
     max_batch: int = 1
     prefill_steps: str | None = None
+    executor: str | None = None
+    itl_budget_steps: float | None = ENGINE_DEFAULT_ITL_BUDGET
 
     def config(self, profile: Profile, system: SimSystem, scenario: Scenario, *, record_trace: bool = False,
                chunk_size: int = 256, ssd_bytes: int | None = None) -> SimConfig:
-        pool = max(1, int(profile.device_kv_bytes // profile.kv_bytes_per_token)) if self.max_batch > 1 else None
+        own = dict(system.executor_overrides)
+        executor = own.get("executor", self.executor)
+        rows, budget = self.max_batch, self.itl_budget_steps
+        if executor in ("engine-steps", "serial"):
+            rows, budget = int(own.get("max_active", rows)), own.get("itl_budget_steps", budget)
+        steps = own.get("prefill_steps", self.prefill_steps)
+        pool = max(1, int(profile.device_kv_bytes // profile.kv_bytes_per_token)) if rows > 1 else None
         return SimConfig(
             profile=profile, system=system, chunk_size=chunk_size, dram_bytes=scenario.dram_bytes,
             ssd_bytes=scenario.ssd_bytes if ssd_bytes is None else ssd_bytes,
-            device_cache_bytes=int(profile.device_kv_bytes), max_batch=self.max_batch, kv_pool_tokens=pool,
-            prefill_steps=self.prefill_steps, record_trace=record_trace,
+            device_cache_bytes=int(profile.device_kv_bytes), max_batch=rows, kv_pool_tokens=pool,
+            prefill_steps=steps, record_trace=record_trace, executor=executor,
+            itl_budget_steps=budget,
         )
 
 

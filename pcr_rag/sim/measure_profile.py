@@ -6,8 +6,9 @@ What is measured (medians of repeated timings, seconds and bytes/s):
   (`FastForward.prefill` on a KV arena row, as the runner runs them), timed per layer with its layer hooks; a least-squares
   fit gives ``layer_s_fixed + layer_s_per_token * c + layer_s_per_token_ctx * (c p + c (c+1) / 2)`` per layer
   and ``step_s_fixed`` for what runs outside the layers (embeddings, norm, LM head);
-- decode: one-token steps at several context lengths (the fixed-shape decode forward of one row, argmax,
-  detokenisation, as the runner does);
+- decode: one-token steps at several context lengths (the fixed-shape decode forward of the engine's
+  ``max_active`` rows with one active, argmax, detokenisation, as the executor does), then with every row active
+  (what each more decoding row adds to a step);
 - host copies: a chunk's KV copied into a request's cache and out again (``h2d``/``d2h``: on a CPU "device"
   both are memory copies);
 - disk: sequential write with fdatasync and reads with the page cache dropped (``posix_fadvise(DONTNEED)``), like
@@ -123,36 +124,53 @@ def fit_prefill(samples: Sequence[StepSample], num_layers: int) -> dict[str, flo
 
 
 def measure_decode(loaded: Any, *, contexts: Sequence[int] = (128, 512, 1024), steps: int = 8,
-                   seed: int = 0) -> dict[str, float]:
-    """Decode steps as the runner runs them (one fixed-shape decode forward, argmax, detokenise); fit base + per
-    context."""
+                   batch_rows: int | None = None, seed: int = 0) -> dict[str, float]:
+    """Decode steps as the runner runs them (one fixed-shape decode forward over ``batch_rows`` rows - the engine's
+    ``max_active`` by default - then argmax and detokenise per active row). One active row at several contexts
+    fits base + per context; every row active at the first context gives the cost of each row after the first
+    (``decode_s_per_row``: that row's own attention and row work; the weights are read once per step)."""
     tok = loaded.tokenizer
-    forward = FastForward(loaded, batch_rows=1)
+    rows = int(batch_rows or EngineConfig().max_active)
+    forward = FastForward(loaded, batch_rows=rows)
     vocab = int(getattr(loaded.model.config, "vocab_size", 1000))
     gen = torch.Generator().manual_seed(seed)
-    arena = forward.new_arena(1, max(contexts) + steps + 1)
-    pts: list[tuple[int, float]] = []
-    for ctx in contexts:
-        ids = torch.randint(0, vocab, (ctx,), generator=gen)
-        logits = forward.prefill(arena.row(0), ids, 0)
-        tokens: list[int] = []
+    arena = forward.new_arena(rows, max(contexts) + steps + 1)
+
+    def steps_s(ctx: int, active: int) -> float:
+        """Median seconds of a decode step with rows [0, active) at context ``ctx`` (prefilled with random ids)."""
+        logits = []
+        for r in range(active):
+            ids = torch.randint(0, vocab, (ctx,), generator=gen)
+            logits.append(forward.prefill(arena.row(r), ids, 0))
+        tokens: list[list[int]] = [[] for _ in range(active)]
         times = []
         for i in range(steps):
             t0 = time.perf_counter()
-            t = int(torch.argmax(logits).item())
-            tokens.append(t)
-            if tok is not None:
-                tok.decode(tokens, skip_special_tokens=True)
-            logits = forward.decode(arena, [0], torch.tensor([t]), torch.tensor([ctx + i]))[0]
+            batch = torch.zeros(rows, dtype=torch.long)
+            for r in range(active):
+                t = int(torch.argmax(logits[r]).item())
+                tokens[r].append(t)
+                batch[r] = t
+                if tok is not None:
+                    tok.decode(tokens[r], skip_special_tokens=True)
+            out = forward.decode(arena, [r if r < active else None for r in range(rows)], batch,
+                                 torch.full((rows,), ctx + i, dtype=torch.long))
+            logits = [out[r] for r in range(active)]
             times.append(time.perf_counter() - t0)
-        pts.append((ctx, statistics.median(times)))
+        return statistics.median(times)
+
+    pts = [(ctx, steps_s(ctx, 1)) for ctx in contexts]
     x = np.array([[1.0, c] for c, _ in pts])
     y = np.array([t for _, t in pts])
     coef, *_ = np.linalg.lstsq(x, y, rcond=None)
     base, per_ctx = float(max(coef[0], 0.0)), float(max(coef[1], 0.0))
     if base == 0.0:
         base = float(min(y))
-    return {"decode_s_per_token": base, "decode_s_per_token_ctx": per_ctx}
+    per_row = 0.0
+    if rows > 1:  # every row at the first context: rows x ctx tokens of KV read, rows - 1 more rows of work
+        full = steps_s(contexts[0], rows)
+        per_row = max(0.0, (full - base - per_ctx * rows * contexts[0]) / (rows - 1))
+    return {"decode_s_per_token": base, "decode_s_per_token_ctx": per_ctx, "decode_s_per_row": per_row}
 
 
 def measure_copies(loaded: Any, *, tokens: int = 256, reps: int = 5) -> dict[str, float]:

@@ -136,7 +136,9 @@ class Profile:
     Prefill of one forward step that computes ``c`` new tokens after ``p`` tokens of context costs, per layer,
     ``layer_s_fixed + layer_s_per_token * c + layer_s_per_token_ctx * (c * p + c * (c + 1) / 2)`` (linear
     projections + causal attention pairs), plus ``step_s_fixed`` once per step. One decode step at context ``n``
-    costs ``decode_s_per_token + decode_s_per_token_ctx * n``. ``request_overhead_s`` is added once to every
+    costs ``decode_s_per_token + decode_s_per_token_ctx * n``, plus ``decode_s_per_row`` for each row after the
+    first when several sequences decode in one step (their own attention and row work; 0 where the step is weight
+    bound and rows are nearly free, as on a GPU). ``request_overhead_s`` is added once to every
     prefill (work outside the model, measured by ``pcr-rag profile``). ``device_is_host`` means the model runs on the CPU:
     the DRAM tier *is* device memory and "loading" is a host memcpy at ``h2d_bytes_per_s``.
     """
@@ -162,6 +164,7 @@ class Profile:
     dram_bytes: float
     ssd_bytes: float
     layer_sync_s: float = 0.0
+    decode_s_per_row: float = 0.0  # per decoding row after the first, in one batched decode step
     request_overhead_s: float = 0.0  # per request, outside the model (tokenising, scheduling, hand-offs)
     device_is_host: bool = False
     prefill_steps: str = "single"  # "single": one forward over all new tokens; "per_chunk": one per chunk

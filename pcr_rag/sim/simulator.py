@@ -12,10 +12,18 @@ the lease is released when the prefill ends.
 Scheduling: the waiting queue is admitted in the system's ``schedule`` order, computed by the runtime's own
 functions - ``fcfs`` (arrival) or ``cache-aware`` (least uncached work first, aged at the profile's prefill speed;
 a waiting request's work leaves out the chunks of the prefill in flight, and requests sharing uncached documents
-rank as a group) - and the look-ahead window follows that order. ``max_batch=1``: one request at a time, prefill
-then decode (the runtime with ``max_active=1``); ``max_batch>1`` models a vLLM-like engine: prefill-first,
-running requests decode together one token per step, admission bounded by the device KV pool (tokens). Neither
-models the runtime's ITL budget (prefill layers interleaved with decode steps).
+rank as a group) - and the look-ahead window follows that order. Three executors (``SimConfig.executor``):
+
+- ``serial``: one request at a time, prefill then decode (the runtime with ``max_active=1``);
+- ``prefill-first``: a vLLM-like engine: prefill-first, running requests decode together one token per step,
+  admission bounded by the device KV pool (tokens);
+- ``engine-steps``: the runtime's own executor (`pcr_rag.runtime.batch`): ``max_batch`` rows, held from admission
+  to the last token; each engine step is one decode step over every decoding row, then one prefill step of one
+  admitted request, chosen by the runtime's `prefill_candidates` and ``rank`` (a prefill waits for chunks another
+  one is computing and lends it its place); while rows decode, only the prefill layers the runtime's own
+  `StepBudget` allows run (fed with the modelled step times), so a prefill step spans several engine steps; a
+  prefill leases its cached prefix when it begins and inserts each chunk when the step computing it ends. With one
+  row it is the serial executor, step for step.
 
 Resources: one compute stream; the SSD as one FIFO read channel shared by prefetches and on-demand reads; DRAM ->
 SSD write-back on a separate write channel (background; it never delays a read, its busy time is reported).
@@ -50,8 +58,10 @@ from pcr_rag.cache import (
     Tier,
     VirtualPayload,
 )
-from pcr_rag.runtime.admission import PrefillOutlook, queue_candidates, rank
+from pcr_rag.config import EngineConfig
+from pcr_rag.runtime.admission import PrefillOutlook, prefill_candidates, queue_candidates, rank
 from pcr_rag.runtime.prefetcher import plan_prefetch
+from pcr_rag.runtime.step_budget import StepBudget
 from pcr_rag.sim.costmodel import CostModel, PrefillWork
 from pcr_rag.sim.profiles import Profile
 from pcr_rag.sim.remote_link import RemoteLink
@@ -61,6 +71,9 @@ from pcr_rag.sim.trace import SimRequest
 log = logging.getLogger(__name__)
 
 _PREFILL_DONE, _EXEC_READY, _PREFETCH_DONE = range(3)  # event kinds
+EXECUTORS = ("serial", "prefill-first", "engine-steps")
+ENGINE_DEFAULT_MAX_ACTIVE: int = EngineConfig.__dataclass_fields__["max_active"].default
+ENGINE_DEFAULT_ITL_BUDGET: float | None = EngineConfig.__dataclass_fields__["itl_budget_steps"].default
 
 
 class SimulationError(RuntimeError):
@@ -77,7 +90,10 @@ class SimConfig:
     serial executor.
     ``kv_pool_tokens`` bounds the tokens of running requests when batching (None: unbounded).
     ``prefill_steps``: "single" (one forward over the new tokens) or "per_chunk" (one per chunk, the runtime's
-    fidelity mode). ``record_trace`` keeps the executed chunk trace (for Belady).
+    fidelity mode). ``record_trace`` keeps the executed chunk trace (for Belady). ``executor``: see the module
+    docstring; None = ``serial`` for ``max_batch`` 1, else ``prefill-first``. ``itl_budget_steps``: the
+    ``engine-steps`` executor's ITL budget in decode steps (the runtime's `EngineConfig.itl_budget_steps`; None:
+    prefill steps always run whole).
     """
 
     profile: Profile
@@ -92,10 +108,23 @@ class SimConfig:
     record_trace: bool = False
     remote: RemoteLink | None = None
     remote_store: str = ""
+    executor: str | None = None
+    itl_budget_steps: float | None = ENGINE_DEFAULT_ITL_BUDGET
+
+    def __post_init__(self) -> None:
+        if self.executor not in (None, *EXECUTORS):
+            raise ValueError(f"executor must be one of {list(EXECUTORS)} or None, got {self.executor!r}")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
 
     @property
     def steps_mode(self) -> str:
         return self.prefill_steps or self.profile.prefill_steps
+
+    @property
+    def executor_kind(self) -> str:
+        """The executor modelled (see the module docstring)."""
+        return self.executor or ("serial" if self.max_batch == 1 else "prefill-first")
 
 
 @dataclass
@@ -153,6 +182,31 @@ class _Running:
     reserved: int  # tokens reserved in the KV pool
 
 
+@dataclass
+class _Prefill:
+    """One request's prefill once begun: its lease, its modelled forward steps and how far they got."""
+
+    req: SimRequest
+    lease: Any
+    matched: int  # plan chunks served by the cache
+    ssd_read: list[int]  # plan indices read from SSD (or fetched remotely): copied to DRAM at the end
+    steps: list[int]  # tokens of each forward step still to run, in order
+    step_s: list[float]  # their modelled seconds
+    position: int  # tokens [0, position) are in the request's KV
+    stored: int  # plan chunks [0, stored) are cached (matched or inserted)
+    layers_done: int = 0  # layers of steps[0] already run (engine-steps: a step paused by the ITL budget)
+
+
+@dataclass
+class _Row:
+    """A row of the ``engine-steps`` executor: a request waiting to begin its prefill (both None), prefilling,
+    or decoding."""
+
+    req: SimRequest
+    prefill: _Prefill | None = None
+    decode: _Running | None = None
+
+
 class Simulator:
     """Runs one system over one or more traces (:meth:`run`), then :meth:`close`."""
 
@@ -171,6 +225,8 @@ class Simulator:
         self._prefilling: frozenset[bytes] = frozenset()  # chunk keys of the prefill in flight
         self._aging = 1024 / self.cm.compute_only_s((1024,))  # the profile's prefill speed, tokens/s
         self.running: list[_Running] = []
+        self.rows: list[_Row] = []  # engine-steps: requests holding a row, in admission order
+        self.budget = StepBudget(self.num_layers, config.itl_budget_steps)
         self.exec_busy = False
         self.ssd_demand_free = 0.0  # on-demand SSD reads (priority) keep the device busy until then
         self.pf_queue: deque[bytes] = deque()  # prefetch reads waiting for the device, in issue order
@@ -286,6 +342,9 @@ class Simulator:
     def _exec_ready(self, now: float, next_arrival: float) -> None:
         if self.exec_busy:
             return
+        if self.cfg.executor_kind == "engine-steps":
+            self._engine_step(now)
+            return
         if self.waiting:
             head = self._admission_order(now)[0]
             if self._can_admit(head):
@@ -320,10 +379,18 @@ class Simulator:
 
     # -------------------------------------------------------------------------------------------- prefill
     def _start_prefill(self, req: SimRequest, now: float) -> None:
-        out = self.outcomes[req.rid]
-        out.start_s = now
+        """Serial and prefill-first executors: the whole prefill as one event."""
+        self.outcomes[req.rid].start_s = now
         self._prefilling = frozenset(req.keys)
         self.pool_used += req.prompt_tokens + req.output_tokens  # its KV slots, until it finishes
+        run = self._begin(req, now)
+        self.exec_busy = True
+        self._push(now + sum(run.step_s), _PREFILL_DONE, run)
+
+    def _begin(self, req: SimRequest, now: float) -> _Prefill:
+        """Lease the cached prefix (``acquire(keys, max_chunks=len(plan) - 1)``, as the runtime's `PrefillTask`)
+        and model the prefill's forward steps: their tokens and seconds (loads, stalls, remote fetches included)."""
+        out = self.outcomes[req.rid]
         plan = req.plan
         kb = self.kv_bytes_per_token
         lease = None
@@ -364,9 +431,10 @@ class Simulator:
         else:
             steps = (req.prompt_tokens - cached,)
         if self.engine is None:
-            prefill_s = self.cm.compute_only_s(steps)
+            step_s = [self.cm.compute_only_s((n,), cached_tokens=cached + sum(steps[:i]))
+                      - (self.cm.profile.request_overhead_s if i else 0.0) for i, n in enumerate(steps)]
             stall = 0.0
-            self.counters["compute_busy_s"] += prefill_s
+            self.counters["compute_busy_s"] += sum(step_s)
         else:
             ssd_wait = 0.0
             if ssd_tokens:
@@ -385,10 +453,10 @@ class Simulator:
                 offload=not self.sys.device_cache,
             )
             cost = self.cm.prefill(work, overlap=self.sys.overlap)
-            prefill_s, stall = cost.total_s, cost.stall_s
+            step_s, stall = list(cost.step_s), cost.stall_s
             if remote_tokens and self.cfg.remote is not None:  # fetched whole before the prefill starts
                 fetch = self.cfg.remote.fetch_s(remote_tokens * kb)
-                prefill_s += fetch
+                step_s[0] += fetch
                 stall += fetch
                 self.counters["remote_read_bytes"] += remote_tokens * kb
                 self.counters["remote_read_s"] += fetch
@@ -401,22 +469,19 @@ class Simulator:
             self.counters["h2d_bytes"] += (reused["dram"] + ssd_tokens) * kb
             if work.offload:
                 self.counters["d2h_bytes"] += (out.computed_tokens + ssd_tokens) * kb
-        out.prefill_s = prefill_s
+        if len(step_s) != len(steps):  # a step of no tokens (an empty plan): one step of everything
+            steps, step_s = (sum(steps),), [sum(step_s)]
+        out.prefill_s = sum(step_s)
         out.stall_s = stall
-        self.exec_busy = True
         if self.sys.device_cache:
             self._trim_device_cache()
-        self._push(now + prefill_s, _PREFILL_DONE, (req, lease, matched, ssd_read))
+        return _Prefill(req, lease, matched, ssd_read, list(steps), step_s, cached, matched)
 
-    def _on_prefill_done(self, data: tuple[SimRequest, Any, int, list[int]], now: float) -> None:
-        req, lease, matched, ssd_read = data
-        out = self.outcomes[req.rid]
-        out.first_token_s = now
+    def _on_prefill_done(self, run: _Prefill, now: float) -> None:
         self._prefilling = frozenset()
-        if self.engine is not None:
-            self._store(req, matched, ssd_read, now)
-            lease.release()
-        self._refresh_prefetch(now)
+        self._end_prefill(run, now)
+        req = run.req
+        out = self.outcomes[req.rid]
         steps = req.output_tokens - 1
         reserve = req.prompt_tokens + req.output_tokens
         if steps <= 0:
@@ -429,25 +494,35 @@ class Simulator:
         self.exec_busy = False
         self._exec_ready(now, self._next_arrival)
 
-    def _store(self, req: SimRequest, matched: int, ssd_read: Sequence[int], now: float) -> None:
-        """Insert what the prefill produced, like the runtime: every computed chunk, in order, then a DRAM copy
-        of the chunks that were read from SSD on demand."""
-        engine = self.engine
+    def _end_prefill(self, run: _Prefill, now: float) -> None:
+        """The prompt is complete (first token at ``now``): insert what is left of the computed chunks, keep a DRAM
+        copy of those read from SSD on demand, release the lease - as the runtime does."""
+        self.outcomes[run.req.rid].first_token_s = now
+        if self.engine is not None:
+            self._store_computed(run, run.req.prompt_tokens, now)
+            for i in run.ssd_read:
+                c = run.req.plan[i]
+                self.engine.insert(c, VirtualPayload(c.num_tokens * self.kv_bytes_per_token, self.num_layers))
+            run.lease.release()
+        self._refresh_prefetch(now)
+
+    def _store_computed(self, run: _Prefill, position: int, now: float) -> None:
+        """Insert the computed plan chunks that end by ``position`` and are not stored yet (the SSD write-back of
+        their bytes is busy time on the write channel)."""
+        plan = run.req.plan
         kb = self.kv_bytes_per_token
-        layers = self.num_layers
-        written = 0
-        plan = req.plan
-        for c in plan[matched:]:
-            if engine.insert(c, VirtualPayload(c.num_tokens * kb, layers)):
+        written = ops = 0
+        while run.stored < len(plan) and plan[run.stored].end <= position:
+            c = plan[run.stored]
+            if self.engine.insert(c, VirtualPayload(c.num_tokens * kb, self.num_layers)):
                 written += c.num_tokens * kb
             else:
                 self.counters["inserts_rejected"] += 1
-        for i in ssd_read:
-            c = plan[i]
-            engine.insert(c, VirtualPayload(c.num_tokens * kb, layers))
+            run.stored += 1
+            ops += 1
         if self.sys.ssd and written:
             start = max(now, self.ssd_write_free)
-            busy = self.cm.ssd_write_s(written, ops=len(plan) - matched)
+            busy = self.cm.ssd_write_s(written, ops=ops)
             self.ssd_write_free = start + busy
             self.counters["ssd_write_bytes"] += written
             self.counters["ssd_write_busy_s"] += busy
@@ -495,6 +570,104 @@ class Simulator:
         self.running = still
         self.exec_busy = True
         self._push(t, _EXEC_READY, None)
+
+    # --------------------------------------------------------------------------------------- engine steps
+    def _engine_step(self, now: float) -> None:
+        """One step of the runtime's executor (`BatchExecutor.step`): free rows go to the waiting queue's head (in
+        the schedule's order), then one decode step over every decoding row, then one prefill step (or the part of
+        it the ITL budget allows while rows decode)."""
+        while self.waiting and len(self.rows) < self.cfg.max_batch:
+            head = self._admission_order(now)[0]
+            self.waiting.remove(head)
+            self.outcomes[head.rid].start_s = now
+            self.pool_used += head.prompt_tokens + head.output_tokens
+            self.rows.append(_Row(head))
+            self._update_in_flight()
+            self._refresh_prefetch(now)  # the window slid past this request
+        if not self.rows:
+            return
+        t = now
+        decoding = [r for r in self.rows if r.decode is not None]
+        if decoding:
+            dt = self.cm.decode_step_s(sum(r.decode.context for r in decoding), rows=len(decoding))
+            t += dt
+            self.budget.record_decode(dt)
+            self.counters["decode_steps"] += 1
+            for row in decoding:
+                d = row.decode
+                d.out.itl_s.append(t - d.last_token_s)
+                d.last_token_s = t
+                d.remaining -= 1
+                d.context += 1
+                if d.remaining == 0:
+                    self._release_row(row, t)
+        prefilling = [r for r in self.rows if r.decode is None]
+        if prefilling:
+            decoding_now = any(r.decode is not None for r in self.rows)
+            t = self._prefill_step(self._next_prefill(prefilling, t), t, decoding_now)
+        self.counters["compute_busy_s"] += t - now
+        self.exec_busy = True
+        self._push(t, _EXEC_READY, None)
+
+    def _next_prefill(self, prefilling: list[_Row], now: float) -> _Row:
+        """The prefill the runtime advances next (`BatchExecutor._next_prefill`): its schedule over
+        `prefill_candidates` of the rows' outlooks."""
+        outlooks = []
+        for row in prefilling:
+            run, arrived = row.prefill, self.outcomes[row.req.rid].arrival_s
+            if run is None:
+                outlooks.append(self._outlook(row.req))
+            else:
+                chunks = {} if self.engine is None else {c.key: c.num_tokens for c in row.req.plan[run.stored:]}
+                outlooks.append(PrefillOutlook(arrived, row.req.prompt_tokens - run.position, chunks, begun=True))
+        candidates = prefill_candidates(self.sys.schedule, outlooks)
+        runnable = [(row, c) for row, c in zip(prefilling, candidates, strict=True) if c is not None]
+        order = rank(self.sys.schedule, [c for _, c in runnable], now, self._aging)
+        return runnable[order[0]][0]
+
+    def _prefill_step(self, row: _Row, now: float, decoding: bool) -> float:
+        """Run ``row``'s next prefill step, whole or the layers the ITL budget allows; returns when it stops."""
+        if row.prefill is None:
+            row.prefill = self._begin(row.req, now)
+        run = row.prefill
+        n = self.num_layers
+        layers = min(self.budget.layers(run.steps[0], decoding), n - run.layers_done)
+        t = now + run.step_s[0] * layers / n
+        run.layers_done += layers
+        if run.layers_done < n:
+            return t
+        tokens, seconds = run.steps.pop(0), run.step_s.pop(0)
+        self.budget.record_prefill(tokens, seconds)
+        run.layers_done = 0
+        run.position += tokens
+        if run.steps:
+            if self.engine is not None:
+                self._store_computed(run, run.position, t)
+                self._update_in_flight()
+            return t
+        self._end_prefill(run, t)
+        req = row.req
+        row.prefill = None
+        if req.output_tokens <= 1:
+            self._release_row(row, t)
+        else:
+            row.decode = _Running(self.outcomes[req.rid], req.output_tokens - 1, req.prompt_tokens + 1, t,
+                                  req.prompt_tokens + req.output_tokens)
+        self._update_in_flight()
+        if self.sys.device_cache:
+            self._trim_device_cache()
+        return t
+
+    def _release_row(self, row: _Row, now: float) -> None:
+        """``row``'s request is done at ``now``: its row and KV slots are free."""
+        self.outcomes[row.req.rid].done_s = now
+        self.pool_used -= row.req.prompt_tokens + row.req.output_tokens
+        self.rows.remove(row)
+
+    def _update_in_flight(self) -> None:
+        """The chunk keys of the admitted prefills' plans (`BatchExecutor.in_flight_keys`): the waiting queue counts
+        them as on their way into the cache."""
+        self._prefilling = frozenset(k for r in self.rows if r.decode is None for k in r.req.keys)
 
     # -------------------------------------------------------------------------------------------- prefetch
     def _refresh_prefetch(self, now: float) -> None:

@@ -32,6 +32,10 @@ class SimSystem:
     - ``window``: look-ahead window in requests.
     - ``schedule``: admission order of the waiting queue, the runtime's own policy (`pcr_rag.runtime.admission`:
       ``fcfs`` or ``cache-aware``); the look-ahead window follows it.
+    - ``executor_overrides``: how the system itself executes, where that differs from the run's settings: its own
+      ``max_active`` / ``itl_budget_steps`` (``pcr-max-active-N``, ``pcr-whole-steps``: the ``engine-steps``
+      executor uses them), and for the outside baselines (``transformers``, ``llama-cpp``: the bench serves them
+      one request at a time with one-shot prefill) ``executor="serial"`` and ``prefill_steps="single"``.
     """
 
     name: str
@@ -44,6 +48,7 @@ class SimSystem:
     lookahead: bool = True
     window: int = 6
     schedule: str = "fcfs"
+    executor_overrides: tuple[tuple[str, Any], ...] = ()
 
     @property
     def policy(self) -> str:
@@ -52,6 +57,9 @@ class SimSystem:
     @property
     def uses_window(self) -> bool:
         return self.window > 0 and ((self.prefetch and self.ssd) or self.lookahead)
+
+
+EXECUTOR_FIELDS = ("max_active", "itl_budget_steps")  # engine settings the engine-steps executor models
 
 
 def _engine_defaults() -> dict[str, Any]:
@@ -72,7 +80,15 @@ def from_bench(spec: bench_systems.SystemSpec) -> SimSystem:
         lookahead=cfg["eviction"] == "lookahead-lru",
         window=int(cfg["prefetch_window"]),
         schedule=str(cfg["schedule"]),
+        executor_overrides=tuple(_executor_overrides(spec).items()),
     )
+
+
+def _executor_overrides(spec: bench_systems.SystemSpec) -> dict[str, Any]:
+    own = {k: spec.overrides[k] for k in EXECUTOR_FIELDS if k in spec.overrides}
+    if spec.kind != "engine":  # `pcr_rag.bench.baselines`: a SerialServer, one-shot prefill
+        own.update(executor="serial", max_active=1, prefill_steps="single")
+    return own
 
 
 SIM_ONLY_SYSTEMS: dict[str, SimSystem] = {

@@ -4,8 +4,8 @@ The bench's own trace builder (`pcr_rag.bench.traces.build_traces`) rebuilds the
 its config (same corpus, passages, seeds, topics); every request is then laid out with the runtime's
 `PromptBuilder` and cut with `plan_chunks`, so the simulated chunk plans are the real ones. Each system is
 simulated the way the bench ran it: one engine, the warm-up trace at once, then the rate slots in order (window
-variants: warm-up and their sweep slots only), with the bench's capacities and absolute rates, the serial executor
-and per-chunk prefill steps. Output tokens per request are the run's measured mean (the answers are the same for
+variants: warm-up and their sweep slots only), with the bench's capacities and absolute rates, the runtime's own
+executor (``engine-steps``: the engine's rows and ITL budget, or the system's own) and per-chunk prefill steps. Output tokens per request are the run's measured mean (the answers are the same for
 every system). Prints simulated vs measured mean TTFT for every run and judges the validation target
 (`pcr_rag.bench.targets`: within 15% for no-reuse, dram-only and pcr at two rates).
 """
@@ -36,13 +36,16 @@ from pcr_rag.runtime.model import load_model
 from pcr_rag.sim.experiment import Scenario, SimSettings, run_system
 from pcr_rag.sim.measure_profile import build_profile
 from pcr_rag.sim.profiles import Profile
+from pcr_rag.sim.simulator import ENGINE_DEFAULT_MAX_ACTIVE
 from pcr_rag.sim.systems import get_system
 from pcr_rag.sim.trace import SimRequest
 
 
 @dataclasses.dataclass(frozen=True)
 class Comparison:
-    """One (system, rate) run, measured vs simulated: mean TTFT (seconds) and reused share of prompt tokens."""
+    """One (system, rate) run, measured vs simulated: mean TTFT (seconds; what the verdict judges), reused share of
+    prompt tokens, and where both runs report them, mean queue time and ITL P99 (seconds: what the executor model
+    decides)."""
 
     system: str
     rate: float
@@ -50,6 +53,10 @@ class Comparison:
     simulated_ttft_s: float
     measured_reuse: float | None = None
     simulated_reuse: float | None = None
+    measured_queue_s: float | None = None
+    simulated_queue_s: float | None = None
+    measured_itl_p99_s: float | None = None
+    simulated_itl_p99_s: float | None = None
 
     @property
     def error(self) -> float:
@@ -109,10 +116,13 @@ def _mean_outputs(report: Mapping[str, Any], rates: Sequence[float], default: in
 
 
 def simulate_bench(report: Mapping[str, Any], profile: Profile, scenario: Scenario, rates: Sequence[float],
-                   chunk_size: int, say: Callable[[str], None] = lambda _m: None
+                   chunk_size: int, say: Callable[[str], None] = lambda _m: None, executor: str = "engine-steps"
                    ) -> dict[tuple[str, float], dict[str, Any]]:
-    """The simulated run (the bench's run dict layout) per (system, rate) for every run of the report."""
-    settings = SimSettings(max_batch=1, prefill_steps="per_chunk")
+    """The simulated run (the bench's run dict layout) per (system, rate) for every run of the report, under
+    ``executor`` (the runtime's ``engine-steps`` by default; ``serial`` is how it was simulated before the runtime
+    batched, kept for comparison)."""
+    rows = 1 if executor == "serial" else ENGINE_DEFAULT_MAX_ACTIVE
+    settings = SimSettings(max_batch=rows, prefill_steps="per_chunk", executor=executor)
     by_system: dict[str, list[int]] = {}
     for run in report["runs"]:
         rate = _rate(run["rate"])
@@ -141,8 +151,15 @@ def compare(report: Mapping[str, Any], simulated: Mapping[tuple[str, float], Map
         sim = simulated.get(key)
         if sim is not None and m:
             rows.append(Comparison(key[0], key[1], float(m), float(sim["ttft"]["mean"]), run.get("reuse_ratio"),
-                                   sim.get("reuse_ratio")))
+                                   sim.get("reuse_ratio"), _stat(run, "queue", "mean"), _stat(sim, "queue", "mean"),
+                                   _stat(run, "itl", "p99"), _stat(sim, "itl", "p99")))
     return rows
+
+
+def _stat(run: Mapping[str, Any], what: str, stat: str) -> float | None:
+    """``run[what][stat]`` (seconds) when the run dict has it and it is a number, else None."""
+    value = (run.get(what) or {}).get(stat)
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
 
 
 def verdict(rows: Sequence[Comparison]) -> tuple[bool, str]:
@@ -160,13 +177,20 @@ def verdict(rows: Sequence[Comparison]) -> tuple[bool, str]:
 
 
 def format_table(rows: Sequence[Comparison]) -> str:
-    lines = ["| system | rate (req/s) | measured TTFT | simulated TTFT | error | reuse measured | reuse simulated |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| system | rate (req/s) | measured TTFT | simulated TTFT | error | reuse measured / simulated | "
+             "queue measured / simulated | ITL P99 measured / simulated |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def pair(a: float | None, b: float | None, fmt: str) -> str:
+        return " / ".join("n/a" if x is None else format(x, fmt) for x in (a, b))
+
     for r in sorted(rows, key=lambda x: (x.rate, x.system)):
-        mr = "n/a" if r.measured_reuse is None else f"{r.measured_reuse:.1%}"
-        sr = "n/a" if r.simulated_reuse is None else f"{r.simulated_reuse:.1%}"
+        ms = [None if x is None else x * 1e3 for x in (r.measured_queue_s, r.simulated_queue_s,
+                                                       r.measured_itl_p99_s, r.simulated_itl_p99_s)]
         lines.append(f"| {r.system} | {r.rate:.4g} | {r.measured_ttft_s * 1e3:.1f} ms | "
-                     f"{r.simulated_ttft_s * 1e3:.1f} ms | {r.error:+.1%} | {mr} | {sr} |")
+                     f"{r.simulated_ttft_s * 1e3:.1f} ms | {r.error:+.1%} | "
+                     f"{pair(r.measured_reuse, r.simulated_reuse, '.1%')} | {pair(ms[0], ms[1], '.0f')} ms | "
+                     f"{pair(ms[2], ms[3], '.0f')} ms |")
     return "\n".join(lines)
 
 
@@ -199,13 +223,16 @@ def run_validation(args: argparse.Namespace, profile: Profile, say: Callable[[st
             "(run `pcr-rag profile` first)")
     say(f"rebuilding the traces of {args.validate} ...")
     scenario, rates, chunk_size = bench_scenario(report)
-    simulated = simulate_bench(report, profile, scenario, rates, chunk_size, say)
+    executor = args.executor or "engine-steps"
+    say(f"simulating with the {executor} executor ...")
+    simulated = simulate_bench(report, profile, scenario, rates, chunk_size, say, executor=executor)
     rows = compare(report, simulated)
     ok, line = verdict(rows)
     print(format_table(rows))
     print(line)
     if args.json:
         write_json({"schema": "pcr-rag-validation/1", "bench_report": str(Path(args.validate)),
-                    "profile": json.loads(profile.to_json()), "rows": [r.as_dict() for r in rows],
+                    "profile": json.loads(profile.to_json()), "executor": executor,
+                    "rows": [r.as_dict() for r in rows],
                     "passed": ok, "verdict": line}, args.json)
     return 0

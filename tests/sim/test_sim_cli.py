@@ -6,7 +6,7 @@ import json
 
 from pcr_rag.bench.report import RequestSample, RunRecord
 from pcr_rag.cli import main
-from pcr_rag.sim.validate import Comparison, compare, verdict
+from pcr_rag.sim.validate import Comparison, compare, format_table, verdict
 
 ARGS = ["simulate", "--profile", "rtx4090-llama2-7b", "--requests", "40", "--warmup", "4", "--passages", "32",
         "--topics", "8", "--loads", "0.5,0.9", "--windows", "2", "--quiet"]
@@ -65,3 +65,40 @@ def test_validation_verdict_needs_three_systems_at_two_rates():
     ok, line = verdict(compare(report, far))
     assert not ok and "1 of 2" in line
     assert Comparison("pcr", 1.0, 2.0, 1.0).error == -0.5
+    # queue and ITL P99 are compared where both runs report them (the executor model decides them)
+    report["runs"][0].update(queue={"mean": 0.1}, itl={"p99": 0.2})
+    near[("no-reuse", 0.5)].update(queue={"mean": 0.05}, itl={"p99": 0.25})
+    row = compare(report, near)[0]
+    assert (row.measured_queue_s, row.simulated_queue_s, row.measured_itl_p99_s, row.simulated_itl_p99_s) == (
+        0.1, 0.05, 0.2, 0.25)
+    assert compare(report, near)[1].measured_queue_s is None
+    table = format_table(compare(report, near))
+    assert "| 100 / 50 ms | 200 / 250 ms |" in table and "n/a / n/a ms" in table
+
+
+def test_simulate_cli_runs_a_cpu_profile_on_the_runtimes_executor(tmp_path):
+    """A CPU profile defaults to the engine-steps executor with the engine's rows; a system's own max_active
+    (pcr-max-active-1) is simulated with its one row, and --executor serial is the old one-at-a-time model."""
+    import dataclasses
+
+    from pcr_rag.sim.profiles import get_profile
+
+    prof = dataclasses.replace(get_profile("rtx4090-llama2-7b"), name="cpu-like", device_is_host=True,
+                               prefill_steps="per_chunk", decode_s_per_row=1e-3)
+    path = prof.save(tmp_path / "cpu.json")
+    base = ["simulate", "--profile", str(path), "--requests", "30", "--warmup", "4", "--passages", "24",
+            "--topics", "6", "--loads", "0.9", "--windows", "", "--no-belady", "--quiet",
+            "--systems", "pcr,pcr-max-active-1"]
+    assert main([*base, "--json", str(tmp_path / "steps.json")]) == 0
+    assert main([*base, "--executor", "serial", "--json", str(tmp_path / "serial.json")]) == 0
+    steps, serial = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("steps", "serial"))
+    assert steps["config"]["executor"] == "engine-steps" and steps["config"]["max_batch"] == 8
+    assert serial["config"]["executor"] == "serial" and serial["config"]["max_batch"] == 1
+
+    def ttft(report, system):
+        return next(r["ttft"]["mean"] for r in report["runs"] if r["system"] == system)
+
+    # with one row the runtime's executor is the serial one: the same rate (set by no-reuse under each executor
+    # differs), so compare pcr-max-active-1 under engine-steps with itself rather than across reports
+    assert ttft(steps, "pcr-max-active-1") > ttft(steps, "pcr")  # eight rows serve the queue faster
+    assert main([*base, "--executor", "serial", "--max-batch", "4", "--quiet"]) == 2

@@ -123,3 +123,21 @@ def test_profile_json_roundtrip_and_errors(tmp_path):
     bad["h2d_bytes_per_s"] = 0
     with pytest.raises(ProfileError, match="h2d_bytes_per_s"):
         Profile.from_dict(bad)
+
+
+@settings(max_examples=40, deadline=None)
+@given(cached=st.integers(0, 2048), steps=st.lists(st.integers(1, 512), min_size=1, max_size=6),
+       ssd=st.integers(0, 1024), promote=st.booleans(), overlap=st.booleans())
+def test_prefill_step_seconds_sum_to_the_total(cached, steps, ssd, promote, overlap):
+    """`PrefillCost.step_s` has one entry per forward step and sums to ``total_s`` (the engine-steps executor
+    spreads a prefill over engine steps with it); the first carries the request overhead."""
+    prof = get_profile("rtx4090-llama2-7b")
+    cm = CostModel(prof)
+    work = PrefillWork(cached_tokens=cached + ssd, compute_steps=tuple(steps), dram_tokens=cached, ssd_tokens=ssd,
+                       ssd_chunks=(ssd + 255) // 256, promote_tokens=ssd if promote else 0)
+    cost = cm.prefill(work, overlap=overlap)
+    assert len(cost.step_s) == len(steps)
+    assert sum(cost.step_s) == pytest.approx(cost.total_s, rel=1e-12)
+    assert all(s > 0 for s in cost.step_s)
+    alone = cm.prefill(PrefillWork(cached_tokens=0, compute_steps=(steps[0],), offload=True), overlap=overlap)
+    assert alone.step_s[0] >= prof.request_overhead_s

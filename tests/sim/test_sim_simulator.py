@@ -182,3 +182,95 @@ def test_the_default_pcr_system_uses_the_engines_default_schedule():
 
     assert get_system("pcr").schedule == EngineConfig().schedule
     assert get_system("pcr-schedule-fcfs").schedule == "fcfs" and get_system("device-only").schedule == "fcfs"
+
+
+# ---------------------------------------------------------------------------------- the runtime's executor
+def _host_profile(**changes):
+    """A CPU-like profile: per-chunk prefill steps, decode steps that cost more per row."""
+    return _profile(prefill_steps="per_chunk", device_is_host=True, **changes)
+
+
+@pytest.mark.parametrize("system", ["no-reuse", "dram-only", "pcr"])
+def test_engine_steps_with_one_row_is_the_serial_executor(system):
+    docs = [("a", "b"), ("c",), ("a", "b"), ("b", "c"), ("a",)]
+    reqs = _reqs(docs, [0.0, 0.001, 0.002, 0.5, 0.5])
+    prof = _host_profile()
+    serial = _sim(system, profile=prof).run(reqs)
+    steps = _sim(system, profile=prof, executor="engine-steps").run(reqs)
+    for a, b in zip(serial.outcomes, steps.outcomes, strict=True):
+        assert b.first_token_s == pytest.approx(a.first_token_s, rel=1e-9)
+        assert b.done_s == pytest.approx(a.done_s, rel=1e-9)
+        assert b.reused == a.reused and b.computed_tokens == a.computed_tokens
+        assert b.itl_s == pytest.approx(a.itl_s, rel=1e-9)
+
+
+def test_engine_steps_bound_the_gap_between_tokens_by_the_itl_budget():
+    """A long cold prefill admitted while another request decodes runs a few layers per engine step: the decoding
+    row's gaps stay within the budget (in decode steps), and without a budget one gap holds a whole prefill step.
+    Like on a CPU, a decode step costs about a prefill step's fixed part (both stream the weights once)."""
+    prof = _host_profile(layer_s_fixed=1e-3, layer_s_per_token=1e-3, step_s_fixed=0.0, decode_s_per_token=0.032,
+                         decode_s_per_token_ctx=0.0)
+    cm = CostModel(prof)
+    reqs = _reqs([("short",), tuple(f"long{i}" for i in range(6))], [0.0, 0.05], out=40)
+    gaps = {}
+    for budget in (3.0, None):
+        res = _sim("no-reuse", profile=prof, max_batch=8, executor="engine-steps", itl_budget_steps=budget).run(reqs)
+        first, second = res.outcomes
+        assert second.start_s < first.first_token_s  # a free row: admitted at the next engine step
+        gaps[budget] = max(first.itl_s[1:])  # the first gap may hold the step measured before the budget knows
+    decode = cm.decode_step_s(reqs[0].prompt_tokens + 1)
+    assert gaps[3.0] <= 3.0 * decode * 1.05 + 1e-9
+    assert gaps[None] > 3.0 * decode * 2
+
+
+def test_engine_steps_decode_rows_together_and_pay_per_row():
+    prof = _host_profile(decode_s_per_row=0.002)
+    reqs = _reqs([("a",), ("b",)], [0.0, 0.0], out=6)
+    res = _sim("no-reuse", profile=prof, max_batch=8, executor="engine-steps").run(reqs)
+    a, b = res.outcomes
+    assert b.start_s < a.first_token_s  # a free row: admitted while the first prefills
+    assert b.first_token_s > a.first_token_s  # one prefill step per engine step
+    assert res.counters["decode_steps"] < 2 * (6 - 1)  # some steps decode both rows
+    cm = CostModel(prof)
+    ctx = a.prompt_tokens + b.prompt_tokens + 6
+    assert cm.decode_step_s(ctx, rows=2) == pytest.approx(cm.decode_step_s(ctx) + 0.002)
+    assert b.itl_s[-1] == pytest.approx(cm.decode_step_s(b.prompt_tokens + 5))  # b alone at the end
+    assert max(b.itl_s) >= cm.decode_step_s(ctx, rows=2) - 1e-12
+
+
+@pytest.mark.parametrize("schedule", ["cache-aware", "fcfs"])
+def test_engine_steps_prefills_wait_for_shared_chunks_and_reuse_them(schedule):
+    """Two rows admitted at once on the same documents: the second waits for the chunks the first computes and
+    reuses them (it would otherwise compute them twice), as the runtime's executor does."""
+    prof = _host_profile()
+    docs = ("x", "y", "z")
+    reqs = _reqs([docs, docs], [0.0, 0.0])
+    system = dataclasses.replace(get_system("dram-only"), schedule=schedule)
+    cb = CS * prof.kv_bytes_per_token
+    sim = Simulator(SimConfig(prof, system, chunk_size=CS, dram_bytes=1000 * cb, max_batch=8,
+                              executor="engine-steps"))
+    a, b = sim.run(reqs).outcomes
+    assert a.reused["dram"] == 0 and b.reused["dram"] == 7 * CS  # system + 3 docs x 2 chunks
+    assert b.first_token_s > a.first_token_s
+
+
+def test_sim_config_rejects_an_unknown_executor():
+    with pytest.raises(ValueError, match="executor"):
+        SimConfig(_profile(), get_system("pcr"), executor="round-robin")
+
+
+def test_settings_take_each_systems_own_executor():
+    """Under engine-steps a bench system's own max_active / ITL budget replace the run's; the outside baselines
+    (served one at a time with one-shot prefill by the bench) run serially whatever the run's executor."""
+    prof = _host_profile()
+    settings = SimSettings(max_batch=8, prefill_steps="per_chunk", executor="engine-steps")
+    sc = _scenario([[]], 0)
+    pcr = settings.config(prof, get_system("pcr"), sc)
+    assert (pcr.executor_kind, pcr.max_batch, pcr.itl_budget_steps, pcr.steps_mode) == (
+        "engine-steps", 8, 3.0, "per_chunk")
+    one = settings.config(prof, get_system("pcr-max-active-1"), sc)
+    assert (one.executor_kind, one.max_batch) == ("engine-steps", 1)
+    whole = settings.config(prof, get_system("pcr-whole-steps"), sc)
+    assert whole.itl_budget_steps is None and whole.max_batch == 8
+    hf = settings.config(prof, get_system("transformers"), sc)
+    assert (hf.executor_kind, hf.max_batch, hf.steps_mode) == ("serial", 1, "single")
