@@ -19,6 +19,8 @@ from typing import Any
 from pcr_rag.bench.cli import parse_floats, parse_ints
 from pcr_rag.bench.report import build_report, markdown_report, write_report
 from pcr_rag.bench.targets import PAPER_TARGETS
+from pcr_rag.errors import ConfigError
+from pcr_rag.runtime.step_budget import check_budget_steps
 from pcr_rag.sim.experiment import (
     SimSettings,
     SimWorkload,
@@ -55,9 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-batch", type=int, default=None,
                    help=f"rows (engine-steps) or running requests (prefill-first); default: the engine's max_active "
                         f"({ENGINE_DEFAULT_MAX_ACTIVE}) for engine-steps, 256 for prefill-first")
-    g.add_argument("--itl-budget", type=float, default=ENGINE_DEFAULT_ITL_BUDGET,
-                   help="engine-steps: the ITL budget in decode steps (the engine's itl_budget_steps; default "
-                        "%(default)s)")
+    g.add_argument("--itl-budget", type=_budget, default=ENGINE_DEFAULT_ITL_BUDGET,
+                   help="engine-steps: the ITL budget in decode steps, or 'none' for whole prefill steps (the "
+                        "engine's itl_budget_steps; default %(default)s)")
     g.add_argument("--prefill-steps", choices=("single", "per_chunk"), default=None,
                    help="one forward per prefill, or one per chunk like the runtime (default: the profile's)")
     w = parser.add_argument_group("workload (the bench's generator and defaults)")
@@ -94,6 +96,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="re-simulate the runs of this `pcr-rag bench --json` report with a measured --profile and "
                         "print both side by side; 'run' = measure a profile and run `bench --quick` first, back to "
                         "back (same machine load), then compare")
+
+
+def _budget(text: str) -> float | None:
+    """``--itl-budget``: a number of decode steps > 1, or "none"."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of decode steps > 1 or 'none', got {text!r}") from None
+    try:
+        check_budget_steps(value)  # the engine's own check
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 def workload_from_args(args: argparse.Namespace) -> SimWorkload:

@@ -58,22 +58,21 @@ from pcr_rag.cache import (
     Tier,
     VirtualPayload,
 )
-from pcr_rag.config import EngineConfig
 from pcr_rag.runtime.admission import PrefillOutlook, prefill_candidates, queue_candidates, rank
 from pcr_rag.runtime.prefetcher import plan_prefetch
 from pcr_rag.runtime.step_budget import StepBudget
 from pcr_rag.sim.costmodel import CostModel, PrefillWork
 from pcr_rag.sim.profiles import Profile
 from pcr_rag.sim.remote_link import RemoteLink
-from pcr_rag.sim.systems import SimSystem
+from pcr_rag.sim.systems import SimSystem, engine_default
 from pcr_rag.sim.trace import SimRequest
 
 log = logging.getLogger(__name__)
 
 _PREFILL_DONE, _EXEC_READY, _PREFETCH_DONE = range(3)  # event kinds
 EXECUTORS = ("serial", "prefill-first", "engine-steps")
-ENGINE_DEFAULT_MAX_ACTIVE: int = EngineConfig.__dataclass_fields__["max_active"].default
-ENGINE_DEFAULT_ITL_BUDGET: float | None = EngineConfig.__dataclass_fields__["itl_budget_steps"].default
+ENGINE_DEFAULT_MAX_ACTIVE: int = engine_default("max_active")  # rows of the engine-steps executor
+ENGINE_DEFAULT_ITL_BUDGET: float | None = engine_default("itl_budget_steps")
 
 
 class SimulationError(RuntimeError):
@@ -188,7 +187,6 @@ class _Prefill:
 
     req: SimRequest
     lease: Any
-    matched: int  # plan chunks served by the cache
     ssd_read: list[int]  # plan indices read from SSD (or fetched remotely): copied to DRAM at the end
     steps: list[int]  # tokens of each forward step still to run, in order
     step_s: list[float]  # their modelled seconds
@@ -475,7 +473,7 @@ class Simulator:
         out.stall_s = stall
         if self.sys.device_cache:
             self._trim_device_cache()
-        return _Prefill(req, lease, matched, ssd_read, list(steps), step_s, cached, matched)
+        return _Prefill(req, lease, ssd_read, list(steps), step_s, cached, matched)
 
     def _on_prefill_done(self, run: _Prefill, now: float) -> None:
         self._prefilling = frozenset()
@@ -593,6 +591,7 @@ class Simulator:
             t += dt
             self.budget.record_decode(dt)
             self.counters["decode_steps"] += 1
+            self.counters["compute_busy_s"] += dt  # prefill compute is counted when it begins (`_begin`)
             for row in decoding:
                 d = row.decode
                 d.out.itl_s.append(t - d.last_token_s)
@@ -605,7 +604,6 @@ class Simulator:
         if prefilling:
             decoding_now = any(r.decode is not None for r in self.rows)
             t = self._prefill_step(self._next_prefill(prefilling, t), t, decoding_now)
-        self.counters["compute_busy_s"] += t - now
         self.exec_busy = True
         self._push(t, _EXEC_READY, None)
 
@@ -643,7 +641,6 @@ class Simulator:
         if run.steps:
             if self.engine is not None:
                 self._store_computed(run, run.position, t)
-                self._update_in_flight()
             return t
         self._end_prefill(run, t)
         req = row.req

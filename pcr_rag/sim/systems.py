@@ -66,6 +66,11 @@ def _engine_defaults() -> dict[str, Any]:
     return {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.default is not dataclasses.MISSING}
 
 
+def engine_default(name: str) -> Any:
+    """`EngineConfig`'s default for the field ``name`` (what a system without that override runs)."""
+    return _engine_defaults()[name]
+
+
 def from_bench(spec: bench_systems.SystemSpec) -> SimSystem:
     """The simulator's reading of a bench system's `EngineConfig` overrides."""
     cfg = {**_engine_defaults(), **dict(spec.overrides)}

@@ -102,3 +102,5 @@ def test_simulate_cli_runs_a_cpu_profile_on_the_runtimes_executor(tmp_path):
     # differs), so compare pcr-max-active-1 under engine-steps with itself rather than across reports
     assert ttft(steps, "pcr-max-active-1") > ttft(steps, "pcr")  # eight rows serve the queue faster
     assert main([*base, "--executor", "serial", "--max-batch", "4", "--quiet"]) == 2
+    assert main([*base, "--itl-budget", "none", "--json", str(tmp_path / "whole.json")]) == 0
+    assert json.loads((tmp_path / "whole.json").read_text())["config"]["itl_budget_steps"] is None

@@ -202,6 +202,8 @@ def test_engine_steps_with_one_row_is_the_serial_executor(system):
         assert b.done_s == pytest.approx(a.done_s, rel=1e-9)
         assert b.reused == a.reused and b.computed_tokens == a.computed_tokens
         assert b.itl_s == pytest.approx(a.itl_s, rel=1e-9)
+    for counter in ("compute_busy_s", "decode_steps", "ssd_read_bytes", "h2d_bytes", "d2h_bytes"):
+        assert steps.counters[counter] == pytest.approx(serial.counters[counter], rel=1e-9), counter
 
 
 def test_engine_steps_bound_the_gap_between_tokens_by_the_itl_budget():
