@@ -157,8 +157,9 @@ class SimSettings:
 def no_reuse_capacity_rps(profile: Profile, scenario: Scenario, settings: SimSettings, chunk_size: int = 256
                           ) -> float:
     """The no-reuse system's throughput (req/s) with every request of the scenario queued at t=0: with the
-    serial executor exactly ``1 / mean(prefill + decode)``, the bench's "capacity"; with batched decode it
-    includes the batching gain at full load."""
+    serial executor exactly ``1 / mean(prefill + decode)``, the bench's "capacity"; with batched decode
+    (``engine-steps``, ``prefill-first``) it includes the batching gain at full load - none where every answer
+    ends before the next cold prefill does, as with the bench's 8-token answers on a CPU."""
     sim = Simulator(settings.config(profile, get_system("no-reuse"), scenario, chunk_size=chunk_size))
     reqs = at_rate(scenario.all_requests(), math.inf)
     reqs = [replace(r, rid=i) for i, r in enumerate(reqs)]

@@ -85,8 +85,8 @@ class SimConfig:
 
     Capacities in bytes: ``dram_bytes``/``ssd_bytes`` for the host cache tiers, ``device_cache_bytes`` for a
     ``device_cache`` system's prefix cache: like vLLM's, it holds whatever part of the device KV pool the running
-    requests do not use (it is trimmed, LRU first, whenever they need more). ``max_batch`` 1 = the runtime's
-    serial executor.
+    requests do not use (it is trimmed, LRU first, whenever they need more). ``max_batch``: the rows of the
+    ``engine-steps`` executor, the running requests of ``prefill-first``; 1 for ``serial``.
     ``kv_pool_tokens`` bounds the tokens of running requests when batching (None: unbounded).
     ``prefill_steps``: "single" (one forward over the new tokens) or "per_chunk" (one per chunk, the runtime's
     fidelity mode). ``record_trace`` keeps the executed chunk trace (for Belady). ``executor``: see the module
