@@ -203,8 +203,10 @@ class CostModel:
     def prefill(self, work: PrefillWork, *, overlap: bool) -> PrefillCost:
         """Time of one prefill with reuse: forward steps in order, the first one gated layer by layer by the
         loads of the cached prefix (with ``overlap``; all loads first without it); each step's new KV offloaded
-        layer by layer; then the SSD-read chunks copied back to the host."""
+        layer by layer; then the SSD-read chunks copied back to the host. Where the profile's loads share the
+        forward's cores (``loads_share_compute``), pipelining hides nothing: the phases add up."""
         p = self.profile
+        overlap = overlap and not p.loads_share_compute
         n = p.num_layers
         lb = self._layer_bytes
         h2d_layer = (work.dram_tokens + work.ssd_tokens) * lb / p.h2d_bytes_per_s

@@ -11,12 +11,14 @@ What is measured (medians of repeated timings, seconds and bytes/s):
   (what each more decoding row adds to a step);
 - host copies: a chunk's KV copied into a request's cache and out again (``h2d``/``d2h``: on a CPU "device"
   both are memory copies);
-- disk: sequential write with fdatasync and reads with the page cache dropped (``posix_fadvise(DONTNEED)``), like
-  the SSD store, plus the latency of small reads;
+- disk: sequential write with fdatasync and the latency of small reads; the read speed is the SSD tier's own layer
+  reads (`SSDStore.read_layer` of this model's chunks, page cache dropped, every layer verified: what a prefix load
+  runs), the raw sequential read kept in ``derivation``;
 - request overhead: a few real `PCREngine` requests without cache; their TTFT minus the fitted prefill is the
   per-request cost outside the model (tokenisation, scheduling, hand-offs).
 
-On a CPU the model's "device" is host memory: the profile says ``device_is_host`` and ``prefill_steps="per_chunk"``.
+On a CPU the model's "device" is host memory: the profile says ``device_is_host``, ``prefill_steps="per_chunk"``
+and ``loads_share_compute`` (loads and offloads run on the cores the forward uses, so they add to its time).
 """
 
 from __future__ import annotations
@@ -173,6 +175,38 @@ def measure_decode(loaded: Any, *, contexts: Sequence[int] = (128, 512, 1024), s
     return {"decode_s_per_token": base, "decode_s_per_token_ctx": per_ctx, "decode_s_per_row": per_row}
 
 
+def measure_store_reads(loaded: Any, directory: str | Path, *, chunks: int = 4, tokens: int = 256,
+                        reps: int = 3) -> dict[str, float]:
+    """Bytes/s of the SSD tier's own layer reads, as a prefix load runs them: chunks of this model's KV written by
+    `SSDStore` (page cache dropped), then every layer of every chunk read back with `SSDStore.read_layer` (each
+    layer verified against its checksum). The median of ``reps`` rounds; the files are removed."""
+    from pcr_rag.cache import LocalDirBackend, chunk_key, namespace_key
+    from pcr_rag.cache.tiers.chunk_file import ChunkMeta
+    from pcr_rag.cache.tiers.ssd_store import SSDStore
+
+    work = Path(tempfile.mkdtemp(prefix="pcr-profile-store-", dir=directory))
+    payload = torch.randn(loaded.kv.payload_shape(tokens)).to(loaded.kv.dtype)
+    speeds = []
+    try:
+        for r in range(reps):
+            store = SSDStore(LocalDirBackend(work / str(r), fsync=False, drop_page_cache=True))
+            parent = namespace_key("profile", str(loaded.kv.dtype), tokens)
+            keys = []
+            for i in range(chunks):
+                key = chunk_key(parent, (r, i))
+                store.write(ChunkMeta(key, parent, i == 0, tokens, False, b"\x00" * 16), payload)
+                keys.append(key)
+                parent = key
+            t0 = time.perf_counter()
+            for key in keys:
+                for layer in range(loaded.kv.num_layers):
+                    store.read_layer(key, layer)
+            speeds.append(payload.nbytes * chunks / (time.perf_counter() - t0))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"ssd_read_bytes_per_s": statistics.median(speeds)}
+
+
 def measure_copies(loaded: Any, *, tokens: int = 256, reps: int = 5) -> dict[str, float]:
     """Bytes/s of moving one chunk's KV into a request's arena row (load) and out into a payload (offload), with
     the runtime's own tensors and copy ops."""
@@ -280,6 +314,8 @@ def build_profile(loaded: Any, *, name: str, disk_dir: str | Path, quick: bool =
     cp = measure_copies(loaded, reps=reps)
     say(f"disk in {disk_dir} ...")
     disk = measure_disk(disk_dir, nbytes=(32 << 20) if quick else (256 << 20))
+    raw_read = disk["ssd_read_bytes_per_s"]
+    disk.update(measure_store_reads(loaded, disk_dir, chunks=2 if quick else 4, reps=reps))
     overhead = 0.0
     if with_engine:
         say("request overhead (real PCREngine, no cache) ...")
@@ -302,10 +338,12 @@ def build_profile(loaded: Any, *, name: str, disk_dir: str | Path, quick: bool =
         layer_sync_s=0.0,
         request_overhead_s=overhead,
         device_is_host=loaded.device.type == "cpu",
+        loads_share_compute=loaded.device.type == "cpu",
         prefill_steps="per_chunk",
         source="measured",
         derivation={"prefill_samples": [s.__dict__ for s in samples], "torch_threads": torch.get_num_threads(),
-                    "cpus": os.cpu_count(), "fingerprint": getattr(loaded, "fingerprint", "")},
+                    "cpus": os.cpu_count(), "fingerprint": getattr(loaded, "fingerprint", ""),
+                    "raw_disk_read_bytes_per_s": raw_read},
     )
 
 

@@ -140,7 +140,10 @@ class Profile:
     first when several sequences decode in one step (their own attention and row work; 0 where the step is weight
     bound and rows are nearly free, as on a GPU). ``request_overhead_s`` is added once to every
     prefill (work outside the model, measured by ``pcr-rag profile``). ``device_is_host`` means the model runs on the CPU:
-    the DRAM tier *is* device memory and "loading" is a host memcpy at ``h2d_bytes_per_s``.
+    the DRAM tier *is* device memory and "loading" is a host memcpy at ``h2d_bytes_per_s``. ``loads_share_compute``:
+    loads and offloads run on the cores the forward uses (a CPU with few cores), so they add to a prefill's time
+    whether or not they are pipelined with it (measured on a 2-core VM: a hit whose 1.9k-token prefix came from SSD
+    took 457-587 ms against 284-322 ms from DRAM, with load waits of 5-25 ms).
     """
 
     name: str
@@ -167,6 +170,7 @@ class Profile:
     decode_s_per_row: float = 0.0  # per decoding row after the first, in one batched decode step
     request_overhead_s: float = 0.0  # per request, outside the model (tokenising, scheduling, hand-offs)
     device_is_host: bool = False
+    loads_share_compute: bool = False
     prefill_steps: str = "single"  # "single": one forward over all new tokens; "per_chunk": one per chunk
     source: str = "derived"
     derivation: dict[str, Any] = field(default_factory=dict)

@@ -141,3 +141,16 @@ def test_prefill_step_seconds_sum_to_the_total(cached, steps, ssd, promote, over
     assert all(s > 0 for s in cost.step_s)
     alone = cm.prefill(PrefillWork(cached_tokens=0, compute_steps=(steps[0],), offload=True), overlap=overlap)
     assert alone.step_s[0] >= prof.request_overhead_s
+
+
+def test_loads_that_share_the_forwards_cores_are_not_hidden_by_the_pipeline():
+    """A CPU profile (`loads_share_compute`): overlapped loads cost what serial ones do; without the flag the
+    overlapped prefill is cheaper."""
+    import dataclasses
+
+    prof = get_profile("rtx4090-llama2-7b")
+    work = PrefillWork(cached_tokens=2048, compute_steps=(256,), dram_tokens=1024, ssd_tokens=1024, ssd_chunks=4)
+    free = CostModel(prof)
+    assert free.prefill(work, overlap=True).total_s < free.prefill(work, overlap=False).total_s
+    shared = CostModel(dataclasses.replace(prof, loads_share_compute=True))
+    assert shared.prefill(work, overlap=True).total_s == pytest.approx(shared.prefill(work, overlap=False).total_s)

@@ -40,6 +40,8 @@ def test_profile_of_a_tiny_model_loads_in_the_simulator(tmp_path):
     assert prof.kv_bytes_per_token == loaded.kv.bytes_per_token and prof.num_layers == loaded.kv.num_layers
     assert prof.layer_s_per_token + prof.layer_s_fixed > 0 and prof.decode_s_per_token > 0
     assert prof.decode_s_per_row >= 0  # measured over the engine's rows, all active
+    assert prof.loads_share_compute and prof.ssd_read_bytes_per_s > 0  # the SSD tier's own verified layer reads
+    assert prof.derivation["raw_disk_read_bytes_per_s"] > 0
     assert prof.h2d_bytes_per_s > 0 and prof.request_overhead_s >= 0
     path = prof.save(tmp_path / "tiny.json")
     again = get_profile(path)
