@@ -33,7 +33,13 @@ from pcr_rag.sim.experiment import (
 from pcr_rag.sim.profiles import ProfileError, get_profile, shipped_profile_names
 from pcr_rag.sim.remote_link import REMOTE_LINKS, get_link
 from pcr_rag.sim.replicas import two_replica_experiment
-from pcr_rag.sim.simulator import ENGINE_DEFAULT_ITL_BUDGET, ENGINE_DEFAULT_MAX_ACTIVE, EXECUTORS
+from pcr_rag.sim.simulator import (
+    ENGINE_DEFAULT_ITL_BUDGET,
+    ENGINE_DEFAULT_MAX_ACTIVE,
+    EXECUTORS,
+    PREFILL_FIRST_DEFAULT_BATCH,
+    default_max_batch,
+)
 from pcr_rag.sim.systems import DEFAULT_SYSTEMS, UnknownSystemError, get_system, parse_systems
 from pcr_rag.sim.validate import run_validation
 
@@ -56,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: engine-steps for a CPU profile, prefill-first otherwise)")
     g.add_argument("--max-batch", type=int, default=None,
                    help=f"rows (engine-steps) or running requests (prefill-first); default: the engine's max_active "
-                        f"({ENGINE_DEFAULT_MAX_ACTIVE}) for engine-steps, 256 for prefill-first")
+                        f"({ENGINE_DEFAULT_MAX_ACTIVE}) for engine-steps, {PREFILL_FIRST_DEFAULT_BATCH} for "
+                        f"prefill-first")
     g.add_argument("--itl-budget", type=_budget, default=ENGINE_DEFAULT_ITL_BUDGET,
                    help="engine-steps: the ITL budget in decode steps, or 'none' for whole prefill steps (the "
                         "engine's itl_budget_steps; default %(default)s)")
@@ -134,10 +141,7 @@ def run(args: argparse.Namespace) -> int:
     if args.validate:
         return run_validation(args, profile, say)
     executor = args.executor or ("engine-steps" if profile.device_is_host else "prefill-first")
-    if args.max_batch is not None:
-        max_batch = args.max_batch
-    else:
-        max_batch = {"serial": 1, "engine-steps": ENGINE_DEFAULT_MAX_ACTIVE}.get(executor, 256)
+    max_batch = args.max_batch if args.max_batch is not None else default_max_batch(executor)
     if max_batch < 1 or (executor == "serial" and max_batch != 1):
         print(f"error: --max-batch {max_batch} does not fit --executor {executor}", file=sys.stderr)
         return 2

@@ -141,8 +141,10 @@ class SimSettings:
         own = dict(system.executor_overrides)
         executor = own.get("executor", self.executor)
         rows, budget = self.max_batch, self.itl_budget_steps
-        if executor in ("engine-steps", "serial"):
+        if executor == "engine-steps":
             rows, budget = int(own.get("max_active", rows)), own.get("itl_budget_steps", budget)
+        elif executor == "serial":  # one request at a time, whatever rows the system would have
+            rows = 1
         steps = own.get("prefill_steps", self.prefill_steps)
         pool = max(1, int(profile.device_kv_bytes // profile.kv_bytes_per_token)) if rows > 1 else None
         return SimConfig(

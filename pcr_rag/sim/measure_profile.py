@@ -40,11 +40,15 @@ import numpy as np
 import torch
 
 from pcr_rag.bench.disk import evict_from_page_cache
+from pcr_rag.cache import LocalDirBackend, chunk_key, namespace_key
+from pcr_rag.cache.tiers.chunk_file import ChunkMeta
+from pcr_rag.cache.tiers.ssd_store import SSDStore
 from pcr_rag.config import EngineConfig
 from pcr_rag.engine import PCREngine
 from pcr_rag.runtime.forward import FastForward
 from pcr_rag.runtime.model import load_model
 from pcr_rag.sim.profiles import Profile
+from pcr_rag.sim.systems import engine_default
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +136,7 @@ def measure_decode(loaded: Any, *, contexts: Sequence[int] = (128, 512, 1024), s
     fits base + per context; every row active at the first context gives the cost of each row after the first
     (``decode_s_per_row``: that row's own attention and row work; the weights are read once per step)."""
     tok = loaded.tokenizer
-    rows = int(batch_rows or EngineConfig().max_active)
+    rows = int(batch_rows or engine_default("max_active"))
     forward = FastForward(loaded, batch_rows=rows)
     vocab = int(getattr(loaded.model.config, "vocab_size", 1000))
     gen = torch.Generator().manual_seed(seed)
@@ -180,10 +184,6 @@ def measure_store_reads(loaded: Any, directory: str | Path, *, chunks: int = 4, 
     """Bytes/s of the SSD tier's own layer reads, as a prefix load runs them: chunks of this model's KV written by
     `SSDStore` (page cache dropped), then every layer of every chunk read back with `SSDStore.read_layer` (each
     layer verified against its checksum). The median of ``reps`` rounds; the files are removed."""
-    from pcr_rag.cache import LocalDirBackend, chunk_key, namespace_key
-    from pcr_rag.cache.tiers.chunk_file import ChunkMeta
-    from pcr_rag.cache.tiers.ssd_store import SSDStore
-
     work = Path(tempfile.mkdtemp(prefix="pcr-profile-store-", dir=directory))
     payload = torch.randn(loaded.kv.payload_shape(tokens)).to(loaded.kv.dtype)
     speeds = []

@@ -22,8 +22,9 @@ rank as a group) - and the look-ahead window follows that order. Three executors
   admitted request, chosen by the runtime's `prefill_candidates` and ``rank`` (a prefill waits for chunks another
   one is computing and lends it its place); while rows decode, only the prefill layers the runtime's own
   `StepBudget` allows run (fed with the modelled step times), so a prefill step spans several engine steps; a
-  prefill leases its cached prefix when it begins and inserts each chunk when the step computing it ends. With one
-  row it is the serial executor, step for step.
+  prefill leases its cached prefix when it begins and inserts each chunk when the step computing it ends; the
+  look-ahead window starts with the admitted prefills that have not begun. With one row it is the serial executor,
+  step for step.
 
 Resources: one compute stream; the SSD as one FIFO read channel shared by prefetches and on-demand reads; DRAM ->
 SSD write-back on a separate write channel (background; it never delays a read, its busy time is reported).
@@ -73,6 +74,13 @@ _PREFILL_DONE, _EXEC_READY, _PREFETCH_DONE = range(3)  # event kinds
 EXECUTORS = ("serial", "prefill-first", "engine-steps")
 ENGINE_DEFAULT_MAX_ACTIVE: int = engine_default("max_active")  # rows of the engine-steps executor
 ENGINE_DEFAULT_ITL_BUDGET: float | None = engine_default("itl_budget_steps")
+PREFILL_FIRST_DEFAULT_BATCH = 256  # running requests of the vLLM-like executor by default
+
+
+def default_max_batch(executor: str) -> int:
+    """``SimConfig.max_batch`` when none is given: 1 for ``serial``, the engine's ``max_active`` rows for
+    ``engine-steps``, `PREFILL_FIRST_DEFAULT_BATCH` for ``prefill-first``."""
+    return {"serial": 1, "engine-steps": ENGINE_DEFAULT_MAX_ACTIVE}.get(executor, PREFILL_FIRST_DEFAULT_BATCH)
 
 
 class SimulationError(RuntimeError):
@@ -113,8 +121,9 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.executor not in (None, *EXECUTORS):
             raise ValueError(f"executor must be one of {list(EXECUTORS)} or None, got {self.executor!r}")
-        if self.max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.max_batch < 1 or (self.executor == "serial" and self.max_batch != 1):
+            raise ValueError(f"max_batch {self.max_batch} does not fit executor {self.executor!r} (>= 1; 1 for "
+                             f"serial)")
 
     @property
     def steps_mode(self) -> str:
@@ -670,7 +679,11 @@ class Simulator:
     def _refresh_prefetch(self, now: float) -> None:
         if not self._uses_window:
             return
-        window = [r.keys for r in self._admission_order(now)[: self.sys.window]]
+        # as the runtime's window (`PCREngine._window_keys`): admitted prefills that have not begun, oldest first,
+        # then the waiting queue in admission order
+        window = [r.req.keys for r in self.rows if r.prefill is None and r.decode is None][: self.sys.window]
+        if len(window) < self.sys.window:
+            window += [r.keys for r in self._admission_order(now)[: self.sys.window - len(window)]]
         plan = plan_prefetch(window, self.engine)
         if self.sys.lookahead:
             self.engine.set_lookahead(plan.protect)

@@ -92,7 +92,7 @@ def from_bench(spec: bench_systems.SystemSpec) -> SimSystem:
 def _executor_overrides(spec: bench_systems.SystemSpec) -> dict[str, Any]:
     own = {k: spec.overrides[k] for k in EXECUTOR_FIELDS if k in spec.overrides}
     if spec.kind != "engine":  # `pcr_rag.bench.baselines`: a SerialServer, one-shot prefill
-        own.update(executor="serial", max_active=1, prefill_steps="single")
+        own.update(executor="serial", prefill_steps="single")
     return own
 
 

@@ -5,7 +5,8 @@ its config (same corpus, passages, seeds, topics); every request is then laid ou
 `PromptBuilder` and cut with `plan_chunks`, so the simulated chunk plans are the real ones. Each system is
 simulated the way the bench ran it: one engine, the warm-up trace at once, then the rate slots in order (window
 variants: warm-up and their sweep slots only), with the bench's capacities and absolute rates, the runtime's own
-executor (``engine-steps``: the engine's rows and ITL budget, or the system's own) and per-chunk prefill steps. Output tokens per request are the run's measured mean (the answers are the same for
+executor (``engine-steps``: the engine's rows and ITL budget, or the system's own) and per-chunk prefill steps.
+Output tokens per request are the run's measured mean (the answers are the same for
 every system). Prints simulated vs measured mean TTFT for every run and judges the validation target
 (`pcr_rag.bench.targets`: within 15% for no-reuse, dram-only and pcr at two rates).
 """
@@ -36,7 +37,7 @@ from pcr_rag.runtime.model import load_model
 from pcr_rag.sim.experiment import Scenario, SimSettings, run_system
 from pcr_rag.sim.measure_profile import build_profile
 from pcr_rag.sim.profiles import Profile
-from pcr_rag.sim.simulator import ENGINE_DEFAULT_MAX_ACTIVE
+from pcr_rag.sim.simulator import default_max_batch
 from pcr_rag.sim.systems import get_system
 from pcr_rag.sim.trace import SimRequest
 
@@ -121,8 +122,7 @@ def simulate_bench(report: Mapping[str, Any], profile: Profile, scenario: Scenar
     """The simulated run (the bench's run dict layout) per (system, rate) for every run of the report, under
     ``executor`` (the runtime's ``engine-steps`` by default; ``serial`` is how it was simulated before the runtime
     batched, kept for comparison)."""
-    rows = 1 if executor == "serial" else ENGINE_DEFAULT_MAX_ACTIVE
-    settings = SimSettings(max_batch=rows, prefill_steps="per_chunk", executor=executor)
+    settings = SimSettings(max_batch=default_max_batch(executor), prefill_steps="per_chunk", executor=executor)
     by_system: dict[str, list[int]] = {}
     for run in report["runs"]:
         rate = _rate(run["rate"])

@@ -276,3 +276,26 @@ def test_settings_take_each_systems_own_executor():
     assert whole.itl_budget_steps is None and whole.max_batch == 8
     hf = settings.config(prof, get_system("transformers"), sc)
     assert (hf.executor_kind, hf.max_batch, hf.steps_mode) == ("serial", 1, "single")
+    # a serial run is one request at a time whatever rows a system would have (more would batch like prefill-first)
+    serial = dataclasses.replace(settings, max_batch=1, executor="serial")
+    assert serial.config(prof, get_system("pcr-max-active-4"), sc).max_batch == 1
+    with pytest.raises(ValueError, match="serial"):
+        SimConfig(prof, get_system("pcr"), max_batch=4, executor="serial")
+
+
+def test_engine_steps_prefetch_for_admitted_prefills_that_have_not_begun():
+    """The runtime's prefetch window starts with the admitted requests whose prefill has not begun
+    (`BatchExecutor.waiting_keys`), then the queue. An "a" request admitted to a row while a long cold prefill runs
+    first (fcfs) has its SSD chunks brought back to DRAM before it begins."""
+    docs = [("a",), ("x", "y", "z"), tuple(f"long{i}" for i in range(4)), ("a",)]
+    reqs = _reqs(docs, [0.0, 10.0, 20.0, 20.0001])
+    system = dataclasses.replace(get_system("pcr"), schedule="fcfs")
+    prof = _host_profile()
+    cb = CS * prof.kv_bytes_per_token
+    sim = Simulator(SimConfig(prof, system, chunk_size=CS, dram_bytes=4 * cb, ssd_bytes=1000 * cb, max_batch=8,
+                              executor="engine-steps"))
+    res = sim.run(reqs)
+    last = res.outcomes[3]
+    assert last.start_s < res.outcomes[2].first_token_s  # admitted to a row while "long" prefills
+    assert res.counters["prefetch_loaded"] > 0 and last.prefetch_hit_chunks > 0
+    assert last.reused["ssd"] == 0 and last.reused["dram"] > 0
