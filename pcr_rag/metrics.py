@@ -16,7 +16,11 @@ class RequestMetrics:
     """What one request cost. Times in seconds from submission; token counts in tokens.
 
     ttft_s: submission -> first generated token (includes queueing). e2e_s: submission -> last token.
-    queue_s: submission -> start of prefill. itl_s: gaps between consecutive generated tokens.
+    queue_s: submission -> start of prefill (a row). prefill_s: start of prefill -> first token's logits;
+    prefill_compute_s: the part of prefill_s its own prefill steps ran (forward layers, offloads, KV load waits);
+    the rest, prefill_s - prefill_compute_s, is other requests' decode and prefill steps run between its own.
+    load_wait_s: the part of prefill_compute_s spent waiting for its cached KV (layer loads, in-flight prefetches).
+    itl_s: gaps between consecutive generated tokens.
     computed_tokens + reused_tokens == prompt_tokens; reused_by_tier splits reused_tokens by the tier the KV
     came from when the request ran. prefetch_hit_chunks: chunks on SSD when the request entered the queue (or
     was announced) and in memory when it ran.
@@ -26,6 +30,7 @@ class RequestMetrics:
     e2e_s: float = 0.0
     queue_s: float = 0.0
     prefill_s: float = 0.0
+    prefill_compute_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     computed_tokens: int = 0

@@ -145,6 +145,7 @@ class SerialServer:
         metrics = RequestMetrics(
             ttft_s=first - job.submitted, e2e_s=(times[-1] if times else first) - job.submitted,
             queue_s=served.started - job.submitted, prefill_s=first - served.started,
+            prefill_compute_s=first - served.started,
             itl_s=[b - a for a, b in zip(times, times[1:], strict=False)], prompt_tokens=n,
             computed_tokens=n - reused, reused_tokens=reused, reused_by_tier=by_tier,
             generated_tokens=len(served.token_ids))

@@ -7,7 +7,8 @@ JSON layout (stable keys; times in seconds, ratios as fractions, sizes in bytes 
      "runs": [{"system": "pcr", "rate": 0.5,                  # req/s; the string "inf" = all at once
                "num_requests": n, "repeats": r, "duration_s": s,
                "ttft": {"mean", "p50", "p95", "p99"}, "e2el": {...}, "itl": {...}, "tpot": {...},
-               "queue": {...}, "hit_ratio": {"device", "dram", "ssd"}, "reuse_ratio": f,
+               "queue": {...}, "prefill": {...}, "prefill_compute": {...},
+               "hit_ratio": {"device", "dram", "ssd"}, "reuse_ratio": f,
                "tokens": {"prompt", "computed", "reused", "output"},
                "throughput_rps": x, "output_tokens_per_s": x, "prefetch_hits": n,
                "bytes": {...}, "extra": {...},
@@ -92,7 +93,9 @@ class RequestSample:
     ``key``: ``(repeat, trace index)``, what pairs this request with the same request of another system (None:
     its position in the run). ``arrival_s``: its arrival time in the trace. ``output_hash``: a digest of the
     generated token ids (equal answers, equal hashes). ``answer_hit``: whether the answer names what the
-    question asked about (retrieval workload with gold passages; None otherwise).
+    question asked about (retrieval workload with gold passages; None otherwise). ``prefill_s``,
+    ``prefill_compute_s``, ``load_wait_s``: as in `pcr_rag.metrics.RequestMetrics` (its time holding a row
+    before the first token, the part its own steps ran, the part of that waiting for KV).
     """
 
     ttft_s: float
@@ -108,6 +111,9 @@ class RequestSample:
     arrival_s: float = 0.0
     output_hash: str | None = None
     answer_hit: bool | None = None
+    prefill_s: float = 0.0
+    prefill_compute_s: float = 0.0
+    load_wait_s: float = 0.0
 
     @property
     def tpot_s(self) -> float | None:
@@ -133,6 +139,9 @@ class RequestSample:
             reused_by_tier={t: int(by_tier.get(t, 0)) for t in TIERS},
             output_tokens=int(out),
             prefetch_hit_chunks=int(getattr(metrics, "prefetch_hit_chunks", 0)),
+            prefill_s=float(getattr(metrics, "prefill_s", 0.0)),
+            prefill_compute_s=float(getattr(metrics, "prefill_compute_s", 0.0)),
+            load_wait_s=float(getattr(metrics, "load_wait_s", 0.0)),
             **fields,
         )
 
@@ -185,6 +194,8 @@ class RunRecord:
             "itl": latency_summary([g for x in s for g in x.itl_s]),
             "tpot": latency_summary([x.tpot_s for x in s if x.tpot_s is not None]),
             "queue": latency_summary([x.queue_s for x in s]),
+            "prefill": latency_summary([x.prefill_s for x in s]),
+            "prefill_compute": latency_summary([x.prefill_compute_s for x in s]),
             "hit_ratio": {t: (by_tier[t] / prompt if prompt else 0.0) for t in TIERS},
             "reuse_ratio": reused / prompt if prompt else 0.0,
             "tokens": {"prompt": prompt, "computed": sum(x.computed_tokens for x in s), "reused": reused,
@@ -206,6 +217,9 @@ def _request_columns(samples: Sequence[RequestSample]) -> dict[str, list[Any]]:
         "ttft": [x.ttft_s for x in samples],
         "e2el": [x.e2e_s for x in samples],
         "queue": [x.queue_s for x in samples],
+        "prefill": [x.prefill_s for x in samples],
+        "prefill_compute": [x.prefill_compute_s for x in samples],
+        "load_wait": [x.load_wait_s for x in samples],
         "tpot": [x.tpot_s for x in samples],
         "itl": [list(x.itl_s) for x in samples],
         "prompt_tokens": [x.prompt_tokens for x in samples],

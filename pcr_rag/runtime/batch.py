@@ -185,6 +185,7 @@ class BatchExecutor:
             return
         m = a.request.metrics
         m.prefill_s = self.clock() - a.admitted_at
+        m.prefill_compute_s = task.step_seconds
         m.computed_tokens = task.computed_tokens
         m.reused_by_tier = dict(task.reused_by_tier)
         m.reused_tokens = sum(task.reused_by_tier.values())

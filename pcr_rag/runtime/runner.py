@@ -98,6 +98,7 @@ class PrefillTask:
         self.reused_by_tier = dict.fromkeys(TIERS, 0)
         self.memory_keys: frozenset[bytes] = frozenset()  # matched chunks served from memory
         self.load_wait_s = 0.0
+        self.step_seconds = 0.0                # seconds in its `advance` calls: begin, layers, KV waits
         self._lease = None
         self._load: PrefixLoad | None = None
         self._sources: list[LoadSource] = []
@@ -151,11 +152,13 @@ class PrefillTask:
     def _collect_sources(self, matched: int) -> None:
         cache, tiers = self.ctx.cache, self._lease.tiers
         on_ssd = [self.plan[i].key for i in range(matched) if tiers[i] in _STORED]
+        waiting_since = time.perf_counter()
         for fut in cache.pending_loads(on_ssd):  # a prefetch may be finishing: wait rather than read twice
             try:
                 fut.result(timeout=PREFETCH_WAIT_S)
             except Exception:  # noqa: BLE001 - timed out or failed: read from SSD below
                 pass
+        self.load_wait_s += time.perf_counter() - waiting_since
         last = self.total - 1
         in_memory = []
         for i in range(matched):
@@ -181,19 +184,23 @@ class PrefillTask:
         most ``budget`` tokens. ``layers(n)`` caps the layers computed now for a step of n tokens (None: all);
         the step pauses between layers and resumes at the next call. Returns the last position's logits once
         the prompt is complete, else None."""
-        if not self.begun:
-            self.begin()
-        while True:
-            try:
-                return self._step(budget, layers)
-            except PrefixLoadError as exc:
-                self.retries += 1
-                log.warning("recomputing from chunk %d: %s", exc.chunk_index, exc)
-                self._inflight = None
-                self._cancel_load()
-                self.release()
-                self._max_chunks = min(self._max_chunks, exc.chunk_index)
+        started = time.perf_counter()
+        try:
+            if not self.begun:
                 self.begin()
+            while True:
+                try:
+                    return self._step(budget, layers)
+                except PrefixLoadError as exc:
+                    self.retries += 1
+                    log.warning("recomputing from chunk %d: %s", exc.chunk_index, exc)
+                    self._inflight = None
+                    self._cancel_load()
+                    self.release()
+                    self._max_chunks = min(self._max_chunks, exc.chunk_index)
+                    self.begin()
+        finally:
+            self.step_seconds += time.perf_counter() - started
 
     def _step(self, budget: int, layers: Callable[[int], int] | None) -> torch.Tensor | None:
         step = self._inflight

@@ -178,7 +178,8 @@ def to_run_record(result: SimResult, system: SimSystem, rate: float, extra: Mapp
         RequestSample(ttft_s=o.ttft_s, e2e_s=o.e2e_s, queue_s=o.queue_s, itl_s=tuple(o.itl_s),
                       prompt_tokens=o.prompt_tokens, computed_tokens=o.computed_tokens,
                       reused_by_tier=dict(o.reused), output_tokens=o.output_tokens,
-                      prefetch_hit_chunks=o.prefetch_hit_chunks)
+                      prefetch_hit_chunks=o.prefetch_hit_chunks, prefill_s=o.first_token_s - o.start_s,
+                      prefill_compute_s=o.prefill_s, load_wait_s=o.stall_s)
         for o in result.outcomes
     ]
     c = result.counters

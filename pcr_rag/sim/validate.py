@@ -46,7 +46,9 @@ from pcr_rag.sim.trace import SimRequest
 class Comparison:
     """One (system, rate) run, measured vs simulated: mean TTFT (seconds; what the verdict judges), reused share of
     prompt tokens, and where both runs report them, mean queue time and ITL P99 (seconds: what the executor model
-    decides)."""
+    decides) and the mean split of a request's time in its row (seconds): its own prefill steps (``own``: what the
+    cost model prices) and the other requests' steps run between them (``between``: what the executor decides).
+    Mean TTFT ~= queue + own + between."""
 
     system: str
     rate: float
@@ -58,6 +60,10 @@ class Comparison:
     simulated_queue_s: float | None = None
     measured_itl_p99_s: float | None = None
     simulated_itl_p99_s: float | None = None
+    measured_own_s: float | None = None
+    simulated_own_s: float | None = None
+    measured_between_s: float | None = None
+    simulated_between_s: float | None = None
 
     @property
     def error(self) -> float:
@@ -152,8 +158,17 @@ def compare(report: Mapping[str, Any], simulated: Mapping[tuple[str, float], Map
         if sim is not None and m:
             rows.append(Comparison(key[0], key[1], float(m), float(sim["ttft"]["mean"]), run.get("reuse_ratio"),
                                    sim.get("reuse_ratio"), _stat(run, "queue", "mean"), _stat(sim, "queue", "mean"),
-                                   _stat(run, "itl", "p99"), _stat(sim, "itl", "p99")))
+                                   _stat(run, "itl", "p99"), _stat(sim, "itl", "p99"),
+                                   _stat(run, "prefill_compute", "mean"), _stat(sim, "prefill_compute", "mean"),
+                                   _between(run), _between(sim)))
     return rows
+
+
+def _between(run: Mapping[str, Any]) -> float | None:
+    """Mean seconds of other requests' steps inside a request's prefill: mean prefill - mean own prefill steps
+    (None when the run does not report both, e.g. a report from before they were recorded)."""
+    total, own = _stat(run, "prefill", "mean"), _stat(run, "prefill_compute", "mean")
+    return None if total is None or own is None or total == 0.0 else max(0.0, total - own)  # no -0 from rounding
 
 
 def _stat(run: Mapping[str, Any], what: str, stat: str) -> float | None:
@@ -178,19 +193,22 @@ def verdict(rows: Sequence[Comparison]) -> tuple[bool, str]:
 
 def format_table(rows: Sequence[Comparison]) -> str:
     lines = ["| system | rate (req/s) | measured TTFT | simulated TTFT | error | reuse measured / simulated | "
-             "queue measured / simulated | ITL P99 measured / simulated |",
-             "|---|---|---|---|---|---|---|---|"]
+             "queue measured / simulated | own prefill steps measured / simulated | "
+             "others' steps in its prefill measured / simulated | ITL P99 measured / simulated |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
 
     def pair(a: float | None, b: float | None, fmt: str) -> str:
         return " / ".join("n/a" if x is None else format(x, fmt) for x in (a, b))
 
     for r in sorted(rows, key=lambda x: (x.rate, x.system)):
         ms = [None if x is None else x * 1e3 for x in (r.measured_queue_s, r.simulated_queue_s,
+                                                       r.measured_own_s, r.simulated_own_s,
+                                                       r.measured_between_s, r.simulated_between_s,
                                                        r.measured_itl_p99_s, r.simulated_itl_p99_s)]
         lines.append(f"| {r.system} | {r.rate:.4g} | {r.measured_ttft_s * 1e3:.1f} ms | "
                      f"{r.simulated_ttft_s * 1e3:.1f} ms | {r.error:+.1%} | "
-                     f"{pair(r.measured_reuse, r.simulated_reuse, '.1%')} | {pair(ms[0], ms[1], '.0f')} ms | "
-                     f"{pair(ms[2], ms[3], '.0f')} ms |")
+                     f"{pair(r.measured_reuse, r.simulated_reuse, '.1%')} | "
+                     + " | ".join(f"{pair(ms[i], ms[i + 1], '.0f')} ms" for i in range(0, 8, 2)) + " |")
     return "\n".join(lines)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -94,8 +95,13 @@ def test_run_record_json_keys_and_values():
     assert d["tpot"]["mean"] == pytest.approx(0.1)  # one-token request has no TPOT
     assert d["itl"]["p50"] == pytest.approx(0.1)
     assert d["queue"]["mean"] == 0.25
+    assert d["prefill"]["mean"] == 0.0 and cols["prefill_compute"] == [0.0, 0.0] and cols["load_wait"] == [0.0, 0.0]
     assert d["throughput_rps"] == 0.5
     assert d["tokens"] == {"prompt": 200, "computed": 125, "reused": 75, "output": 4}
+    split = dataclasses.replace(sample(1.0), prefill_s=0.8, prefill_compute_s=0.5, load_wait_s=0.1)
+    e = RunRecord("pcr", 0.5, [split], duration_s=1.0).to_dict()
+    assert e["prefill"]["mean"] == 0.8 and e["prefill_compute"]["mean"] == 0.5
+    assert e["requests"]["load_wait"] == [0.1]
 
 
 def test_merge_repeats_and_inf_rate():

@@ -113,9 +113,12 @@ def test_long_prefill_does_not_freeze_streaming(tmp_path):
         steps_before = eng.executor.prefill_steps
         long = eng.submit(RagPrompt("long cold prompt", tuple(DOCS) * 3), SamplingParams(max_new_tokens=2))
         stamps = [time.perf_counter() for _ in it]
-        long.result(timeout=120)
+        m = long.result(timeout=120).metrics
         assert eng.executor.prefill_steps - steps_before >= 10, "the long prompt must span many prefill steps"
     assert len(stamps) >= 50
+    # its time holding a row splits into its own steps and the decode steps run between them
+    assert 0.0 <= m.load_wait_s <= m.prefill_compute_s < m.prefill_s <= m.ttft_s
+    assert m.prefill_compute_s > 0.0
     assert eng.executor.decode_steps >= 59
 
 

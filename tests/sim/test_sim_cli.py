@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pcr_rag.bench.report import RequestSample, RunRecord
 from pcr_rag.cli import main
 from pcr_rag.sim.validate import Comparison, compare, format_table, verdict
@@ -66,14 +68,19 @@ def test_validation_verdict_needs_three_systems_at_two_rates():
     assert not ok and "1 of 2" in line
     assert Comparison("pcr", 1.0, 2.0, 1.0).error == -0.5
     # queue and ITL P99 are compared where both runs report them (the executor model decides them)
-    report["runs"][0].update(queue={"mean": 0.1}, itl={"p99": 0.2})
-    near[("no-reuse", 0.5)].update(queue={"mean": 0.05}, itl={"p99": 0.25})
+    # and so is the split of a request's prefill: its own steps, and others' steps between them
+    report["runs"][0].update(queue={"mean": 0.1}, itl={"p99": 0.2}, prefill={"mean": 0.5},
+                             prefill_compute={"mean": 0.3})
+    near[("no-reuse", 0.5)].update(queue={"mean": 0.05}, itl={"p99": 0.25}, prefill={"mean": 0.4},
+                                   prefill_compute={"mean": 0.4})
     row = compare(report, near)[0]
     assert (row.measured_queue_s, row.simulated_queue_s, row.measured_itl_p99_s, row.simulated_itl_p99_s) == (
         0.1, 0.05, 0.2, 0.25)
+    assert (row.measured_own_s, row.simulated_own_s) == (0.3, 0.4)
+    assert row.measured_between_s == pytest.approx(0.2) and row.simulated_between_s == 0.0
     assert compare(report, near)[1].measured_queue_s is None
     table = format_table(compare(report, near))
-    assert "| 100 / 50 ms | 200 / 250 ms |" in table and "n/a / n/a ms" in table
+    assert "| 100 / 50 ms | 300 / 400 ms | 200 / 0 ms | 200 / 250 ms |" in table and "n/a / n/a ms" in table
 
 
 def test_simulate_cli_runs_a_cpu_profile_on_the_runtimes_executor(tmp_path):

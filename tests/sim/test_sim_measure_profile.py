@@ -56,4 +56,5 @@ def test_request_overhead_with_a_real_engine():
 
     overhead = measure_request_overhead(tiny_loaded_model("llama"), chunk_size=16, reps=2,
                                         documents=["some words here", "and a few more"])
-    assert 0.0 <= overhead < 5.0
+    # the time outside its own prefill steps, timed within each request: the loop's hand-offs, milliseconds
+    assert 0.0 <= overhead < 0.1
