@@ -71,6 +71,7 @@ class AnswerRecord:
     ttft_s: float
     queue_s: float
     prefill_s: float
+    prefill_compute_s: float
     e2e_s: float
     prompt_tokens: int
     computed_tokens: int
@@ -240,6 +241,7 @@ def _run(label: str, engine: Any, index: Any, questions: list[str], args: argpar
             ttft_s=float(raw.get("ttft_s", float("nan"))),
             queue_s=float(raw.get("queue_s", float("nan"))),
             prefill_s=float(raw.get("prefill_s") or float("nan")),
+            prefill_compute_s=float(raw.get("prefill_compute_s") or float("nan")),
             e2e_s=float(raw.get("e2e_s", float("nan"))),
             prompt_tokens=int(raw.get("prompt_tokens", 0)),
             computed_tokens=int(raw.get("computed_tokens", 0)),
@@ -256,7 +258,8 @@ def _print_answers(run: RunRecord) -> None:
         answer = a.answer if len(a.answer) <= 220 else a.answer[:217] + "..."
         _say(f"  Q{i}. {a.question}")
         _say(f"      A: {answer}")
-        _say(f"      TTFT {a.ttft_s:6.2f} s (queued {a.queue_s:5.2f} s, prefill {a.prefill_s:5.2f} s) | "
+        _say(f"      TTFT {a.ttft_s:6.2f} s (queued {a.queue_s:5.2f} s, prefill {a.prefill_s:5.2f} s of which its own "
+             f"steps {a.prefill_compute_s:5.2f} s) | "
              f"prompt {a.prompt_tokens} tokens: "
              f"DRAM {tiers.get('dram', 0) + tiers.get('device', 0)} · SSD {tiers.get('ssd', 0)} · "
              f"computed {a.computed_tokens} | sources: {', '.join(dict.fromkeys(a.sources))}")
@@ -268,6 +271,7 @@ def _summary(run: RunRecord) -> dict[str, float]:
     return {
         "mean_ttft_s": statistics.fmean(ttfts),
         "mean_prefill_s": statistics.fmean([a.prefill_s for a in run.answers]),
+        "mean_own_steps_s": statistics.fmean([a.prefill_compute_s for a in run.answers]),
         "p50_ttft_s": statistics.median(ttfts),
         "max_ttft_s": max(ttfts),
         "wall_s": run.wall_s,
@@ -282,7 +286,7 @@ def _print_comparison(on: RunRecord, off: RunRecord | None) -> int:
     s_on = _summary(on)
     s_off = _summary(off) if off is not None else None
     rows = [("mean TTFT (s)", "mean_ttft_s", "{:.2f}"), ("median TTFT (s)", "p50_ttft_s", "{:.2f}"),
-            ("mean prefill (s)", "mean_prefill_s", "{:.2f}"),
+            ("mean prefill (s)", "mean_prefill_s", "{:.2f}"), ("  its own steps", "mean_own_steps_s", "{:.2f}"),
             ("max TTFT (s)", "max_ttft_s", "{:.2f}"), ("all answers (s)", "wall_s", "{:.1f}"),
             ("prompt tokens", "prompt_tokens", "{:d}"), ("  computed", "computed_tokens", "{:d}"),
             ("  from DRAM", "from_dram", "{:d}"), ("  from SSD", "from_ssd", "{:d}")]

@@ -600,6 +600,8 @@ class _StreamDecoder:
         metrics = RequestMetrics(
             ttft_s=float(pcr.get("ttft_s", 0.0)), e2e_s=float(pcr.get("e2e_s", 0.0)),
             queue_s=float(pcr.get("queue_s", 0.0)), prefill_s=float(pcr.get("prefill_s", 0.0)),
+            prefill_compute_s=float(pcr.get("prefill_compute_s", 0.0)),
+            load_wait_s=float(pcr.get("load_wait_s", 0.0)),
             prompt_tokens=prompt_tokens, computed_tokens=int(pcr.get("computed_tokens", prompt_tokens - cached)),
             reused_tokens=cached, reused_by_tier=reused,
             generated_tokens=int(usage.get("completion_tokens") or len(self.token_ids)),

@@ -39,6 +39,7 @@ __all__ = [
     "CONFIDENCE",
     "RatioInterval",
     "RequestTable",
+    "mean_interval",
     "paired_ratio_interval",
     "requests_to_resolve",
     "statistic",
@@ -193,6 +194,20 @@ def paired_ratio_interval(
         draws = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
         ratios = fa(a, ia[draws]) / fb(b, ib[draws])
     return _interval(point, ratios, n, confidence, paired=True)
+
+
+def mean_interval(values: Sequence[float], *, resamples: int = BOOTSTRAP_RESAMPLES, confidence: float = CONFIDENCE,
+                  seed: int = 0) -> tuple[float, float] | None:
+    """Percentile-bootstrap interval ``(low, high)`` of the mean of ``values`` (one run's requests, resampled with
+    replacement): how far the mean could move with other requests of the same kind. None for fewer than 2 finite
+    values. Like every interval here, it does not cover the machine's drift between runs."""
+    x = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=float)
+    if x.size < 2:
+        return None
+    means = x[np.random.default_rng(seed).integers(0, x.size, size=(resamples, x.size))].mean(axis=1)
+    alpha = 1.0 - confidence
+    low, high = np.quantile(means, [alpha / 2, 1 - alpha / 2])
+    return float(low), float(high)
 
 
 def _completion_gaps(table: RequestTable) -> np.ndarray:

@@ -72,6 +72,10 @@ class ServerMetrics:
             model_name)
         self.prefill = hist("request_prefill_time_seconds", "Admission to first token (prefix load + prefill).",
                             _LATENCY_BUCKETS).labels(model_name)
+        self.prefill_compute = hist("request_prefill_compute_time_seconds",
+                                    "The request's own prefill steps within its prefill time (the rest: other "
+                                    "requests' decode and prefill steps run between them).",
+                                    _LATENCY_BUCKETS).labels(model_name)
         self.prompt_tokens = hist("request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS).labels(
             model_name)
         self.generation_tokens = hist("request_generation_tokens", "Generated tokens per request.",
@@ -94,6 +98,7 @@ class ServerMetrics:
         self.e2e.observe(m.e2e_s)
         self.queue.observe(m.queue_s)
         self.prefill.observe(m.prefill_s)
+        self.prefill_compute.observe(m.prefill_compute_s)
         self.prompt_tokens.observe(m.prompt_tokens)
         self.generation_tokens.observe(len(result.token_ids))
         self._generated.inc(len(result.token_ids))

@@ -339,6 +339,8 @@ def usage_body(result: GenerationResult) -> dict[str, Any]:
             "ttft_s": m.ttft_s,
             "queue_s": m.queue_s,
             "prefill_s": m.prefill_s,
+            "prefill_compute_s": m.prefill_compute_s,
+            "load_wait_s": m.load_wait_s,
             "e2e_s": m.e2e_s,
             "tpot_s": m.tpot_s,
             "documents_found": result.documents_found,

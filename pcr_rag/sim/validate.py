@@ -29,6 +29,7 @@ import torch
 from pcr_rag.bench.config import SYSTEM_PROMPT, BenchConfig, quick_config
 from pcr_rag.bench.report import load_report, write_json, write_report
 from pcr_rag.bench.serving import run_bench
+from pcr_rag.bench.stats import mean_interval
 from pcr_rag.bench.targets import SIM_VALIDATION_MIN_RATES, SIM_VALIDATION_SYSTEMS, SIM_VALIDATION_TOLERANCE
 from pcr_rag.bench.traces import build_traces
 from pcr_rag.cache import namespace_key, plan_chunks
@@ -48,7 +49,9 @@ class Comparison:
     prompt tokens, and where both runs report them, mean queue time and ITL P99 (seconds: what the executor model
     decides) and the mean split of a request's time in its row (seconds): its own prefill steps (``own``: what the
     cost model prices) and the other requests' steps run between them (``between``: what the executor decides).
-    Mean TTFT ~= queue + own + between."""
+    Mean TTFT ~= queue + own + between. ``measured_ttft_interval_s``: the 95% bootstrap interval of the measured
+    mean over the run's requests (`pcr_rag.bench.stats.mean_interval`; None without per-request columns), i.e.
+    how far the measured mean itself could move with other requests of the same kind."""
 
     system: str
     rate: float
@@ -64,13 +67,22 @@ class Comparison:
     simulated_own_s: float | None = None
     measured_between_s: float | None = None
     simulated_between_s: float | None = None
+    measured_ttft_interval_s: tuple[float, float] | None = None
+
+    @property
+    def within_interval(self) -> bool | None:
+        """Whether the simulated mean TTFT lies inside the measured mean's interval (None without one)."""
+        if self.measured_ttft_interval_s is None:
+            return None
+        low, high = self.measured_ttft_interval_s
+        return low <= self.simulated_ttft_s <= high
 
     @property
     def error(self) -> float:
         return (self.simulated_ttft_s - self.measured_ttft_s) / self.measured_ttft_s
 
     def as_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "error": self.error}
+        return {**dataclasses.asdict(self), "error": self.error, "within_interval": self.within_interval}
 
 
 def _rate(x: Any) -> float:
@@ -160,7 +172,8 @@ def compare(report: Mapping[str, Any], simulated: Mapping[tuple[str, float], Map
                                    sim.get("reuse_ratio"), _stat(run, "queue", "mean"), _stat(sim, "queue", "mean"),
                                    _stat(run, "itl", "p99"), _stat(sim, "itl", "p99"),
                                    _stat(run, "prefill_compute", "mean"), _stat(sim, "prefill_compute", "mean"),
-                                   _between(run), _between(sim)))
+                                   _between(run), _between(sim),
+                                   mean_interval((run.get("requests") or {}).get("ttft") or [])))
     return rows
 
 
@@ -186,13 +199,20 @@ def verdict(rows: Sequence[Comparison]) -> tuple[bool, str]:
                              for r in rows)
                          for s in SIM_VALIDATION_SYSTEMS)]
     ok = len(good_rates) >= SIM_VALIDATION_MIN_RATES
-    return ok, (f"{'PASS' if ok else 'MISS'}: simulated mean TTFT within {SIM_VALIDATION_TOLERANCE:.0%} of "
-                f"measured for {', '.join(SIM_VALIDATION_SYSTEMS)} at {len(good_rates)} of {len(rates)} rates "
-                f"(need {SIM_VALIDATION_MIN_RATES}): {[round(r, 4) for r in good_rates]}")
+    line = (f"{'PASS' if ok else 'MISS'}: simulated mean TTFT within {SIM_VALIDATION_TOLERANCE:.0%} of "
+            f"measured for {', '.join(SIM_VALIDATION_SYSTEMS)} at {len(good_rates)} of {len(rates)} rates "
+            f"(need {SIM_VALIDATION_MIN_RATES}): {[round(r, 4) for r in good_rates]}")
+    judged = [r for r in rows if r.within_interval is not None]
+    if judged:
+        inside = sum(r.within_interval for r in judged)
+        line += (f"; the simulated mean lies inside the measured mean's 95% interval (bootstrap over its requests) "
+                 f"for {inside} of {len(judged)} runs")
+    return ok, line
 
 
 def format_table(rows: Sequence[Comparison]) -> str:
-    lines = ["| system | rate (req/s) | measured TTFT | simulated TTFT | error | reuse measured / simulated | "
+    lines = ["| system | rate (req/s) | measured TTFT [95% interval] | simulated TTFT | error | "
+             "reuse measured / simulated | "
              "queue measured / simulated | own prefill steps measured / simulated | "
              "others' steps in its prefill measured / simulated | ITL P99 measured / simulated |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -205,8 +225,11 @@ def format_table(rows: Sequence[Comparison]) -> str:
                                                        r.measured_own_s, r.simulated_own_s,
                                                        r.measured_between_s, r.simulated_between_s,
                                                        r.measured_itl_p99_s, r.simulated_itl_p99_s)]
-        lines.append(f"| {r.system} | {r.rate:.4g} | {r.measured_ttft_s * 1e3:.1f} ms | "
-                     f"{r.simulated_ttft_s * 1e3:.1f} ms | {r.error:+.1%} | "
+        ci = ("" if r.measured_ttft_interval_s is None else
+              " [{:.0f}, {:.0f}]".format(*(x * 1e3 for x in r.measured_ttft_interval_s)))
+        inside = {True: "", False: " (outside)", None: ""}[r.within_interval]
+        lines.append(f"| {r.system} | {r.rate:.4g} | {r.measured_ttft_s * 1e3:.1f} ms{ci} | "
+                     f"{r.simulated_ttft_s * 1e3:.1f} ms{inside} | {r.error:+.1%} | "
                      f"{pair(r.measured_reuse, r.simulated_reuse, '.1%')} | "
                      + " | ".join(f"{pair(ms[i], ms[i + 1], '.0f')} ms" for i in range(0, 8, 2)) + " |")
     return "\n".join(lines)

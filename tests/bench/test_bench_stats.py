@@ -12,6 +12,7 @@ from pcr_rag.bench.report import RequestSample, RunRecord, build_report, evaluat
 from pcr_rag.bench.stats import (
     RatioInterval,
     RequestTable,
+    mean_interval,
     paired_ratio_interval,
     requests_to_resolve,
     statistic,
@@ -128,6 +129,20 @@ def test_throughput_interval_over_completion_gaps():
     assert ci.ratio == pytest.approx(2.0) and not ci.paired
     assert ci.low == pytest.approx(2.0) and ci.high == pytest.approx(2.0)  # equal gaps: no spread
     assert paired_ratio_interval(a, b, "throughput_rps") == ci
+
+
+def test_mean_interval_covers_the_true_mean_and_narrows():
+    rng = np.random.default_rng(3)
+    covered = 0
+    for trial in range(200):
+        low, high = mean_interval(rng.exponential(1.0, 40).tolist(), resamples=400, seed=trial)
+        covered += low <= 1.0 <= high
+    assert 0.85 <= covered / 200 <= 0.99  # about its 95% level (percentile bootstrap, skewed data: a little under)
+    wide = mean_interval(rng.exponential(1.0, 12).tolist())
+    narrow = mean_interval(rng.exponential(1.0, 400).tolist())
+    assert narrow[1] - narrow[0] < (wide[1] - wide[0]) / 3
+    assert mean_interval([1.0]) is None and mean_interval([1.0, float("nan")]) is None
+    assert mean_interval([2.0, 2.0, 2.0]) == (2.0, 2.0)
 
 
 def test_requests_to_resolve():

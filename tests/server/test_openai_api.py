@@ -83,6 +83,8 @@ def test_completion_matches_the_local_engine(client, engine, reference, h) -> No
     assert r.choices[0].model_extra["token_ids"] == want.token_ids
     assert r.usage.prompt_tokens_details.cached_tokens == 0
     assert r.usage.model_extra["pcr"]["documents_found"] == 1
+    pcr = r.usage.model_extra["pcr"]
+    assert 0.0 <= pcr["load_wait_s"] <= pcr["prefill_compute_s"] <= pcr["prefill_s"] <= pcr["ttft_s"]
     again = client.completions.create(model=engine.loaded.name, prompt=prompt, max_tokens=8,
                                       extra_body={"documents": [h.DOCS[2]]})
     assert again.choices[0].text == want.text and again.usage.prompt_tokens_details.cached_tokens > 0
@@ -192,7 +194,8 @@ def test_health_and_metrics(base_url, client, engine, h) -> None:
         return samples[(name, frozenset((k, f'"{v}"') for k, v in {**labels, "model_name": model}.items()))]
 
     for hist in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
-                 "request_queue_time_seconds", "request_prefill_time_seconds"):
+                 "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_prefill_compute_time_seconds"):
         assert sample(f"pcr:{hist}_count") > 0
     assert sample("pcr:prompt_tokens_by_source_total", source="dram") > 0
     assert sample("pcr:prompt_tokens_by_source_total", source="computed") > 0

@@ -81,6 +81,16 @@ def test_validation_verdict_needs_three_systems_at_two_rates():
     assert compare(report, near)[1].measured_queue_s is None
     table = format_table(compare(report, near))
     assert "| 100 / 50 ms | 300 / 400 ms | 200 / 0 ms | 200 / 250 ms |" in table and "n/a / n/a ms" in table
+    # with per-request TTFTs, the measured mean gets a bootstrap interval and the simulated mean is judged by it
+    report["runs"][0]["requests"] = {"ttft": [0.9, 1.0, 1.1, 1.0, 0.95, 1.05]}
+    report["runs"][1]["requests"] = {"ttft": [1.3, 1.2, 1.25, 1.3]}
+    rows = compare(report, near)
+    assert rows[0].measured_ttft_interval_s[0] < 1.0 < rows[0].measured_ttft_interval_s[1] < 1.1
+    assert rows[0].within_interval is False and rows[1].within_interval is False and rows[2].within_interval is None
+    near[("no-reuse", 0.5)]["ttft"] = {"mean": 1.02}
+    assert compare(report, near)[0].within_interval is True and compare(report, near)[0].as_dict()["within_interval"]
+    assert "inside the measured mean's 95% interval" in verdict(compare(report, near))[1]
+    assert "(outside)" in format_table(compare(report, near))
 
 
 def test_simulate_cli_runs_a_cpu_profile_on_the_runtimes_executor(tmp_path):

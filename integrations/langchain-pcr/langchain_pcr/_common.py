@@ -147,6 +147,7 @@ def generation_info(result: GenerationResult, model_name: str, documents: Reques
         "e2e_s": m.e2e_s,
         "queue_s": m.queue_s,
         "prefill_s": m.prefill_s,
+        "prefill_compute_s": m.prefill_compute_s,
         "prompt_tokens": m.prompt_tokens,
         "computed_tokens": m.computed_tokens,
         "reused_tokens": m.reused_tokens,

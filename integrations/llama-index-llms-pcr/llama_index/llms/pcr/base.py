@@ -320,6 +320,7 @@ class PCRLLM(FunctionCallingLLM):
             "e2e_s": m.e2e_s,
             "queue_s": m.queue_s,
             "prefill_s": m.prefill_s,
+            "prefill_compute_s": m.prefill_compute_s,
             "prefetch_hit_chunks": m.prefetch_hit_chunks,
             "announcement_claimed": m.announced,
             "documents_found": result.documents_found,
