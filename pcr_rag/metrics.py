@@ -30,7 +30,6 @@ class RequestMetrics:
     e2e_s: float = 0.0
     queue_s: float = 0.0
     prefill_s: float = 0.0
-    prefill_compute_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     computed_tokens: int = 0
@@ -41,6 +40,7 @@ class RequestMetrics:
     load_wait_s: float = 0.0
     recomputed_after_error: int = 0
     announced: bool = False
+    prefill_compute_s: float = 0.0  # last, so the fields before it keep their positions
 
     @property
     def tpot_s(self) -> float:
@@ -124,6 +124,8 @@ class MetricsRecorder:
         out["ttft"] = summarize([m.ttft_s for m in recent])
         out["e2el"] = summarize([m.e2e_s for m in recent])
         out["queue"] = summarize([m.queue_s for m in recent])
+        out["prefill"] = summarize([m.prefill_s for m in recent])
+        out["prefill_compute"] = summarize([m.prefill_compute_s for m in recent])
         out["itl"] = summarize([x for m in recent for x in m.itl_s])
         out["tpot"] = summarize([m.tpot_s for m in recent if m.itl_s])
         return out

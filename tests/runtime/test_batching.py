@@ -115,6 +115,8 @@ def test_long_prefill_does_not_freeze_streaming(tmp_path):
         stamps = [time.perf_counter() for _ in it]
         m = long.result(timeout=120).metrics
         assert eng.executor.prefill_steps - steps_before >= 10, "the long prompt must span many prefill steps"
+        summary = eng.stats().requests
+        assert 0.0 < summary["prefill_compute"]["mean"] < summary["prefill"]["mean"]
     assert len(stamps) >= 50
     # its time holding a row splits into its own steps and the decode steps run between them
     assert 0.0 <= m.load_wait_s <= m.prefill_compute_s < m.prefill_s <= m.ttft_s
