@@ -175,7 +175,8 @@ def no_reuse_capacity_rps(profile: Profile, scenario: Scenario, settings: SimSet
 def to_run_record(result: SimResult, system: SimSystem, rate: float, extra: Mapping[str, Any]) -> RunRecord:
     """A simulation result as the bench's report record (same keys as ``pcr-rag bench --json``)."""
     samples = [
-        RequestSample(ttft_s=o.ttft_s, e2e_s=o.e2e_s, queue_s=o.queue_s, itl_s=tuple(o.itl_s),
+        RequestSample(key=(0, o.rid), arrival_s=o.arrival_s,
+                      ttft_s=o.ttft_s, e2e_s=o.e2e_s, queue_s=o.queue_s, itl_s=tuple(o.itl_s),
                       prompt_tokens=o.prompt_tokens, computed_tokens=o.computed_tokens,
                       reused_by_tier=dict(o.reused), output_tokens=o.output_tokens,
                       prefetch_hit_chunks=o.prefetch_hit_chunks, prefill_s=o.first_token_s - o.start_s,

@@ -29,7 +29,7 @@ import torch
 from pcr_rag.bench.config import SYSTEM_PROMPT, BenchConfig, quick_config
 from pcr_rag.bench.report import load_report, write_json, write_report
 from pcr_rag.bench.serving import run_bench
-from pcr_rag.bench.stats import mean_interval
+from pcr_rag.bench.stats import RequestTable, mean_interval, paired_ratio_interval
 from pcr_rag.bench.targets import SIM_VALIDATION_MIN_RATES, SIM_VALIDATION_SYSTEMS, SIM_VALIDATION_TOLERANCE
 from pcr_rag.bench.traces import build_traces
 from pcr_rag.cache import namespace_key, plan_chunks
@@ -51,7 +51,10 @@ class Comparison:
     cost model prices) and the other requests' steps run between them (``between``: what the executor decides).
     Mean TTFT ~= queue + own + between. ``measured_ttft_interval_s``: the 95% bootstrap interval of the measured
     mean over the run's requests (`pcr_rag.bench.stats.mean_interval`; None without per-request columns), i.e.
-    how far the measured mean itself could move with other requests of the same kind."""
+    how far the measured mean itself could move with other requests of the same kind. ``error_interval``: the
+    95% interval of `error`, paired over the same requests (simulated / measured mean TTFT - 1, resampling request
+    keys: what request mix the run drew cancels, the per-request misfit stays); None without per-request columns.
+    A run whose interval reaches inside the tolerance has not shown an error beyond it."""
 
     system: str
     rate: float
@@ -68,6 +71,7 @@ class Comparison:
     measured_between_s: float | None = None
     simulated_between_s: float | None = None
     measured_ttft_interval_s: tuple[float, float] | None = None
+    error_interval: tuple[float, float] | None = None
 
     @property
     def within_interval(self) -> bool | None:
@@ -173,8 +177,19 @@ def compare(report: Mapping[str, Any], simulated: Mapping[tuple[str, float], Map
                                    _stat(run, "itl", "p99"), _stat(sim, "itl", "p99"),
                                    _stat(run, "prefill_compute", "mean"), _stat(sim, "prefill_compute", "mean"),
                                    _between(run), _between(sim),
-                                   mean_interval((run.get("requests") or {}).get("ttft") or [])))
+                                   mean_interval((run.get("requests") or {}).get("ttft") or []),
+                                   _error_interval(sim, run)))
     return rows
+
+
+def _error_interval(sim: Mapping[str, Any], run: Mapping[str, Any]) -> tuple[float, float] | None:
+    """The paired 95% interval of simulated / measured mean TTFT - 1 over the requests both runs hold (keys
+    ``(repeat, request id)``), or None."""
+    a, b = RequestTable.from_run(sim), RequestTable.from_run(run)
+    if a is None or b is None:
+        return None
+    ratio = paired_ratio_interval(a, b, "ttft.mean")
+    return None if ratio is None else (ratio.low - 1.0, ratio.high - 1.0)
 
 
 def _between(run: Mapping[str, Any]) -> float | None:
@@ -207,11 +222,17 @@ def verdict(rows: Sequence[Comparison]) -> tuple[bool, str]:
         inside = sum(r.within_interval for r in judged)
         line += (f"; the simulated mean lies inside the measured mean's 95% interval (bootstrap over its requests) "
                  f"for {inside} of {len(judged)} runs")
+    paired = [r for r in rows if r.error_interval is not None]
+    if paired:
+        reach = sum(r.error_interval[0] <= SIM_VALIDATION_TOLERANCE and r.error_interval[1] >= -SIM_VALIDATION_TOLERANCE
+                    for r in paired)
+        line += (f"; the error's paired 95% interval reaches within {SIM_VALIDATION_TOLERANCE:.0%} for {reach} of "
+                 f"{len(paired)} runs")
     return ok, line
 
 
 def format_table(rows: Sequence[Comparison]) -> str:
-    lines = ["| system | rate (req/s) | measured TTFT [95% interval] | simulated TTFT | error | "
+    lines = ["| system | rate (req/s) | measured TTFT [95% interval] | simulated TTFT | error [paired 95%, points] | "
              "reuse measured / simulated | "
              "queue measured / simulated | own prefill steps measured / simulated | "
              "others' steps in its prefill measured / simulated | ITL P99 measured / simulated |",
@@ -228,8 +249,10 @@ def format_table(rows: Sequence[Comparison]) -> str:
         ci = ("" if r.measured_ttft_interval_s is None else
               " [{:.0f}, {:.0f}]".format(*(x * 1e3 for x in r.measured_ttft_interval_s)))
         inside = {True: "", False: " (outside)", None: ""}[r.within_interval]
+        err_ci = ("" if r.error_interval is None else
+                  " [{:+.0f}, {:+.0f}]".format(*(x * 100 for x in r.error_interval)))
         lines.append(f"| {r.system} | {r.rate:.4g} | {r.measured_ttft_s * 1e3:.1f} ms{ci} | "
-                     f"{r.simulated_ttft_s * 1e3:.1f} ms{inside} | {r.error:+.1%} | "
+                     f"{r.simulated_ttft_s * 1e3:.1f} ms{inside} | {r.error:+.1%}{err_ci} | "
                      f"{pair(r.measured_reuse, r.simulated_reuse, '.1%')} | "
                      + " | ".join(f"{pair(ms[i], ms[i + 1], '.0f')} ms" for i in range(0, 8, 2)) + " |")
     return "\n".join(lines)

@@ -91,6 +91,17 @@ def test_validation_verdict_needs_three_systems_at_two_rates():
     assert compare(report, near)[0].within_interval is True and compare(report, near)[0].as_dict()["within_interval"]
     assert "inside the measured mean's 95% interval" in verdict(compare(report, near))[1]
     assert "(outside)" in format_table(compare(report, near))
+    # paired over the same requests (by key), the error's interval: here every request is 10% off, so is any resample
+    measured = [0.9, 1.0, 1.1, 1.0, 0.95, 1.05]
+    report["runs"][0]["requests"] = {"ttft": measured, "key": [[0, i] for i in range(6)]}
+    near[("no-reuse", 0.5)].update(ttft={"mean": 1.1}, requests={"ttft": [x * 1.1 for x in reversed(measured)],
+                                                                 "key": [[0, i] for i in reversed(range(6))]})
+    row = compare(report, near)[0]
+    assert row.error_interval == pytest.approx((0.1, 0.1)) and row.as_dict()["error_interval"] == row.error_interval
+    assert "+10.0% [+10, +10]" in format_table([row])
+    assert "paired 95% interval reaches within 15% for 1 of 1 runs" in verdict([row])[1]
+    near[("no-reuse", 0.5)]["requests"]["ttft"] = [x * 1.3 for x in reversed(measured)]
+    assert "reaches within 15% for 0 of 1 runs" in verdict(compare(report, near))[1]
 
 
 def test_simulate_cli_runs_a_cpu_profile_on_the_runtimes_executor(tmp_path):
