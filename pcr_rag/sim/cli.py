@@ -103,6 +103,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="re-simulate the runs of this `pcr-rag bench --json` report with a measured --profile and "
                         "print both side by side; 'run' = measure a profile and run `bench --quick` first, back to "
                         "back (same machine load), then compare")
+    v.add_argument("--validate-repeats", type=int, default=1, metavar="N",
+                   help="with --validate run: N > 1 runs quick's workload with N interleaved repeats of no-reuse, "
+                        "dram-only and pcr only (about 8 minutes per repeat on 2 cores), so the paired interval of "
+                        "the error narrows")
 
 
 def _budget(text: str) -> float | None:
@@ -135,6 +139,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         profile = get_profile(args.profile)
         systems = parse_systems(args.systems)
+        if args.validate_repeats < 1 or (args.validate_repeats > 1 and args.validate != "run"):
+            raise ValueError(f"--validate-repeats {args.validate_repeats}: a number >= 1, with --validate run "
+                             "(a saved report keeps the repeats it was run with)")
     except (ProfileError, UnknownSystemError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

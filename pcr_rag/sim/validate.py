@@ -3,8 +3,8 @@
 The bench's own trace builder (`pcr_rag.bench.traces.build_traces`) rebuilds the exact requests of that run from
 its config (same corpus, passages, seeds, topics); every request is then laid out with the runtime's
 `PromptBuilder` and cut with `plan_chunks`, so the simulated chunk plans are the real ones. Each system is
-simulated the way the bench ran it: one engine, the warm-up trace at once, then the rate slots in order (window
-variants: warm-up and their sweep slots only), with the bench's capacities and absolute rates, the runtime's own
+simulated the way the bench ran it: one engine, the warm-up trace at once, then every repeat's rate slots in order
+(window variants: warm-up and their sweep slots only), with the bench's capacities and absolute rates, the runtime's own
 executor (``engine-steps``: the engine's rows and ITL budget, or the system's own) and per-chunk prefill steps.
 Output tokens per request are the run's measured mean (the answers are the same for
 every system). Prints simulated vs measured mean TTFT for every run and judges the validation target
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from pcr_rag.bench.config import SYSTEM_PROMPT, BenchConfig, quick_config
-from pcr_rag.bench.report import load_report, write_json, write_report
+from pcr_rag.bench.report import RunRecord, load_report, write_json, write_report
 from pcr_rag.bench.serving import run_bench
 from pcr_rag.bench.stats import RequestTable, mean_interval, paired_ratio_interval
 from pcr_rag.bench.targets import SIM_VALIDATION_MIN_RATES, SIM_VALIDATION_SYSTEMS, SIM_VALIDATION_TOLERANCE
@@ -96,7 +96,8 @@ def _rate(x: Any) -> float:
 def bench_scenario(report: Mapping[str, Any], *, model: Any = None, tokenizer: Any = None
                    ) -> tuple[Scenario, list[float], int]:
     """The scenario of a bench report: its warm-up and measured traces as chunk plans, its capacities, its rates
-    (req/s), and its chunk size."""
+    (req/s), and its chunk size. ``scenario.traces`` holds every repeat's traces in the bench's service order,
+    repeat-major: trace ``rep * len(rates) + i`` is repeat ``rep`` at rate ``i``."""
     cfg_in = dict(report["config"])
     fields = {f.name for f in dataclasses.fields(BenchConfig)}
     kwargs = {k: v for k, v in cfg_in.items() if k in fields}
@@ -123,7 +124,7 @@ def bench_scenario(report: Mapping[str, Any], *, model: Any = None, tokenizer: A
     rates = [_rate(r) for r in cfg_in["rates"]]
     outputs = _mean_outputs(report, rates, default=bcfg.max_new_tokens)
     warm = sim(bench.warmup, bcfg.max_new_tokens)
-    traces = [sim(bench.unit_traces[(0, i)], outputs[i]) for i in range(len(rates))]
+    traces = [sim(bench.unit_traces[(rep, i)], outputs[i]) for rep in range(bcfg.repeats) for i in range(len(rates))]
     scenario = Scenario(warm, traces, int(cfg_in["dram_capacity"]), int(cfg_in["ssd_capacity"]), bench.ws_bytes,
                         float(bench.ws_info["reuse_upper_bound"]), {"bench_config": cfg_in})
     return scenario, rates, bcfg.chunk_size
@@ -145,20 +146,30 @@ def simulate_bench(report: Mapping[str, Any], profile: Profile, scenario: Scenar
     ``executor`` (the runtime's ``engine-steps`` by default; ``serial`` is how it was simulated before the runtime
     batched, kept for comparison)."""
     settings = SimSettings(max_batch=default_max_batch(executor), prefill_steps="per_chunk", executor=executor)
-    by_system: dict[str, list[int]] = {}
+    per_repeat = len(rates)
+    repeats = len(scenario.traces) // per_repeat
+    slot_rates = [rates[j % per_repeat] for j in range(len(scenario.traces))]
+    by_system: dict[str, set[int]] = {}
     for run in report["runs"]:
         rate = _rate(run["rate"])
         idx = next((i for i, r in enumerate(rates) if math.isclose(r, rate, rel_tol=1e-9)), None)
         if idx is not None:
-            by_system.setdefault(run["system"], []).append(idx)
+            by_system.setdefault(run["system"], set()).update(rep * per_repeat + idx for rep in range(repeats))
     out: dict[tuple[str, float], dict[str, Any]] = {}
     main = set(report["config"].get("systems") or ())
     for name, slots in by_system.items():
         system = get_system(name)
-        recs = run_system(profile, system, scenario, rates, settings, slots=sorted(set(slots)),
+        recs = run_system(profile, system, scenario, slot_rates, settings, slots=sorted(slots),
                           chunk_size=chunk_size, history=name in main)
-        for rec in recs:
-            out[(name, rec.rate)] = rec.to_dict()
+        merged: dict[float, RunRecord] = {}
+        for slot, rec in zip(sorted(slots), recs, strict=True):  # run_system reports its slots in order
+            rec.samples = [dataclasses.replace(x, key=(slot // per_repeat, x.key[1])) for x in rec.samples]
+            if rec.rate in merged:
+                merged[rec.rate].merge(rec)
+            else:
+                merged[rec.rate] = rec
+        for rate, rec in merged.items():
+            out[(name, rate)] = rec.to_dict()
         say(f"simulated {name}")
     return out
 
@@ -258,10 +269,21 @@ def format_table(rows: Sequence[Comparison]) -> str:
     return "\n".join(lines)
 
 
-def measure_then_bench(out_dir: str | Path, say: Callable[[str], None]) -> tuple[Profile, Path]:
-    """Measure a profile and run ``pcr-rag bench --quick`` right after it, in one process with one loaded model,
-    so both see the same machine load (on a shared machine a profile taken at another time can be several times
-    off). Returns the profile and the bench report's path."""
+def validation_config(repeats: int = 1) -> BenchConfig:
+    """The bench run ``--validate run`` measures: ``--quick``; with ``repeats`` > 1, quick's workload and rates
+    with that many interleaved repeats of the validated systems only (`SIM_VALIDATION_SYSTEMS`; no window sweep,
+    saturation or limit ratio), so the error's paired interval narrows (~``repeats`` x 12 requests per run)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if repeats == 1:
+        return quick_config()
+    return quick_config(repeats=repeats, systems=SIM_VALIDATION_SYSTEMS, windows=(), saturation=(), limit_ratio=False)
+
+
+def measure_then_bench(out_dir: str | Path, say: Callable[[str], None], repeats: int = 1) -> tuple[Profile, Path]:
+    """Measure a profile and run the bench of `validation_config` right after it, in one process with one loaded
+    model, so both see the same machine load (on a shared machine a profile taken at another time can be several
+    times off). Returns the profile and the bench report's path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
@@ -269,8 +291,8 @@ def measure_then_bench(out_dir: str | Path, say: Callable[[str], None]) -> tuple
     say("measuring the profile ...")
     profile = build_profile(loaded, name="validation", disk_dir=tempfile.gettempdir(), quick=True, say=say)
     profile.save(out / "profile.json")
-    say("running pcr-rag bench --quick ...")
-    report = run_bench(quick_config(), model=loaded.model, tokenizer=loaded.tokenizer, progress=False)
+    say(f"running pcr-rag bench --quick{f' with {repeats} repeats' if repeats > 1 else ''} ...")
+    report = run_bench(validation_config(repeats), model=loaded.model, tokenizer=loaded.tokenizer, progress=False)
     bench_path = out / "bench-quick.json"
     write_report(report, json_path=bench_path)
     return profile, bench_path
@@ -279,7 +301,7 @@ def measure_then_bench(out_dir: str | Path, say: Callable[[str], None]) -> tuple
 def run_validation(args: argparse.Namespace, profile: Profile, say: Callable[[str], None]) -> int:
     if args.validate == "run":
         out_dir = Path(args.json).with_suffix("") if args.json else Path("results") / "validation"
-        profile, bench_path = measure_then_bench(out_dir, say)
+        profile, bench_path = measure_then_bench(out_dir, say, getattr(args, "validate_repeats", 1))
         args.validate = str(bench_path)
     report = load_report(args.validate)
     if profile.source != "measured":

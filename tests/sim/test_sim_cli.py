@@ -132,3 +132,19 @@ def test_simulate_cli_runs_a_cpu_profile_on_the_runtimes_executor(tmp_path):
     assert main([*base, "--executor", "serial", "--max-batch", "4", "--quiet"]) == 2
     assert main([*base, "--itl-budget", "none", "--json", str(tmp_path / "whole.json")]) == 0
     assert json.loads((tmp_path / "whole.json").read_text())["config"]["itl_budget_steps"] is None
+
+
+def test_validation_repeats_run_the_validated_systems_only(capsys):
+    from pcr_rag.bench.targets import SIM_VALIDATION_SYSTEMS
+    from pcr_rag.sim.validate import validation_config
+
+    assert validation_config().quick and validation_config().repeats == 1
+    cfg = validation_config(3)
+    assert cfg.repeats == 3 and tuple(cfg.systems) == SIM_VALIDATION_SYSTEMS and cfg.loads == (0.7, 1.0)
+    assert cfg.windows == () and cfg.saturation == () and not cfg.limit_ratio
+    with pytest.raises(ValueError):
+        validation_config(0)
+    # refused before any work: not a number >= 1, or repeats for a saved report
+    assert main(["simulate", "--validate", "run", "--validate-repeats", "0"]) == 2
+    assert main(["simulate", "--validate", "saved.json", "--validate-repeats", "2"]) == 2
+    assert "--validate-repeats" in capsys.readouterr().err
