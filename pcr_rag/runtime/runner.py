@@ -282,6 +282,18 @@ class PrefillTask:
             self._lease = None
 
 
+def prefill_step_sizes(start: int, total: int, budget: int, block: int) -> list[int]:
+    """The tokens of each prefill step a task runs from position ``start`` to ``total``: steps of at most
+    ``budget`` tokens cut at multiples of ``block`` (`_aligned_end`), as `PrefillTask` runs them when no error
+    intervenes (what `pcr-rag simulate` models; the sizes sum to ``total - start``)."""
+    sizes, pos = [], start
+    while pos < total:
+        end = min(total, _aligned_end(pos, max(1, budget), block))
+        sizes.append(end - pos)
+        pos = end
+    return sizes
+
+
 def _aligned_end(start: int, budget: int, block: int) -> int:
     """End of a step of at most ``budget`` tokens from ``start``, cut at a multiple of ``block`` (the forward's
     attention block) when that leaves a non-empty step: after a partial hit (e.g. a cached 33-token preamble) the

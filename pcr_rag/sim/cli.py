@@ -30,7 +30,7 @@ from pcr_rag.sim.experiment import (
     speed_check,
     sweep,
 )
-from pcr_rag.sim.profiles import ProfileError, get_profile, shipped_profile_names
+from pcr_rag.sim.profiles import PREFILL_STEP_MODES, ProfileError, get_profile, shipped_profile_names
 from pcr_rag.sim.remote_link import REMOTE_LINKS, get_link
 from pcr_rag.sim.replicas import two_replica_experiment
 from pcr_rag.sim.simulator import (
@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--itl-budget", type=_budget, default=ENGINE_DEFAULT_ITL_BUDGET,
                    help="engine-steps: the ITL budget in decode steps, or 'none' for whole prefill steps (the "
                         "engine's itl_budget_steps; default %(default)s)")
-    g.add_argument("--prefill-steps", choices=("single", "per_chunk"), default=None,
+    g.add_argument("--prefill-steps", choices=PREFILL_STEP_MODES, default=None,
                    help="one forward per prefill, or one per chunk like the runtime (default: the profile's)")
     w = parser.add_argument_group("workload (the bench's generator and defaults)")
     w.add_argument("--requests", type=int, default=1000, help="measured requests per system and rate")

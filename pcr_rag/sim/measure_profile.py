@@ -18,7 +18,7 @@ What is measured (medians of repeated timings, seconds and bytes/s):
   (both timed in that request) is the per-request cost outside the model (hand-offs, the executor's loop, the
   first token's choice).
 
-On a CPU the model's "device" is host memory: the profile says ``device_is_host``, ``prefill_steps="per_chunk"``
+On a CPU the model's "device" is host memory: the profile says ``device_is_host``, ``prefill_steps="engine"`` (the runtime's fixed-size steps)
 and ``loads_share_compute`` (loads and offloads run on the cores the forward uses, so they add to its time).
 """
 
@@ -334,7 +334,7 @@ def build_profile(loaded: Any, *, name: str, disk_dir: str | Path, quick: bool =
         request_overhead_s=overhead,
         device_is_host=loaded.device.type == "cpu",
         loads_share_compute=loaded.device.type == "cpu",
-        prefill_steps="per_chunk",
+        prefill_steps="engine",
         source="measured",
         derivation={"prefill_samples": [s.__dict__ for s in samples], "torch_threads": torch.get_num_threads(),
                     "cpus": os.cpu_count(), "fingerprint": getattr(loaded, "fingerprint", ""),

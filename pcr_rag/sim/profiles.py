@@ -21,6 +21,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 GB = 1e9
+#: How a prefill's new tokens split into forward steps (`pcr_rag.sim.simulator.SimConfig.prefill_steps`).
+PREFILL_STEP_MODES: tuple[str, ...] = ("single", "engine", "per_chunk")
 GiB = float(1 << 30)
 
 
@@ -171,13 +173,13 @@ class Profile:
     request_overhead_s: float = 0.0  # per request, outside the model (tokenising, scheduling, hand-offs)
     device_is_host: bool = False
     loads_share_compute: bool = False
-    prefill_steps: str = "single"  # "single": one forward over all new tokens; "per_chunk": one per chunk
+    prefill_steps: str = "single"  # "single": one forward; "engine": the runtime's steps; "per_chunk": per chunk
     source: str = "derived"
     derivation: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.prefill_steps not in ("single", "per_chunk"):
-            raise ProfileError(f"profile {self.name!r}: prefill_steps must be 'single' or 'per_chunk'")
+        if self.prefill_steps not in PREFILL_STEP_MODES:
+            raise ProfileError(f"profile {self.name!r}: prefill_steps must be one of {list(PREFILL_STEP_MODES)}")
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if isinstance(v, float | int) and not isinstance(v, bool) and v < 0:

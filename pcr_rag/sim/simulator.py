@@ -60,7 +60,9 @@ from pcr_rag.cache import (
     VirtualPayload,
 )
 from pcr_rag.runtime.admission import PrefillOutlook, prefill_candidates, queue_candidates, rank
+from pcr_rag.runtime.forward import ATTENTION_BLOCK
 from pcr_rag.runtime.prefetcher import plan_prefetch
+from pcr_rag.runtime.runner import prefill_step_sizes
 from pcr_rag.runtime.step_budget import StepBudget
 from pcr_rag.sim.costmodel import CostModel, PrefillWork
 from pcr_rag.sim.profiles import Profile
@@ -96,8 +98,9 @@ class SimConfig:
     requests do not use (it is trimmed, LRU first, whenever they need more). ``max_batch``: the rows of the
     ``engine-steps`` executor, the running requests of ``prefill-first``; 1 for ``serial``.
     ``kv_pool_tokens`` bounds the tokens of running requests when batching (None: unbounded).
-    ``prefill_steps``: "single" (one forward over the new tokens) or "per_chunk" (one per chunk, the runtime's
-    fidelity mode). ``record_trace`` keeps the executed chunk trace (for Belady). ``executor``: see the module
+    ``prefill_steps``: "single" (one forward over the new tokens), "engine" (the runtime's steps of
+    ``prefill_chunk_tokens`` cut at its attention blocks: `pcr_rag.runtime.runner.prefill_step_sizes`) or
+    "per_chunk" (one per plan chunk: the runtime before its prefill was split-invariant). ``record_trace`` keeps the executed chunk trace (for Belady). ``executor``: see the module
     docstring; None = ``serial`` for ``max_batch`` 1, else ``prefill-first``. ``itl_budget_steps``: the
     ``engine-steps`` executor's ITL budget in decode steps (the runtime's `EngineConfig.itl_budget_steps`; None:
     prefill steps always run whole).
@@ -231,6 +234,7 @@ class Simulator:
         self.waiting: deque[SimRequest] = deque()  # arrival order; admitted in `_admission_order`
         self._prefilling: frozenset[bytes] = frozenset()  # chunk keys of the prefill in flight
         self._aging = 1024 / self.cm.compute_only_s((1024,))  # the profile's prefill speed, tokens/s
+        self._prefill_chunk_tokens = int(engine_default("prefill_chunk_tokens"))  # the "engine" steps' size
         self.running: list[_Running] = []
         self.rows: list[_Row] = []  # engine-steps: requests holding a row, in admission order
         self.budget = StepBudget(self.num_layers, config.itl_budget_steps)
@@ -433,7 +437,9 @@ class Simulator:
                 out.prefetch_hit_chunks += 1
         cached = plan[matched - 1].end if matched else 0
         out.computed_tokens = req.prompt_tokens - cached
-        if self.cfg.steps_mode == "per_chunk":
+        if self.cfg.steps_mode == "engine":
+            steps = tuple(prefill_step_sizes(cached, req.prompt_tokens, self._prefill_chunk_tokens, ATTENTION_BLOCK))
+        elif self.cfg.steps_mode == "per_chunk":
             steps = tuple(c.num_tokens for c in plan[matched:])
         else:
             steps = (req.prompt_tokens - cached,)

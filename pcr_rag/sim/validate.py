@@ -5,7 +5,7 @@ its config (same corpus, passages, seeds, topics); every request is then laid ou
 `PromptBuilder` and cut with `plan_chunks`, so the simulated chunk plans are the real ones. Each system is
 simulated the way the bench ran it: one engine, the warm-up trace at once, then every repeat's rate slots in order
 (window variants: warm-up and their sweep slots only), with the bench's capacities and absolute rates, the runtime's own
-executor (``engine-steps``: the engine's rows and ITL budget, or the system's own) and per-chunk prefill steps.
+executor (``engine-steps``: the engine's rows and ITL budget, or the system's own) and its prefill steps.
 Output tokens per request are the run's measured mean (the answers are the same for
 every system). Prints simulated vs measured mean TTFT for every run and judges the validation target
 (`pcr_rag.bench.targets`: within 15% for no-reuse, dram-only and pcr at two rates).
@@ -145,7 +145,7 @@ def simulate_bench(report: Mapping[str, Any], profile: Profile, scenario: Scenar
     """The simulated run (the bench's run dict layout) per (system, rate) for every run of the report, under
     ``executor`` (the runtime's ``engine-steps`` by default; ``serial`` is how it was simulated before the runtime
     batched, kept for comparison)."""
-    settings = SimSettings(max_batch=default_max_batch(executor), prefill_steps="per_chunk", executor=executor)
+    settings = SimSettings(max_batch=default_max_batch(executor), prefill_steps="engine", executor=executor)
     per_repeat = len(rates)
     repeats = len(scenario.traces) // per_repeat
     slot_rates = [rates[j % per_repeat] for j in range(len(scenario.traces))]

@@ -173,3 +173,14 @@ def test_a_not_begun_outlook_is_the_prompt_less_the_caches_match():
     assert PrefillOutlook.not_begun(1.0, 500, plan, None) == PrefillOutlook(1.0, 500, {}, False)
     match = SimpleNamespace(num_chunks=2, num_tokens=288)
     assert PrefillOutlook.not_begun(1.0, 500, plan, match) == PrefillOutlook(1.0, 212, {b"b": 200, b"q": 12}, False)
+
+
+def test_prefill_step_sizes_are_the_tasks_steps():
+    """The sizes `pcr-rag simulate` models are `PrefillTask`'s: at most the budget, cut at attention blocks after
+    a partial hit, summing to the tokens left."""
+    from pcr_rag.runtime.runner import prefill_step_sizes
+
+    assert prefill_step_sizes(0, 600, 256, 128) == [256, 256, 88]
+    assert prefill_step_sizes(33, 600, 256, 128) == [223, 256, 88]  # realigned to the block after 33 cached
+    assert prefill_step_sizes(600, 600, 256, 128) == [] and prefill_step_sizes(599, 600, 256, 128) == [1]
+    assert prefill_step_sizes(0, 100, 48, 128) == [48, 48, 4]  # a budget below the block: plain budget steps

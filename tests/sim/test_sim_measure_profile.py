@@ -36,7 +36,7 @@ def test_profile_of_a_tiny_model_loads_in_the_simulator(tmp_path):
 
     loaded = tiny_loaded_model("llama")
     prof = build_profile(loaded, name="tiny", disk_dir=tmp_path, quick=True, with_engine=False)
-    assert prof.source == "measured" and prof.device_is_host and prof.prefill_steps == "per_chunk"
+    assert prof.source == "measured" and prof.device_is_host and prof.prefill_steps == "engine"
     assert prof.kv_bytes_per_token == loaded.kv.bytes_per_token and prof.num_layers == loaded.kv.num_layers
     assert prof.layer_s_per_token + prof.layer_s_fixed > 0 and prof.decode_s_per_token > 0
     assert prof.decode_s_per_row >= 0  # measured over the engine's rows, all active

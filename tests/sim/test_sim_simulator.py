@@ -55,6 +55,23 @@ def test_single_request_timing_is_the_cost_model():
     assert o.computed_tokens == req.prompt_tokens
 
 
+def test_engine_steps_are_the_runtimes_prefill_steps():
+    """``prefill_steps="engine"``: a cold prompt costs the runtime's steps (`prefill_step_sizes`: 256-token steps
+    cut at its attention blocks), not one step per plan chunk."""
+    from pcr_rag.runtime.forward import ATTENTION_BLOCK
+    from pcr_rag.runtime.runner import prefill_step_sizes
+
+    cm = CostModel(_profile())
+    (req,) = _reqs([("a", "b", "c", "d", "e", "f", "g", "h", "i", "j")], [0.0], doc_tokens=30 * CS)
+    steps = prefill_step_sizes(0, req.prompt_tokens, 256, ATTENTION_BLOCK)
+    assert len(steps) < len(req.plan) and sum(steps) == req.prompt_tokens
+    engine = _sim("no-reuse", prefill_steps="engine").run([req]).outcomes[0]
+    per_chunk = _sim("no-reuse", prefill_steps="per_chunk").run([req]).outcomes[0]
+    assert engine.ttft_s == pytest.approx(cm.compute_only_s(tuple(steps)))
+    assert per_chunk.ttft_s == pytest.approx(cm.compute_only_s(tuple(c.num_tokens for c in req.plan)))
+    assert engine.ttft_s < per_chunk.ttft_s
+
+
 def test_serial_queueing_and_reuse():
     reqs = _reqs([("a", "b"), ("a", "b")], [0.0, 0.0])
     res = _sim("dram-only").run(reqs)
