@@ -18,8 +18,9 @@ What is measured (medians of repeated timings, seconds and bytes/s):
   (both timed in that request) is the per-request cost outside the model (hand-offs, the executor's loop, the
   first token's choice).
 
-On a CPU the model's "device" is host memory: the profile says ``device_is_host``, ``prefill_steps="engine"`` (the runtime's fixed-size steps)
-and ``loads_share_compute`` (loads and offloads run on the cores the forward uses, so they add to its time).
+On a CPU the model's "device" is host memory: the profile says ``device_is_host``, ``prefill_steps="engine"``
+(the runtime's fixed-size steps) and ``loads_share_compute`` (loads and offloads run on the cores the forward
+uses, so they add to its time).
 """
 
 from __future__ import annotations

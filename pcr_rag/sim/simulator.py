@@ -100,7 +100,8 @@ class SimConfig:
     ``kv_pool_tokens`` bounds the tokens of running requests when batching (None: unbounded).
     ``prefill_steps``: "single" (one forward over the new tokens), "engine" (the runtime's steps of
     ``prefill_chunk_tokens`` cut at its attention blocks: `pcr_rag.runtime.runner.prefill_step_sizes`) or
-    "per_chunk" (one per plan chunk: the runtime before its prefill was split-invariant). ``record_trace`` keeps the executed chunk trace (for Belady). ``executor``: see the module
+    "per_chunk" (one per plan chunk: the runtime before its prefill was split-invariant).
+    ``record_trace`` keeps the executed chunk trace (for Belady). ``executor``: see the module
     docstring; None = ``serial`` for ``max_batch`` 1, else ``prefill-first``. ``itl_budget_steps``: the
     ``engine-steps`` executor's ITL budget in decode steps (the runtime's `EngineConfig.itl_budget_steps`; None:
     prefill steps always run whole).
