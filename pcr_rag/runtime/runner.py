@@ -31,6 +31,7 @@ from pcr_rag.errors import PrefixLoadError
 from pcr_rag.metrics import TIERS
 from pcr_rag.requests import Request
 from pcr_rag.runtime.admission import PrefillOutlook, PrefillSpeed
+from pcr_rag.runtime.detokenize import INCOMPLETE_CHAR, IncrementalText
 from pcr_rag.runtime.forward import FastForward, run_layers
 from pcr_rag.runtime.kv_arena import RowKV
 from pcr_rag.runtime.sampling import TokenSampler
@@ -304,9 +305,6 @@ def _aligned_end(start: int, budget: int, block: int) -> int:
     return cut if cut > start else end
 
 
-_INCOMPLETE = "\ufffd"  # what a tokenizer decodes an unfinished multi-byte character to
-
-
 class DecodeRow:
     """One request's decode: picks each token from the row's logits, streams its text, applies stop strings,
     end-of-sequence and ``max_new_tokens``. Invariants: ``tokens[-1]`` sits at `position` in the row and is the
@@ -324,6 +322,7 @@ class DecodeRow:
         self.on_token = on_token
         self.sampler = TokenSampler(request.params, getattr(request, "constraint", None))
         self.tokens: list[int] = []
+        self._decoded = IncrementalText(tokenizer)
         self.text = ""
         self.finish_reason = "length"
         self.finished = False
@@ -348,7 +347,7 @@ class DecodeRow:
             return self._end("stop")
         self.sampler.accept(tok)
         self.tokens.append(tok)
-        new_text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        new_text = self._decoded.append(tok)  # the text of every token so far, decoding only the recent ones
         stop_at = _find_stop(new_text, self.params.stop, len(self.text))
         if stop_at is not None:
             delta = new_text[len(self.text): stop_at]
@@ -357,7 +356,7 @@ class DecodeRow:
             self.text = new_text[:stop_at]
             return self._end("stop")
         complete = len(new_text)
-        while complete > len(self.text) and new_text[complete - 1] == _INCOMPLETE:
+        while complete > len(self.text) and new_text[complete - 1] == INCOMPLETE_CHAR:
             complete -= 1  # a token that ends mid-character: hold the partial character back until it completes
         delta = new_text[len(self.text): complete]
         self.text = new_text[:complete]
