@@ -19,8 +19,6 @@ tokenizers, real text and random ids). It holds because
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 INCOMPLETE_CHAR = "\ufffd"  # what a tokenizer decodes an unfinished multi-byte character to
 CONTEXT_TOKENS = 4          # tokens of already-complete text decoded ahead of the new ones
 
@@ -30,14 +28,14 @@ class IncrementalText:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.tokens: list[int] = []
+        self.tokens: list[int] = []  # every token appended, in order (a decode row's answer: its one token list)
         self.full_decodes = 0     # steps that fell back to decoding every token (for tests and diagnostics)
         self._read_offset = 0     # tokens[:read_offset] decode to _read_text, which ends on a whole character
         self._read_text = ""
         self._context_text = ""   # decode(tokens[context_start:read_offset]) on its own
 
-    def _decode(self, tokens: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     @property
     def _context_start(self) -> int:

@@ -321,12 +321,16 @@ class DecodeRow:
         self.eos_ids = eos_ids
         self.on_token = on_token
         self.sampler = TokenSampler(request.params, getattr(request, "constraint", None))
-        self.tokens: list[int] = []
-        self._decoded = IncrementalText(tokenizer)
+        self._decoded = IncrementalText(tokenizer)  # holds the answer's tokens (`tokens`) and decodes them
         self.text = ""
         self.finish_reason = "length"
         self.finished = False
         self._last_t: float | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        """The answer's tokens so far (end-of-sequence excluded)."""
+        return self._decoded.tokens
 
     @property
     def position(self) -> int:
@@ -346,8 +350,7 @@ class DecodeRow:
         if tok in self.eos_ids:
             return self._end("stop")
         self.sampler.accept(tok)
-        self.tokens.append(tok)
-        new_text = self._decoded.append(tok)  # the text of every token so far, decoding only the recent ones
+        new_text = self._decoded.append(tok)  # appends to `tokens`; the text of them all, decoding the recent ones
         stop_at = _find_stop(new_text, self.params.stop, len(self.text))
         if stop_at is not None:
             delta = new_text[len(self.text): stop_at]
