@@ -25,6 +25,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 NESTED: dict[tuple[str, str], tuple[str, str]] = {
     ("bench", "kernels"): ("pcr_rag.bench.kernels", "kernel benchmark: prefill, decode vs the memory roofline, "
                                                     "weight formats, perplexity, llama.cpp peer"),
+    ("bench", "device"): ("pcr_rag.bench.device_check", "GPU check on a random-weight Llama-3-8B: batched decode vs "
+                                                        "the roofline, layer-wise overlap, profiles"),
 }
 
 

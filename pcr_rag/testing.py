@@ -12,6 +12,7 @@ few dozen tokens already exercise positions past the window.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,11 @@ _MERGES = (
 DEFAULT_VOCAB_SIZE = 320  # model embedding rows; >= tokenizer size (5 specials + 256 bytes + merges)
 DEFAULT_CONTEXT = 4096    # max_position_embeddings of the tiny models (tokens)
 DEFAULT_SLIDING_WINDOW = 16
+
+TEST_DEVICE = os.environ.get("PCR_RAG_TEST_DEVICE", "cpu")
+"""Device of the engine tests that hold on any device (fidelity, batching, overlap, small DRAM, CUDA): "cpu"
+unless the environment variable ``PCR_RAG_TEST_DEVICE`` names another, e.g. "cuda" for the GPU run
+(`pcr_rag.bench.device_check`)."""
 
 
 def tiny_tokenizer(*, model_max_length: int = DEFAULT_CONTEXT) -> Any:

@@ -91,6 +91,8 @@ def _raw_suffix_forward(model, prefix_ids: list[int], suffix_ids: list[int], dev
         cache = DynamicCache()
         model(input_ids=torch.tensor([prefix_ids], device=device), cache=cache, use_cache=True, logits_to_keep=1)
         n = len(prefix_ids)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)  # the prefix's queued kernels are not the suffix's time
         t0 = time.perf_counter()
         out = model(input_ids=torch.tensor([suffix_ids], device=device),
                     position_ids=torch.arange(n, n + len(suffix_ids), device=device).unsqueeze(0),
@@ -101,15 +103,16 @@ def _raw_suffix_forward(model, prefix_ids: list[int], suffix_ids: list[int], dev
 
 def measure_limit_ratio(model=None, tokenizer=None, *, documents: Sequence[str], query: str = "Summarize.",
                         reps: int = 5, chunk_size: int = 256, workdir: str | Path | None = None,
-                        dtype="auto") -> LimitRatioResult:
-    """Measure the limit ratios with ``documents`` as the cached prefix (see the module docstring)."""
-    loaded = load_model(model, tokenizer, dtype=dtype, device="cpu")
+                        dtype="auto", device: str = "cpu") -> LimitRatioResult:
+    """Measure the limit ratios with ``documents`` as the cached prefix (see the module docstring), on ``device``
+    (on CUDA the DRAM tier is page-locked and loads run on a side stream)."""
+    loaded = load_model(model, tokenizer, dtype=dtype, device=device)
     work = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="pcr-limit-"))
     queries = [f"{query} (variant {i})" for i in range(reps + 1)]
 
     def engine(path: Path, *, layerwise: bool, dram: int | str) -> PCREngine:
         cfg = EngineConfig(cache_dir=path, chunk_size=chunk_size, dram_capacity=dram, ssd_capacity="8GiB",
-                           layerwise=layerwise, prefetch=False, max_new_tokens=1, device="cpu")
+                           layerwise=layerwise, prefetch=False, max_new_tokens=1, device=device)
         return PCREngine(model=loaded.model, tokenizer=loaded.tokenizer, config=cfg)
 
     # Warm both caches: one with the prefix in DRAM (kept open), one SSD-only (reopened per try).
@@ -117,7 +120,7 @@ def measure_limit_ratio(model=None, tokenizer=None, *, documents: Sequence[str],
     ssd_dir = work / "ssd"
     dram_engines = {lw: engine(dram_dirs[lw], layerwise=lw, dram="4GiB") for lw in (True, False)}
     no_cache = PCREngine(model=loaded.model, tokenizer=loaded.tokenizer, config=EngineConfig(
-        cache_dir=work / "off", enable_cache=False, chunk_size=chunk_size, max_new_tokens=1, device="cpu"))
+        cache_dir=work / "off", enable_cache=False, chunk_size=chunk_size, max_new_tokens=1, device=device))
     try:
         first = None
         for eng in dram_engines.values():

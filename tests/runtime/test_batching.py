@@ -11,7 +11,7 @@ import torch
 
 from pcr_rag import ConfigError, EngineConfig, PCREngine, PromptTooLongError, RequestCancelledError
 from pcr_rag.requests import RagPrompt, SamplingParams
-from pcr_rag.testing import tiny_model
+from pcr_rag.testing import TEST_DEVICE, tiny_model
 
 DOCS = [
     "Alpha centauri is the closest star system to the Sun at about four light years away. " * 4,
@@ -25,7 +25,7 @@ QUESTIONS = [("Which star is closest?", (0, 1)), ("What makes ATP?", (1, 2)), ("
 
 def _engine(model, tok, path, **kw) -> PCREngine:
     cfg = dict(cache_dir=path, chunk_size=16, dram_capacity="32MiB", ssd_capacity="64MiB", max_new_tokens=10,
-               device="cpu", prefill_chunk_tokens=24)
+               device=TEST_DEVICE, prefill_chunk_tokens=24)
     cfg.update(kw)
     return PCREngine(model=model, tokenizer=tok, config=EngineConfig(**cfg))
 

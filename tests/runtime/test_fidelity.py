@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pcr_rag import EngineConfig, PCREngine
-from pcr_rag.testing import tiny_model
+from pcr_rag.testing import TEST_DEVICE, tiny_model
 
 DOCS = {
     "d1": "The Rhine flows from the Swiss Alps to the North Sea through Germany and the Netherlands. " * 4,
@@ -23,7 +23,7 @@ REQUESTS = [  # the issue's orders and overlaps
 
 def _engine(model, tok, tmp_path, name, **kw) -> PCREngine:
     cfg = dict(cache_dir=tmp_path / name, chunk_size=16, dram_capacity="64MiB", ssd_capacity="256MiB",
-               max_new_tokens=8, device="cpu")
+               max_new_tokens=8, device=TEST_DEVICE)
     cfg.update(kw)
     return PCREngine(model=model, tokenizer=tok, config=EngineConfig(**cfg))
 
@@ -60,13 +60,14 @@ def test_fp32_matches_transformers_generate(arch, tmp_path):
     with _engine(model, tok, tmp_path, "on") as eng:
         _run_all(eng)
         results = _run_all(eng)
+    device = next(model.parameters()).device  # where the engine put the model (TEST_DEVICE)
     for r in results:
-        ids = torch.tensor([r.prompt_token_ids])
+        ids = torch.tensor([r.prompt_token_ids], device=device)
         with torch.inference_mode():
             logits = model(input_ids=ids).logits[0, -1]
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(r.token_ids) or 1,
                                  do_sample=False, pad_token_id=tok.pad_token_id)
-        assert torch.allclose(logits, r.first_token_logits, atol=1e-4, rtol=0)
+        assert torch.allclose(logits.cpu(), r.first_token_logits.cpu(), atol=1e-4, rtol=0)
         expected = gen[0, ids.shape[1]:].tolist()
         assert r.token_ids == expected[: len(r.token_ids)]
 

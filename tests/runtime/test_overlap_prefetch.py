@@ -7,7 +7,7 @@ import time
 import torch
 
 from pcr_rag import EngineConfig, PCREngine
-from pcr_rag.testing import tiny_model
+from pcr_rag.testing import TEST_DEVICE, tiny_model
 
 DOC_A = "Kafka stores ordered records in partitions that consumers read at their own pace. " * 6
 DOC_B = "Gradient descent follows the negative gradient to reduce the loss function step by step. " * 6
@@ -16,7 +16,7 @@ DOC_C = "Bloom filters answer membership queries with false positives but never 
 
 def _engine(model, tok, path, storage=None, **kw) -> PCREngine:
     cfg = dict(cache_dir=path, chunk_size=16, dram_capacity="64MiB", ssd_capacity="256MiB", max_new_tokens=4,
-               device="cpu")
+               device=TEST_DEVICE)
     cfg.update(kw)
     return PCREngine(model=model, tokenizer=tok, config=EngineConfig(**cfg), storage=storage)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pcr_rag import EngineConfig, PCREngine
-from pcr_rag.testing import tiny_model
+from pcr_rag.testing import TEST_DEVICE, tiny_model
 
 CHUNK = 16  # tokens
 TOPICS = ["rivers", "glaciers", "volcanoes", "deserts", "forests", "oceans"]
@@ -38,7 +38,7 @@ def _run(tiny, path, **kw):
         chunk_size=CHUNK,
         ssd_capacity="64MiB",
         max_new_tokens=6,
-        device="cpu",
+        device=TEST_DEVICE,
         dtype="float32",
         **kw,
     )
