@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import statistics
 import tempfile
 import time
@@ -107,7 +108,7 @@ def measure_limit_ratio(model=None, tokenizer=None, *, documents: Sequence[str],
     """Measure the limit ratios with ``documents`` as the cached prefix (see the module docstring), on ``device``
     (on CUDA the DRAM tier is page-locked and loads run on a side stream)."""
     loaded = load_model(model, tokenizer, dtype=dtype, device=device)
-    work = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="pcr-limit-"))
+    work = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="pcr-limit-"))  # removed after
     queries = [f"{query} (variant {i})" for i in range(reps + 1)]
 
     def engine(path: Path, *, layerwise: bool, dram: int | str) -> PCREngine:
@@ -152,6 +153,8 @@ def measure_limit_ratio(model=None, tokenizer=None, *, documents: Sequence[str],
         for eng in dram_engines.values():
             eng.close()
         no_cache.close()
+        if workdir is None:  # our own temp dir: its cache directories hold the prefix's KV (GBs on a big model)
+            shutil.rmtree(work, ignore_errors=True)
 
     def ratio(xs: list[float]) -> float:
         return statistics.median(x / y for x, y in zip(xs, raw))
@@ -275,7 +278,7 @@ def measure_miss_cost(model=None, tokenizer=None, *, requests: int = 13, passes:
 
 
     loaded = load_model(model, tokenizer, dtype=dtype, device="cpu")
-    work = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="pcr-miss-"))
+    work = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="pcr-miss-"))  # removed after
     reqs = miss_trace(loaded.tokenizer, 1 + passes * requests, prompt_tokens=prompt_tokens, corpus=corpus)
     warmup = reqs[0]  # warms both engines, never measured
     trace = [reqs[1 + p * requests: 1 + (p + 1) * requests] for p in range(passes)]
@@ -305,6 +308,8 @@ def measure_miss_cost(model=None, tokenizer=None, *, requests: int = 13, passes:
     finally:
         on.close()
         off.close()
+        if workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
     m_on, m_off = results["on"], results["off"]
     ratios = [a.ttft_s / b.ttft_s for a, b in zip(m_on, m_off)]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import tempfile
 
 import pytest
 import torch
@@ -146,15 +147,17 @@ def test_quick_on_the_real_model_is_split_invariant():
     assert ppl["int8"]["vs_bf16"] < 1.05
 
 
-def test_miss_cost_runs_a_trace_that_reuses_nothing(tmp_path):
+def test_miss_cost_runs_a_trace_that_reuses_nothing(tmp_path, monkeypatch):
     from pcr_rag.bench.limit import measure_miss_cost, miss_trace
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where its own work directory goes (no workdir)
     loaded = tiny_loaded_model("llama", dtype=torch.float32)
     trace = miss_trace(loaded.tokenizer, 5, prompt_tokens=150)
     docs = [d for _, ds in trace for d in ds]
     assert len(docs) == 10 and len(set(docs)) == 10  # every document distinct
     res = measure_miss_cost(loaded.model, loaded.tokenizer, requests=2, passes=2, prompt_tokens=150,
-                            workdir=tmp_path, dtype=torch.float32, progress=False)
+                            dtype=torch.float32, progress=False)
+    assert not list(tmp_path.glob("pcr-miss-*")), "its own cache directories are removed"
     assert res.requests == 2 and res.passes == 2 and len(res.ratios) == 4
     assert all(math.isfinite(r) and r > 0 for r in res.ratios)
     assert res.ratio_median > 0 and res.ttft_on_s > 0 and res.ttft_off_s > 0
