@@ -12,7 +12,9 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda,
   'transformers', transformers.__version__)"; nproc; } 2>&1 | tee "$out/env.txt"
 # the device-agnostic engine tests on the GPU, plus the CUDA-only ones
-# (TESTS overrides the list; PYTEST_ARGS adds options, e.g. "-n 8" where pytest-xdist is installed)
+# (TESTS overrides the list; PYTEST_ARGS adds options: by default "-n 8" where pytest-xdist is installed, since
+# tiny models on a GPU are launch-bound: one process took over 150 s for half of these on an H200)
+if [ -z "${PYTEST_ARGS+x}" ] && python3 -c "import xdist" 2>/dev/null; then PYTEST_ARGS="-n 8"; fi
 tests=${TESTS:-tests/runtime/test_cuda.py tests/cache/test_device_tier.py tests/runtime/test_fidelity.py
   tests/runtime/test_batching.py tests/runtime/test_overlap_prefetch.py tests/runtime/test_small_dram.py}
 # shellcheck disable=SC2086

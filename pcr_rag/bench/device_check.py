@@ -11,6 +11,10 @@ vocabulary), figures printed as a table and written as JSON:
   smallest row count proven exact; against the roofline (weight bytes / copy bandwidth) and against transformers'
   own step over a ``DynamicCache`` (batch 1). Every timed region ends with ``torch.cuda.synchronize``;
 - **prefill**: one shot through transformers vs the forward's split-invariant prefill of the same tokens;
+- **profile**: a cached request's suffix prefill through the forward vs transformers, a cold prefill in one call vs
+  in the engine's steps, and the top ops (self CPU / self CUDA time) of one suffix prefill and one 8-row decode step;
+- **engine**: a cold request through the engine vs the same prompt through its own forward alone (the time the
+  engine adds around the forward), with the top ops of every thread;
 - **overlap**: `measure_limit_ratio` on the device: TTFT of a request whose document prefix is cached in pinned DRAM
   (and on SSD, page cache dropped) with layer-wise overlap on and off, over a raw suffix forward on a resident
   cache.
@@ -33,32 +37,31 @@ import torch
 from pcr_rag.bench.limit import default_documents, measure_limit_ratio
 from pcr_rag.runtime.forward import FastForward
 from pcr_rag.runtime.model import load_model
+from pcr_rag.sim.profiles import MODELS
 from pcr_rag.testing import tiny_config, tiny_tokenizer
 
 log = logging.getLogger(__name__)
 
 GiB = 1 << 30
 
-CONFIGS: dict[str, dict[str, Any]] = {
-    # Meta-Llama-3-8B's shape (rope scaling and tokenizer aside: neither changes a kernel's cost)
-    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
-                      rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
-    # Llama-3.2-1B's shape: a fast second point
-    "llama3-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=8192,
-                      rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True),
-}
-
-
 def random_model(name: str, device: torch.device, dtype: torch.dtype) -> Any:
-    """A random-weight causal LM of config ``name`` (`CONFIGS`, or "tiny") built directly on ``device``."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    """A random-weight causal LM built directly on ``device``: "tiny", or the shape of a model the simulator
+    knows (`pcr_rag.sim.profiles.MODELS`: Llama 2 / 3 with a Llama config, Qwen2.5 with a Qwen2 config; rope
+    scaling and the tokenizer aside, which change no kernel's cost)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     if name == "tiny":
         config = tiny_config("llama")
     else:
-        config = LlamaConfig(initializer_range=0.02, **CONFIGS[name])
+        if name not in MODELS:
+            raise ValueError(f"unknown config {name!r}; choose 'tiny' or one of {sorted(MODELS)}")
+        shape = MODELS[name]
+        make = Qwen2Config if name.startswith("qwen") else LlamaConfig
+        config = make(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+                      intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
+                      num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
+                      head_dim=shape.head_dim, max_position_embeddings=8192, initializer_range=0.02,
+                      tie_word_embeddings=False)
         config._attn_implementation = "sdpa"
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -349,7 +352,8 @@ def format_report(report: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``pcr-rag bench device`` / ``python -m pcr_rag.bench.device_check``."""
-    parser.add_argument("--config", default="llama3-8b", choices=[*CONFIGS, "tiny"])
+    parser.add_argument("--config", default="llama3-8b", choices=[*MODELS, "tiny"],
+                        help="model shape (random weights): one the simulator knows, or tiny")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batches", default="1,8,32", help="decode batches (the largest is the fixed row count)")
     parser.add_argument("--context", type=int, default=1024, help="tokens per decode row")
