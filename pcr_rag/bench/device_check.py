@@ -12,7 +12,8 @@ vocabulary), figures printed as a table and written as JSON:
   own step over a ``DynamicCache`` (batch 1). Every timed region ends with ``torch.cuda.synchronize``;
 - **prefill**: one shot through transformers vs the forward's split-invariant prefill of the same tokens;
 - **profile**: a cached request's suffix prefill through the forward vs transformers, a cold prefill in one call vs
-  in the engine's steps, and the top ops (self CPU / self CUDA time) of one suffix prefill and one 8-row decode step;
+  in the engine's steps, and the top ops (self CPU / self CUDA time) of one suffix prefill and one decode step of 8
+  active rows;
 - **engine**: a cold request through the engine vs the same prompt through its own forward alone (the time the
   engine adds around the forward), with the top ops of every thread;
 - **overlap**: `measure_limit_ratio` on the device: TTFT of a request whose document prefix is cached in pinned DRAM
@@ -171,7 +172,7 @@ def profile_rows(loaded: Any, prefix_tokens: int, suffix_tokens: int, reps: int,
     """Where a cached request's time goes, without the engine: the forward's prefill of ``suffix_tokens`` over a
     resident ``prefix_tokens`` row vs transformers' suffix forward over a resident ``DynamicCache``; a cold
     prefill of the prefix in ``step``-token calls (the engine's steps) vs one call; and the top ops (self CPU and
-    self CUDA time) of one suffix prefill and one 8-row decode step."""
+    self CUDA time) of one suffix prefill and one decode step of 8 active rows."""
     from torch.profiler import ProfilerActivity, profile
     from transformers import DynamicCache
 
@@ -196,11 +197,15 @@ def profile_rows(loaded: Any, prefix_tokens: int, suffix_tokens: int, reps: int,
                   use_cache=True, logits_to_keep=1)
             cache.crop(-suffix_tokens)  # back to the prefix (transformers 5: a negative count)
         out["suffix_transformers_s"] = _timed(hf_suffix, device, reps)
-        rows = [0] + [None] * 7
+        payload = row.chunk_payload(0, n)  # every row decodes over the same n tokens of context
+        for r in range(1, 8):
+            for layer in range(payload.shape[0]):
+                arena.row(r).load_payload_layer(layer, 0, n, payload[layer])
+        rows = list(range(8))
         tokens = torch.full((8,), 7, dtype=torch.long)
         pos = torch.full((8,), n, dtype=torch.long)
         for name, fn in (("suffix_prefill", lambda: fw.prefill(row, ids[prefix_tokens:], prefix_tokens)),
-                         ("decode_8_rows", lambda: fw.decode(arena, rows, tokens, pos, fixed_rows=True))):
+                         ("decode_8_active_rows", lambda: fw.decode(arena, rows, tokens, pos))):
             fn()
             _sync(device)
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])

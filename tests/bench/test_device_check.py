@@ -19,7 +19,7 @@ def test_every_part_measures_and_reports(tmp_path):
     assert rows[("fixed", 1)]["gemm_rows"] == 4 and rows[("fast", 1)]["gemm_rows"] <= 4
     assert all(r["ms_per_step"] > 0 and r["vs_roofline"] > 0 for r in report["decode"])
     assert [r["impl"] for r in report["prefill"]] == ["transformers", "fast"]
-    assert report["profile"]["suffix_fast_s"] > 0 and "aten::" in report["profile"]["profile_decode_8_rows_cpu"]
+    assert report["profile"]["suffix_fast_s"] > 0 and "aten::" in report["profile"]["profile_decode_8_active_rows_cpu"]
     assert report["engine"]["prompt_tokens"] > 300 and report["engine"]["engine_over_forward"] > 0
     assert "aten::" in report["engine"]["profile_engine_cold_cpu"], "the executor thread's ops are recorded"
     assert report["overlap"]["ttft_dram_s"] > 0 and report["overlap"]["prefix_tokens"] > 0
