@@ -44,6 +44,7 @@ from pcr_rag.testing import tiny_config, tiny_tokenizer
 log = logging.getLogger(__name__)
 
 GiB = 1 << 30
+PARTS: tuple[str, ...] = ("memory", "decode", "prefill", "profile", "engine", "overlap")  # in the order they run
 
 def random_model(name: str, device: torch.device, dtype: torch.dtype) -> Any:
     """A random-weight causal LM built directly on ``device``: "tiny", or the shape of a model the simulator
@@ -261,10 +262,13 @@ def engine_rows(loaded: Any, documents: Sequence[str], reps: int, work_dir: Path
 def run_device_check(*, config: str = "llama3-8b", device: str = "cuda", batches: Sequence[int] = (1, 8, 32),
                      context: int = 1024, steps: int = 8, reps: int = 5, prefill_tokens: int = 2048,
                      prefix_tokens: int = 2560, limit_reps: int = 2, copy_bytes: int = 2 * GiB,
-                     parts: Sequence[str] = ("memory", "decode", "prefill", "profile", "engine", "overlap"),
+                     parts: Sequence[str] = PARTS,
                      checkpoint: Callable[[dict], None] | None = None) -> dict:
     """Every part in ``parts`` measured in this process; the JSON report (see the module docstring).
     ``checkpoint(report so far)`` runs after each part, so a run cut short keeps what it measured."""
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        raise ValueError(f"unknown parts {unknown}; choose from {list(PARTS)}")
     done = checkpoint or (lambda _report: None)
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -368,7 +372,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cached document prefix of the overlap part (about; the prompt must fit 4,096 tokens)")
     parser.add_argument("--limit-reps", type=int, default=2)
     parser.add_argument("--copy-bytes", type=int, default=2 * GiB)
-    parser.add_argument("--parts", default="memory,decode,prefill,profile,engine,overlap")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from: {', '.join(PARTS)}")
     parser.add_argument("--json", metavar="PATH", help="write the JSON report here (after every part)")
 
 

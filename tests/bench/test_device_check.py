@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pcr_rag.bench.device_check import format_report, main, run_device_check
 
 
@@ -35,3 +37,8 @@ def test_cli_writes_json_of_the_parts_asked_for(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert "prefill" in report and "decode" not in report and "overlap" not in report
     assert "prefill fast" in capsys.readouterr().out
+
+
+def test_an_unknown_part_is_refused_before_any_work():
+    with pytest.raises(ValueError, match="unknown parts \\['decoed'\\]"):
+        run_device_check(config="tiny", device="cpu", parts=("memory", "decoed"))
