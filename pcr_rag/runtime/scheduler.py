@@ -22,7 +22,7 @@ from typing import Protocol
 
 from pcr_rag.errors import EngineClosedError, QueueFullError
 from pcr_rag.requests import Request, RequestState
-from pcr_rag.runtime.admission import PrefillOutlook, PrefillSpeed, queue_candidates, rank
+from pcr_rag.runtime.admission import PrefillOutlook, PrefillSpeed, queue_order
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +108,12 @@ class Scheduler:
             return len(self._waiting)
 
     def _ordered(self, waiting: list[Request]) -> list[Request]:
+        """``waiting`` (arrival order) in admission order (`queue_order`: the oldest `ORDER_HORIZON` ranked)."""
         if self.schedule == "fcfs" or len(waiting) < 2:
             return waiting
-        candidates = queue_candidates(self.schedule, [self.outlook_of(r) for r in waiting],
-                                      self.executor.in_flight_keys())
-        return [waiting[i] for i in rank(self.schedule, candidates, self.clock(), self.speed.tokens_per_s)]
+        order = queue_order(self.schedule, len(waiting), lambda i: self.outlook_of(waiting[i]),
+                            self.executor.in_flight_keys(), self.clock(), self.speed.tokens_per_s)
+        return [waiting[i] for i in order]
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -127,9 +128,12 @@ class Scheduler:
                     self._cond.wait()
                 if self._abort or (self._closed and ex.idle):
                     break
-                admit: list[Request] = []
-                if self._waiting and ex.free_rows:
-                    admit = self._ordered(self._waiting)[: ex.free_rows]
+                snapshot = list(self._waiting) if self._waiting and ex.free_rows else []
+            admit: list[Request] = []
+            if snapshot:  # ranked outside the lock (a cache match per request): `submit` never waits on it
+                chosen = self._ordered(snapshot)[: ex.free_rows]
+                with self._cond:  # one cancelled, failed or closed meanwhile is no longer waiting: it stays out
+                    admit = [req for req in chosen if req in self._waiting]
                     for req in admit:
                         self._waiting.remove(req)
             if admit:

@@ -3,7 +3,7 @@
 What is real: the :class:`~pcr_rag.cache.CacheEngine` (prefix tree, tiers, eviction policies, look-ahead
 protection, write-back) running on a virtual clock with metadata-only payloads and synchronous I/O, the
 runtime's :func:`~pcr_rag.runtime.prefetcher.plan_prefetch`, and its admission policy
-(:func:`~pcr_rag.runtime.admission.queue_candidates` and ``rank``). What is modelled: the time of compute and transfers
+(:func:`~pcr_rag.runtime.admission.queue_order`, ``rank``). What is modelled: the time of compute and transfers
 (:mod:`pcr_rag.sim.costmodel`) and the order of events. The simulator mirrors the runtime's request path
 (``pcr_rag/runtime/runner.py``): ``acquire(keys, max_chunks=len(plan) - 1)`` (the last chunk is always computed),
 chunks on SSD are read on demand layer by layer and copied back to DRAM afterwards, every computed chunk is inserted,
@@ -59,7 +59,7 @@ from pcr_rag.cache import (
     Tier,
     VirtualPayload,
 )
-from pcr_rag.runtime.admission import PrefillOutlook, prefill_candidates, queue_candidates, rank
+from pcr_rag.runtime.admission import PrefillOutlook, prefill_candidates, queue_order, rank
 from pcr_rag.runtime.forward import ATTENTION_BLOCK
 from pcr_rag.runtime.prefetcher import plan_prefetch
 from pcr_rag.runtime.runner import prefill_step_sizes
@@ -371,9 +371,9 @@ class Simulator:
         waiting = list(self.waiting)
         if self.sys.schedule == "fcfs" or len(waiting) < 2:
             return waiting
-        outlooks = [self._outlook(r) for r in waiting]
-        candidates = queue_candidates(self.sys.schedule, outlooks, self._prefilling)
-        return [waiting[i] for i in rank(self.sys.schedule, candidates, now, self._aging)]
+        order = queue_order(self.sys.schedule, len(waiting), lambda i: self._outlook(waiting[i]), self._prefilling,
+                            now, self._aging)
+        return [waiting[i] for i in order]
 
     def _outlook(self, req: SimRequest) -> PrefillOutlook:
         """``req`` as the runtime's waiting queue sees it (`PCREngine._waiting_outlook`): the tokens it would

@@ -7,11 +7,13 @@ import pytest
 from pcr_rag.errors import ConfigError
 from pcr_rag.runtime.admission import (
     AGING_TOKENS_PER_S,
+    ORDER_HORIZON,
     Candidate,
     PrefillOutlook,
     PrefillSpeed,
     prefill_candidates,
     queue_candidates,
+    queue_order,
     rank,
 )
 
@@ -184,3 +186,45 @@ def test_prefill_step_sizes_are_the_tasks_steps():
     assert prefill_step_sizes(33, 600, 256, 128) == [223, 256, 88]  # realigned to the block after 33 cached
     assert prefill_step_sizes(600, 600, 256, 128) == [] and prefill_step_sizes(599, 600, 256, 128) == [1]
     assert prefill_step_sizes(0, 100, 48, 128) == [48, 48, 4]  # a budget below the block: plain budget steps
+
+
+def _queue(n: int) -> list[PrefillOutlook]:
+    """``n`` waiting requests in arrival order: work falls with arrival (the newest is cheapest), and every third
+    shares its first uncached chunk with the next one."""
+    return [PrefillOutlook(float(i), 1000 - i, {bytes([i // 3 * 3]): 64, bytes([0xFF, i]): 200}, begun=False)
+            for i in range(n)]
+
+
+def test_queue_order_within_the_horizon_is_rank_of_queue_candidates():
+    waiting = _queue(40)
+    expected = rank("cache-aware", queue_candidates("cache-aware", waiting, {b"\x03"}), 50.0, 0.0)
+    got = queue_order("cache-aware", len(waiting), waiting.__getitem__, {b"\x03"}, now=50.0, aging=0.0)
+    assert got == expected and got != list(range(40))  # cache-aware reorders here
+
+
+def test_queue_order_ranks_only_the_oldest_horizon_and_asks_no_more_outlooks():
+    """Past the horizon, later arrivals wait in arrival order behind the ranked oldest ones - however little work
+    they have - and their outlooks (a cache match each) are never computed."""
+    waiting = _queue(ORDER_HORIZON + 50)
+    asked: list[int] = []
+
+    def outlook(i: int) -> PrefillOutlook:
+        asked.append(i)
+        return waiting[i]
+
+    got = queue_order("cache-aware", len(waiting), outlook, (), now=0.0, aging=0.0)
+    assert sorted(asked) == list(range(ORDER_HORIZON))
+    assert sorted(got[:ORDER_HORIZON]) == list(range(ORDER_HORIZON))
+    assert got[ORDER_HORIZON:] == list(range(ORDER_HORIZON, len(waiting)))
+    head = rank("cache-aware", queue_candidates("cache-aware", waiting[:ORDER_HORIZON], ()), 0.0, 0.0)
+    assert got[:ORDER_HORIZON] == head
+    assert queue_order("cache-aware", 10, outlook, (), now=0.0, aging=0.0, horizon=4)[4:] == list(range(4, 10))
+
+
+def test_queue_order_fcfs_is_arrival_order_without_outlooks():
+    def outlook(i: int) -> PrefillOutlook:
+        raise AssertionError("fcfs needs no outlook")
+
+    assert queue_order("fcfs", 300, outlook, (), now=0.0, aging=1.0) == list(range(300))
+    with pytest.raises(ConfigError, match="schedule must be one of"):
+        queue_order("lifo", 3, outlook, (), now=0.0, aging=1.0)

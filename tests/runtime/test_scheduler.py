@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from types import SimpleNamespace
 
 from pcr_rag.runtime.admission import PrefillOutlook, PrefillSpeed
@@ -67,3 +68,61 @@ def test_the_queue_counts_in_flight_chunks_as_reuse_and_ranks_groups():
     assert _queue("cache-aware", {b"a", b"b"}) == ["follower", "first", "second", "lone"]
     assert _queue("cache-aware", set()) == ["first", "second", "lone", "follower"]
     assert _queue("fcfs", {b"a", b"b"}) == list(OUTLOOKS)
+
+
+class _OneRowExecutor:
+    """Busy until the test frees one row; records what it admits."""
+
+    def __init__(self) -> None:
+        self.free_rows = 0
+        self.idle = False
+        self.admitted: list[str] = []
+
+    def admit(self, req) -> None:
+        self.admitted.append(req.name)
+        self.free_rows = 0
+
+    def in_flight_keys(self) -> set[bytes]:
+        return set()
+
+    def step(self) -> None:
+        time.sleep(0.001)
+
+    def fail_all(self, exc: BaseException) -> None:
+        pass
+
+
+def test_ranking_runs_outside_the_lock_and_a_request_cancelled_meanwhile_stays_out():
+    """The queue is ranked on a snapshot without holding the scheduler's lock (each outlook is a cache match:
+    tens of ms for a deep queue), so `submit` and cancellation never wait on it; a request removed while it was
+    being ranked is not admitted, the next one is."""
+    ranking, release = threading.Event(), threading.Event()
+
+    def outlook_of(req) -> PrefillOutlook:
+        if req.name == "a" and not ranking.is_set():  # the first ranking blocks here
+            ranking.set()
+            release.wait(10)
+        return PrefillOutlook(0.0, 100, {}, begun=False)
+
+    ex = _OneRowExecutor()
+    sched = Scheduler(ex, schedule="cache-aware", max_queue=16, outlook_of=outlook_of, speed=PrefillSpeed(1.0),
+                      clock=lambda: 0.0)
+    reqs = {n: SimpleNamespace(name=n, future=concurrent.futures.Future(), state=None) for n in "abc"}
+    try:
+        sched.submit(reqs["a"])
+        sched.submit(reqs["b"])
+        ex.free_rows = 1
+        assert ranking.wait(5), "the scheduler ranks the two waiting requests"
+        t0 = time.monotonic()
+        sched.submit(reqs["c"])
+        assert sched.remove_waiting(reqs["a"])
+        assert time.monotonic() - t0 < 0.5, "submit and cancel waited for the ranking"
+        release.set()
+        deadline = time.monotonic() + 5
+        while not ex.admitted and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert ex.admitted == ["b"]
+    finally:
+        release.set()
+        ex.idle = True
+        sched.close(timeout=5.0)
