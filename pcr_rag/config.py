@@ -60,7 +60,8 @@ class EngineConfig:
             numbers), so a streamed token waits about this many decode steps at most (the ITL P99/P50 the engine
             plans for; `pcr_rag.runtime.step_budget`). A cold prompt's prefill shares the time with the decode
             steps it lets through. None = prefill steps always run whole between two decode steps.
-        schedule: "fcfs" (arrival order) or "cache-aware" (least uncached work first, with aging).
+        schedule: "fcfs" (arrival order) or "cache-aware" (least uncached work first, with aging; the
+            `ORDER_HORIZON` oldest waiting requests are ranked, later ones wait in arrival order).
         weights: "bf16" (the model's own dtype), "int8" or "int4" weight-only quantization (CPU kernels PyTorch
             ships; falls back to the model dtype with a warning where unavailable). Part of the chunk keys' root.
         compile: True = `torch.compile` the forward's per-row pieces with static shapes (one graph per row count,
