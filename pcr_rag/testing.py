@@ -44,8 +44,8 @@ DEFAULT_SLIDING_WINDOW = 16
 
 TEST_DEVICE = os.environ.get("PCR_RAG_TEST_DEVICE", "cpu")
 """Device of the engine tests that hold on any device (fidelity, batching, overlap, small DRAM, CUDA): "cpu"
-unless the environment variable ``PCR_RAG_TEST_DEVICE`` names another, e.g. "cuda" for the GPU run
-(`pcr_rag.bench.device_check`)."""
+unless the environment variable ``PCR_RAG_TEST_DEVICE`` names another, e.g. "cuda" in the GPU run
+(``scripts/gpu_check.sh``)."""
 
 
 def tiny_tokenizer(*, model_max_length: int = DEFAULT_CONTEXT) -> Any:

@@ -184,10 +184,25 @@ def bench_inputs(tokenizer: Any, cfg: KernelBenchConfig) -> tuple[list[int], lis
 
 
 def copy_bandwidth_gb_s(src: torch.Tensor, dst: torch.Tensor) -> float:
-    """One copy of ``src`` into ``dst``: (bytes read + bytes written) / seconds / 1e9."""
+    """One copy of ``src`` into ``dst``: (bytes read + bytes written) / seconds / 1e9 (on a GPU, from the copy's
+    launch to its end: the device is synchronized before and after)."""
+    cuda = dst.is_cuda or src.is_cuda
+    if cuda:
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     dst.copy_(src)
+    if cuda:
+        torch.cuda.synchronize()
     return 2 * src.nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def copy_row_prefix(arena: Any, tokens: int, rows: int) -> None:
+    """Give arena rows ``1 .. rows - 1`` row 0's KV of positions ``[0, tokens)``: a decode batch whose rows all hold
+    the same context, prefilled once."""
+    payload = arena.row(0).chunk_payload(0, tokens)
+    for r in range(1, rows):
+        for layer in range(payload.shape[0]):
+            arena.row(r).load_payload_layer(layer, 0, tokens, payload[layer])
 
 
 def _rotated(items: Sequence[Any], rep: int) -> list[Any]:
@@ -303,10 +318,7 @@ class _Bench:
         arena = ref_fw.new_arena(rows_n, ctx + steps + 1)
         context = torch.tensor(self.prompt[:ctx], dtype=torch.long)
         ref_fw.prefill(arena.row(0), context, 0, want_logits=False)
-        payload = arena.row(0).chunk_payload(0, ctx)
-        for r in range(1, rows_n):
-            for layer in range(payload.shape[0]):
-                arena.row(r).load_payload_layer(layer, 0, ctx, payload[layer])
+        copy_row_prefix(arena, ctx, rows_n)
         token = int(self.prompt[ctx]) if len(self.prompt) > ctx else 0
 
         def fast(fmt: str, batch: int, fixed_rows: bool = False) -> Callable[[], float]:

@@ -24,8 +24,8 @@ prefills will compute (it reuses them once admitted), and waiting requests that 
 group, so when every row is taken the next free row goes to the request that ends the most waiting per token.
 
 Ranking a waiting queue compares every pair of requests that share uncached chunks, O(n^2) in Python: measured
-22-30 ms per admission with 200-400 requests waiting (tiny model, 3 of 40 documents each), held under the
-scheduler's lock. So `queue_order` ranks only the `ORDER_HORIZON` oldest waiting requests; later arrivals wait
+a median of 34.5 ms per admission with 200-400 requests waiting (tiny model, 3 of 40 documents each; 10.7 ms with
+the horizon below). So `queue_order` ranks only the `ORDER_HORIZON` oldest waiting requests; later arrivals wait
 behind them in arrival order (SGLang's longest-prefix policy falls back to FCFS past 128 waiting for the same
 reason). Aging already serves a deep queue's oldest requests first.
 
