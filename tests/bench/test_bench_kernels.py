@@ -176,3 +176,28 @@ def test_llamacpp_peer_worker_failures_are_peer_errors(tmp_path):
     # whatever fails in the worker (llama_cpp missing, a bad file, a crash) surfaces as PeerError, never a hang
     with pytest.raises(PeerError):
         LlamaCppPeer(bogus, threads=1, n_ctx=16, timeout_s=120)
+
+
+def test_limit_ratio_times_no_engine_on_its_first_call(tmp_path, monkeypatch):
+    """Every engine the limit ratio times has served the same prompt once, untimed (on a GPU a first call pays
+    one-time set-up per shape: counting it made the cold TTFT read 5x the forward)."""
+    from pcr_rag.bench.limit import measure_limit_ratio
+    from pcr_rag.engine import PCREngine
+
+    loaded = tiny_loaded_model("llama", dtype=torch.float32)
+    calls: dict[int, int] = {}
+    timed_first: list[bool] = []
+    real_generate = PCREngine.generate
+
+    def generate(self, *args, **kwargs):
+        calls[id(self)] = calls.get(id(self), 0) + 1
+        if not self.config.enable_cache:
+            timed_first.append(calls[id(self)] == 1)
+        return real_generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(PCREngine, "generate", generate)
+    docs = ["alpha beta gamma delta " * 20, "epsilon zeta eta theta " * 20]
+    res = measure_limit_ratio(loaded.model, loaded.tokenizer, documents=docs, reps=2, chunk_size=16,
+                              workdir=tmp_path, dtype=torch.float32)
+    assert res.ttft_uncached_s > 0 and res.reps == 2
+    assert timed_first == [True, False, False], "the cache-off engine is warmed once, then timed reps times"
