@@ -292,14 +292,14 @@ class CacheEngine:
                 )
             try:
                 reserved = [
-                    (t, copy) for t, copy in placed if self._writeback.make_room(t.tier, chunk.nbytes)
+                    (t, copy) for t, copy in placed if self._writeback.make_room(t.tier, t.charge(chunk))
                 ]
                 existing = index.get(spec.key)  # re-check: the lock may have been released for room
                 parent_gone = parent is not None and parent.removed
                 written_elsewhere = spec.key in self._writeback.writing_through
                 if existing is not None or written_elsewhere or parent_gone or not reserved:
                     for t, _ in reserved:
-                        index.release(t.tier, chunk.nbytes)
+                        index.release(t.tier, t.charge(chunk))
                 if existing is not None:
                     index.touch(existing)
                 if existing is not None or written_elsewhere:

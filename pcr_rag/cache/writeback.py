@@ -197,11 +197,12 @@ class WriteBack:
             return False
         node.tree_holds += 1
         try:
-            if self.make_room(Tier.DRAM, node.nbytes):
+            dram = index.tiers[Tier.DRAM]
+            if self.make_room(Tier.DRAM, dram.charge(node)):
                 if node.removed or node.resident_mask & tier_bit(Tier.DRAM):
-                    index.release(Tier.DRAM, node.nbytes)
+                    index.release(Tier.DRAM, dram.charge(node))
                     return False
-                index.tiers[Tier.DRAM].store(node, dram_copy)
+                dram.store(node, dram_copy)
                 index.mark_resident(node, Tier.DRAM)
                 target = self.target
                 if target is not None and not node.resident_mask & tier_bit(target.tier) and node.writeback not in (

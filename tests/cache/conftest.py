@@ -48,3 +48,28 @@ def chunks() -> Chunks:
 @pytest.fixture
 def make_payload():
     return payload_for
+
+
+@pytest.fixture
+def fake_pinned(monkeypatch) -> list[int]:
+    """No CUDA here: page-locked allocations (``torch.empty(..., pin_memory=True)``, ``Tensor.pin_memory()``) become
+    4096-aligned CPU ones, as the host allocator's are. Yields the byte sizes requested page-locked, in order."""
+    real_empty = torch.empty
+    requests: list[int] = []
+
+    def empty(*size, pin_memory=False, **kw):
+        if not pin_memory:
+            return real_empty(*size, **kw)
+        t = real_empty(*size, **kw)
+        requests.append(t.nbytes)
+        raw = real_empty(t.nbytes + 4096, dtype=torch.uint8)
+        skip = (-raw.data_ptr()) % 4096
+        return raw[skip: skip + t.nbytes].view(t.dtype).view(t.shape)
+
+    def pin(self, *args, **kw):
+        out = empty(self.shape, dtype=self.dtype, pin_memory=True)
+        return out.copy_(self)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    return requests

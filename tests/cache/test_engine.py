@@ -275,3 +275,52 @@ def test_async_writeback_never_loses_chunks_under_dram_pressure(chunks, make_pay
     assert st.bytes_high_water["dram"] <= 2 * 4 * TOKEN_BYTES
     eng.check_invariants()
     eng.close()
+
+
+def test_pinned_footprint_is_the_host_allocators_power_of_two():
+    from pcr_rag.cache.tiers.memory import pinned_footprint
+
+    assert [pinned_footprint(n) for n in (0, 1, 192, 256, 257)] == [0, 1, 256, 256, 512]
+    smollm2_chunk = 256 * 30 * 2 * 3 * 64 * 2  # tokens x layers x (K, V) x kv heads x head dim x bf16 bytes
+    assert pinned_footprint(smollm2_chunk) == 8 << 20
+
+
+def test_a_pinned_dram_tier_charges_what_is_locked_and_returns_it(chunks, fake_pinned):
+    """On a GPU host the DRAM tier's copies are page-locked, and PyTorch's host allocator rounds each up to a power
+    of two: the budget counts that, so it bounds the memory really locked (a 192-byte chunk locks 256 bytes)."""
+    from pcr_rag.cache.tiers.base import ChunkRecord
+    from pcr_rag.cache.tiers.memory import MemoryTier
+
+    record = ChunkRecord(key=b"k" * 16, parent_key=b"p" * 16, parent_is_root=True, num_tokens=4, partial=False,
+                         tokens_digest=None, nbytes=192, num_layers=2)
+    assert MemoryTier(Tier.DRAM, 1024, pin_memory=True).charge(record) == 256
+    assert MemoryTier(Tier.DRAM, 1024).charge(record) == 192  # unpinned: the payload's bytes
+    assert MemoryTier(Tier.DRAM, 1024, pin_memory=True).charge(record._replace(virtual=True)) == 192
+
+    eng = CacheEngine(CacheConfig(chunk_size=4, dram_bytes=3 * 256, sync_io=True, device="cuda:0", pin_memory=True),
+                      clock=ManualClock())
+    path = [chunks.child(None, [i, i, i, i]) for i in range(4)]  # four documents' first chunks
+    for i, spec in enumerate(path):  # 192 bytes each
+        assert eng.insert(spec, torch.full((2, 2, 1, 4, 3), float(i)))
+        eng.check_invariants()
+    assert eng.stats().bytes_used["dram"] == 3 * 256, "three chunks lock 256 bytes each; the fourth evicted one"
+    assert eng.stats().chunks["dram"] == 3
+    assert eng.evict(Tier.DRAM, 3 * 256) == 3 * 256
+    assert eng.stats().bytes_used["dram"] == 0
+    eng.check_invariants()
+
+
+def test_loads_into_a_pinned_dram_tier_charge_the_locked_bytes(chunks, fake_pinned):
+    eng = CacheEngine(CacheConfig(chunk_size=4, dram_bytes=2 * 256, ssd_bytes=8 * 4096, sync_io=True,
+                                  device="cuda:0", pin_memory=True), clock=ManualClock(), storage=MemoryBackend())
+    path = [chunks.child(None, [i, i, i, i]) for i in range(4)]
+    for i, spec in enumerate(path):  # 192 bytes each, 256 locked
+        assert eng.insert(spec, torch.full((2, 2, 1, 4, 3), float(i)))
+    assert eng.stats().chunks["dram"] == 2 and eng.stats().chunks["ssd"] == 4
+    assert eng.load([path[0].key, path[1].key]) == 2  # from SSD, evicting the two in DRAM
+    assert eng.stats().bytes_used["dram"] == 2 * 256
+    assert torch.equal(eng.get_payload(path[0].key), torch.full((2, 2, 1, 4, 3), 0.0))
+    eng.check_invariants()
+    assert eng.insert(path[2], torch.full((2, 2, 1, 4, 3), 2.0))  # a refresh of a chunk only on SSD
+    assert eng.stats().bytes_used["dram"] == 2 * 256
+    eng.check_invariants()

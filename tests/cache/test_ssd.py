@@ -269,3 +269,24 @@ def test_unusable_cache_dir_disables_the_ssd_tier(tmp_path, chunks, make_payload
     assert eng.insert(spec, make_payload(spec))
     assert eng.match([spec.key]).num_chunks == 1
     eng.close()
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+@pytest.mark.parametrize("shape", [(2, 2, 2, 256, 8), (3, 2, 1, 5, 8)])  # 4096-multiple payload / ragged one
+def test_page_locked_reads_lock_the_payload_alone(tmp_path, chunks, fake_pinned, direct_io, shape):
+    """On a GPU host a chunk read for the DRAM tier is page-locked and that tier keeps it: the buffer must hold the
+    payload alone, with no header and no alignment slack, because the host allocator rounds the request up to a
+    power of two (a 32 MiB chunk read with its header would lock 64 MiB)."""
+    store = SSDStore(LocalDirBackend(tmp_path, direct_io=direct_io), pin_memory=True)
+    spec = chunks.child(None, [1] * shape[3])
+    payload = torch.randn(shape).to(torch.bfloat16)
+    store.write(ChunkMeta(spec.key, spec.parent, True, shape[3], False, b"\x00" * 16), payload)
+    fake_pinned.clear()
+    assert store.read(spec.key).view(torch.uint8).equal(payload.view(torch.uint8))
+    padded = -(-payload.nbytes // 4096) * 4096
+    assert fake_pinned == [padded], "one page-locked buffer, of the payload's padded size"
+    reopened = SSDStore(LocalDirBackend(tmp_path, direct_io=direct_io), pin_memory=True)  # no index: step by step
+    reopened.recover()
+    fake_pinned.clear()
+    assert reopened.read(spec.key).view(torch.uint8).equal(payload.view(torch.uint8))
+    assert fake_pinned == [padded]

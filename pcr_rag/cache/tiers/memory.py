@@ -3,7 +3,8 @@
 ``place`` makes the copy the tier keeps: for DRAM a CPU tensor (page-locked when ``pin_memory``), for a device
 tier a tensor on that device; it runs outside the engine lock. ``store``/``drop`` only file the copy under its
 key. Copies are used in place, so reads cannot fail while the copy is held (a missing one raises
-``ChunkNotFoundError``). Byte accounting is the payload's ``nbytes``. A host tier with a ``buffers`` pool gives
+``ChunkNotFoundError``). Byte accounting is the payload's ``nbytes``, except in a page-locked host tier, which
+charges what PyTorch's caching host allocator reserves for it (`pinned_footprint`). A host tier with a ``buffers`` pool gives
 every dropped copy to it, so a new chunk's payload can reuse the bytes without fresh page faults (`BufferPool`).
 """
 
@@ -16,7 +17,15 @@ from pcr_rag.cache.errors import ChunkNotFoundError
 from pcr_rag.cache.payload import Payload, VirtualPayload
 from pcr_rag.cache.tiers.base import ChunkRef, PayloadLayers, Tier, TierKind, TierRecovery
 
-__all__ = ["MemoryTier"]
+__all__ = ["MemoryTier", "pinned_footprint"]
+
+
+def pinned_footprint(nbytes: int) -> int:
+    """Bytes of page-locked memory a pinned CPU tensor of ``nbytes`` holds: PyTorch's caching host allocator rounds
+    every request up to a power of two (its default ``pinned_max_round_threshold``), so a 5.9 MB SmolLM2 chunk
+    locks 8 MiB and a 129-token partial chunk as much as a whole one. A pinned tier charges this, so its budget
+    bounds the memory really locked, not the payloads' bytes."""
+    return 1 << (int(nbytes) - 1).bit_length() if nbytes > 0 else 0
 
 
 class MemoryTier:
@@ -37,7 +46,8 @@ class MemoryTier:
         self._copies: dict[bytes, Payload] = {}
 
     def charge(self, chunk: ChunkRef) -> int:
-        return chunk.nbytes
+        pinned = self.pin_memory and self.device is None and not chunk.virtual
+        return pinned_footprint(chunk.nbytes) if pinned else chunk.nbytes
 
     def place(self, payload: Payload) -> Payload:
         if isinstance(payload, VirtualPayload):

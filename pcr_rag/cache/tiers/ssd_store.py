@@ -44,7 +44,13 @@ class RecoveryReport:
 
 
 def _aligned_buffer(nbytes: int, pin_memory: bool) -> torch.Tensor:
-    """``nbytes`` uninitialised bytes whose storage starts 4096-aligned (an O_DIRECT read lands in it directly)."""
+    """``nbytes`` uninitialised bytes whose storage starts 4096-aligned (an O_DIRECT read lands in it directly).
+    Page-locked buffers come page-aligned from the host allocator, so they get no slack: it rounds every request up
+    to a power of two, and 4 KiB of slack would double a 32 MiB chunk's locked memory (`pinned_footprint`)."""
+    if pin_memory:
+        raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if raw.data_ptr() % ALIGN == 0:
+            return raw
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
     skip = (-raw.data_ptr()) % ALIGN
     return raw[skip : skip + nbytes]
@@ -156,9 +162,14 @@ class SSDStore:
         self, key: bytes, file_bytes: int, data_offset: int, out: torch.Tensor | None = None
     ) -> torch.Tensor | None:
         """Header and payload in one I/O: into one aligned buffer (the payload tensor is a view past the header),
-        or header into scratch and payload straight into ``out``. None when the file is not the size the index
-        expects or ``out`` does not fit the fast path (the caller then reads step by step)."""
+        or header into scratch and payload straight into ``out`` - or, page-locked, into a buffer of the payload's
+        own (the copy a pinned DRAM tier keeps then locks no header bytes: `pinned_footprint`). None when the file
+        is not the size the index expects or ``out`` does not fit the fast path (the caller then reads step by
+        step)."""
         padded_payload = file_bytes - data_offset
+        own = None  # a page-locked payload buffer of this read's own
+        if out is None and self.pin_memory:
+            own = _aligned_buffer(padded_payload, True)
         if out is not None and (
             out.nbytes != padded_payload or not out.is_contiguous() or out.device.type != "cpu"
         ):
@@ -167,7 +178,7 @@ class SSDStore:
         try:
             if reader.size != file_bytes:
                 return None
-            if out is None:
+            if out is None and own is None:
                 body = _aligned_buffer(file_bytes, self.pin_memory)
                 got = reader.readv_at(0, [memoryview(body.numpy())])
                 head = memoryview(body.numpy())[:data_offset]
@@ -176,7 +187,7 @@ class SSDStore:
                 head = aligned_scratch(data_offset, "ssd-header")[
                     :data_offset
                 ]  # copied out by bytes(head) below
-                payload_bytes = byte_view(out)
+                payload_bytes = memoryview(own.numpy()) if own is not None else byte_view(out)
                 got = reader.readv_at(0, [head, payload_bytes])
         finally:
             reader.close()
@@ -188,6 +199,8 @@ class SSDStore:
         check_layers(header, payload_bytes[: header.payload_nbytes], key)
         if out is not None:
             return out
+        if own is not None:
+            return own[: header.payload_nbytes].view(header.dtype).view(header.shape)
         return body[data_offset : data_offset + header.payload_nbytes].view(header.dtype).view(header.shape)
 
     def open_layers(self, key: bytes) -> SSDLayerReader:
