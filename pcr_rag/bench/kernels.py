@@ -19,6 +19,14 @@ Sections:
   comparison (same numbers). Plus transformers' own decode step at batch 1 (a DynamicCache of the same context)
   as a reference. ``tokens_per_s`` = batch / step time. The context KV is computed once by the bf16 forward and copied
   into every row (a step's time does not depend on the KV's values).
+- **invariance**: what fixed shapes cost. For each count k of active rows (``--invariance-rows``, default 1 ..
+  ``batch_rows``): the engine's step (k rows of a ``batch_rows``-row batch, GEMMs at the smallest proven-exact row
+  count that holds them, padding included) vs the fastest batching without fixed shapes that we could build: a
+  forward prepacked for exactly k rows, so its GEMMs run k rows and a row's numbers change with the batch size
+  (attention per row in both: one padded call over all rows was slower here, and not exact either). bf16, paired per
+  repetition; ``fixed_over_free`` is the median of the paired ratios. Issue 11 asks for a ``batch_invariant=False``
+  mode only if fixed shapes cost more than 15% (the ``decode_fixed_shapes_vs_free`` target, on the geometric mean
+  over k; k = ``batch_rows`` runs the same forward twice: the noise floor).
 - **roofline**: ``roofline_ms`` = weight bytes one decode step reads (`FastForward.weight_bytes`) / memory
   bandwidth. The bandwidth is measured in the same run, interleaved with the decode repetitions, by copying a
   buffer larger than the last-level cache: bytes read + bytes written per second, best of the tries (a limit).
@@ -96,6 +104,7 @@ class KernelBenchConfig:
     decode_context: int = 512
     decode_steps: int = 8             # timed steps per try (the try's figure is their median)
     decode_reps: int = 5
+    invariance_rows: tuple[int, ...] | None = None  # active-row counts of the invariance section; None = 1..batch_rows
     ppl_passages: int = 8
     ppl_tokens: int = 384             # tokens per perplexity passage
     bandwidth_bytes: int = 512 * MiB  # copy buffer (larger than the last-level cache)
@@ -108,7 +117,8 @@ class KernelBenchConfig:
     def quick(cls, **changes: Any) -> KernelBenchConfig:
         """The ``--quick`` preset: the same rows on tiny inputs (well under a minute on a small model)."""
         base = cls(prompt_tokens=160, chunk_sizes=(32, 64), prefill_reps=2, decode_context=48, decode_steps=2,
-                   decode_reps=2, ppl_passages=2, ppl_tokens=48, bandwidth_bytes=64 * MiB, profile_top=8)
+                   decode_reps=2, invariance_rows=(3, 8), ppl_passages=2, ppl_tokens=48, bandwidth_bytes=64 * MiB,
+                   profile_top=8)
         return dataclasses.replace(base, **changes)
 
     @property
@@ -117,6 +127,12 @@ class KernelBenchConfig:
         largest chunk size measured."""
         plan = _default_plan()
         return plan if plan in self.chunk_sizes else max(self.chunk_sizes)
+
+    @property
+    def active_row_counts(self) -> tuple[int, ...]:
+        """The invariance section's active-row counts."""
+        rows = self.invariance_rows
+        return tuple(range(1, self.batch_rows + 1)) if rows is None else tuple(rows)
 
     def validate(self) -> None:
         for name in ("prompt_tokens", "prefill_reps", "batch_rows", "decode_context", "decode_steps", "decode_reps",
@@ -130,6 +146,9 @@ class KernelBenchConfig:
             raise ValueError(f"chunk_sizes must be positive token counts, got {self.chunk_sizes}")
         if not self.decode_batches or any(not 1 <= b <= self.batch_rows for b in self.decode_batches):
             raise ValueError(f"decode_batches must lie in [1, batch_rows={self.batch_rows}], got {self.decode_batches}")
+        if any(not 1 <= k <= self.batch_rows for k in self.active_row_counts):
+            raise ValueError(f"invariance_rows must lie in [1, batch_rows={self.batch_rows}], got "
+                             f"{self.invariance_rows}")
         for fmt in (*self.weight_formats, *self.prefill_formats):
             if fmt not in WEIGHT_FORMATS:
                 raise ValueError(f"unknown weight format {fmt!r}; valid: {list(WEIGHT_FORMATS)}")
@@ -393,6 +412,49 @@ class _Bench:
         }
         return out, memory
 
+    # ------------------------------------------------------------------------------------------ invariance
+    def invariance(self) -> dict:
+        """Fixed-shape decode vs decode in exactly k rows, per active-row count k (see the module docstring)."""
+        cfg = self.cfg
+        ctx, steps, rows_n = cfg.decode_context, cfg.decode_steps, cfg.batch_rows
+        fixed_fw = self.forwards["bf16"]
+        shape = {k: v for k, v in (("tile_rows", cfg.tile_rows), ("attention_block", cfg.attention_block))
+                 if v is not None}
+        counts = cfg.active_row_counts
+        free_fws = {k: fixed_fw if k == rows_n else
+                    FastForward(self.loaded, weights=self.ran_as["bf16"], batch_rows=k, max_positions=self.capacity + 1,
+                                **shape) for k in counts}
+        arena = fixed_fw.new_arena(rows_n, ctx + steps + 1)
+        fixed_fw.prefill(arena.row(0), torch.tensor(self.prompt[:ctx], dtype=torch.long), 0, want_logits=False)
+        copy_row_prefix(arena, ctx, rows_n)
+
+        def steps_of(fw: FastForward, rows: list[int | None]) -> Callable[[], float]:
+            n = len(rows)
+
+            def run() -> float:
+                times = []
+                for s in range(steps):
+                    tokens = torch.full((n,), 7, dtype=torch.long)
+                    pos = torch.full((n,), ctx + s, dtype=torch.long)
+                    t0 = time.perf_counter()
+                    fw.decode(arena, rows, tokens, pos)
+                    times.append(time.perf_counter() - t0)
+                return _median(times)
+            return run
+
+        pairs = {k: (_Variant(f"fixed/{k}", steps_of(fixed_fw, [r if r < k else None for r in range(rows_n)])),
+                     _Variant(f"free/{k}", steps_of(free_fws[k], list(range(k))))) for k in counts}
+        _interleaved([v for pair in pairs.values() for v in pair], cfg.decode_reps, self.progress, "invariance")
+        rows = []
+        for k, (fixed, free) in pairs.items():
+            ratios = [a / b for a, b in zip(fixed.times, free.times)]
+            rows.append({"active_rows": k, "fixed_gemm_rows": fixed_fw.decode_rows_for(k), "free_gemm_rows": k,
+                         "fixed_ms": _median(fixed.times) * 1e3, "free_ms": _median(free.times) * 1e3,
+                         "fixed_over_free": _median(ratios), "tries": len(ratios)})
+        ratios = [r["fixed_over_free"] for r in rows]
+        return {"rows": rows, "geomean_fixed_over_free": math.exp(statistics.fmean(math.log(x) for x in ratios)),
+                "max_fixed_over_free": max(ratios), "batch_rows": rows_n, "context": ctx, "weights": "bf16"}
+
     # -------------------------------------------------------------------------------------------- profile
     def profile(self) -> dict:
 
@@ -557,6 +619,8 @@ def _targets(report: dict) -> dict:
     peer = report.get("peer")
     quant = [peer["ours_b1_vs_peer"][f] for f in ("int4", "int8") if peer and f in peer["ours_b1_vs_peer"]]
     put("decode_quantized_b1_vs_peer", min(quant) if quant else None, True)
+    inv = report.get("invariance")
+    put("decode_fixed_shapes_vs_free", inv["geomean_fixed_over_free"] if inv else None, True)
     return out
 
 
@@ -577,18 +641,18 @@ def run_kernel_bench(cfg: KernelBenchConfig, loaded: Any = None, *, progress: bo
         log.info("kernel bench: %s, %s, %d threads, prompt %d tokens", loaded.name, loaded.dtype,
                  torch.get_num_threads(), len(bench.prompt))
         sections = {}
-        for name, section in (("prefill", bench.prefill), ("decode", bench.decode), ("profile", bench.profile),
-                              ("perplexity", bench.perplexity)):
+        for name, section in (("prefill", bench.prefill), ("decode", bench.decode), ("invariance", bench.invariance),
+                              ("profile", bench.profile), ("perplexity", bench.perplexity)):
             t0 = time.perf_counter()
             sections[name] = section()
             log.info("kernel bench: %s measured in %.0f s", name, time.perf_counter() - t0)
-        prefill, (decode, memory), profile, perplexity = (sections[k] for k in ("prefill", "decode", "profile",
-                                                                                 "perplexity"))
+        prefill, (decode, memory), invariance, profile, perplexity = (
+            sections[k] for k in ("prefill", "decode", "invariance", "profile", "perplexity"))
         peer = bench.peer_report(decode)
         report = {
             "roofline_ms": memory["roofline_ms_by_weights"]["bf16"],
             "bandwidth_gb_s": memory["bandwidth_gb_s"],
-            "decode": decode, "prefill": prefill, "perplexity": perplexity, "peer": peer,
+            "decode": decode, "prefill": prefill, "invariance": invariance, "perplexity": perplexity, "peer": peer,
             "peer_skipped": None if peer is not None else getattr(bench, "peer_skip_reason", None),
             "profile": profile, "memory": memory,
             "config": {**dataclasses.asdict(cfg), "default_plan": cfg.default_plan},
@@ -654,6 +718,14 @@ def format_report(report: dict) -> str:
     parts.append(_table(("batch", "weights", "impl", "gemm_rows", "ms/step", "tokens/s", "vs_roofline"),
                         [(r["batch"], r["weights"], r["impl"], r.get("gemm_rows", "-"), _fmt(r["ms_per_step"], ".1f"),
                           _fmt(r["tokens_per_s"], ".1f"), _fmt(r["vs_roofline"], ".1f")) for r in report["decode"]]))
+    inv = report.get("invariance")
+    if inv:
+        parts += ["", f"Invariance (bf16, context {inv['context']}): the engine's fixed-shape step vs a forward "
+                      f"that runs exactly the active rows (non-invariant); fixed_over_free = median of paired ratios; "
+                      f"geometric mean {inv['geomean_fixed_over_free']:.3f}, max {inv['max_fixed_over_free']:.3f}:"]
+        parts.append(_table(("active rows", "fixed gemm_rows", "fixed ms", "free ms", "fixed_over_free"),
+                            [(r["active_rows"], r["fixed_gemm_rows"], _fmt(r["fixed_ms"], ".1f"),
+                              _fmt(r["free_ms"], ".1f"), _fmt(r["fixed_over_free"], ".3f")) for r in inv["rows"]]))
     ppl = report["perplexity"]
     parts += ["", f"Perplexity ({ppl['passages']} passages x {ppl['tokens_per_passage']} tokens; {ppl['method']}):"]
     parts.append(_table(("weights", "perplexity", "vs_bf16", "fast vs emulated last logits, max abs diff"),
@@ -707,6 +779,13 @@ def check_report(report: dict) -> None:
             positive(f"prefill {r['chunk_size']} {k}", r[k])
     for fmt, row in report["perplexity"]["by_weights"].items():
         positive(f"perplexity {fmt}", row["perplexity"])
+    inv = report.get("invariance")
+    if inv is not None:
+        if not inv.get("rows"):
+            raise ValueError("invariance must have rows (or be absent)")
+        for r in inv["rows"]:
+            for k in ("fixed_ms", "free_ms", "fixed_over_free"):
+                positive(f"invariance {r.get('active_rows')} {k}", r[k])
     if report["peer"] is not None and not isinstance(report["peer"], dict):
         raise ValueError("peer must be an object or null")
     if not isinstance(report["profile"], dict) or not report["profile"]:
@@ -735,7 +814,8 @@ _OPTIONS = {  # argument name -> KernelBenchConfig field
     "model": "model", "dtype": "dtype", "threads": "threads", "corpus": "corpus", "prompt_tokens": "prompt_tokens",
     "chunk_sizes": "chunk_sizes", "weights": "weight_formats", "reps": "prefill_reps", "decode_reps": "decode_reps",
     "decode_context": "decode_context", "decode_steps": "decode_steps", "batches": "decode_batches",
-    "ppl_passages": "ppl_passages", "ppl_tokens": "ppl_tokens", "tile_rows": "tile_rows",
+    "invariance_rows": "invariance_rows", "ppl_passages": "ppl_passages", "ppl_tokens": "ppl_tokens",
+    "tile_rows": "tile_rows",
     "attention_block": "attention_block",
 }
 
@@ -762,6 +842,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-context", type=int, help="context tokens per decode row (default 512)")
     parser.add_argument("--decode-steps", type=int, help="timed steps per decode try (default 8)")
     parser.add_argument("--batches", type=_ints, help="decode batch sizes (default 1,4,8)")
+    parser.add_argument("--invariance-rows", type=_ints, help="active-row counts of the fixed-shape cost section "
+                                                                "(default 1..8; quick 3,8)")
     parser.add_argument("--ppl-passages", type=int, help="perplexity passages (default 8)")
     parser.add_argument("--ppl-tokens", type=int, help="tokens per perplexity passage (default 384)")
     parser.add_argument("--tile-rows", type=int, help="FastForward prefill GEMM rows (default: the forward's)")

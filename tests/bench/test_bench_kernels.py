@@ -66,9 +66,26 @@ def test_quick_figures_are_consistent(quick_report):
     for name in ("decode", "prefill"):
         prof = quick_report["profile"][name]
         assert prof["top_ops"] and all(o["self_cpu_ms"] >= 0 for o in prof["top_ops"])
-    assert set(quick_report["targets"]) >= {"decode_bf16_b1_vs_roofline", "prefill_default_plan_vs_one_shot"}
+    assert set(quick_report["targets"]) >= {"decode_bf16_b1_vs_roofline", "prefill_default_plan_vs_one_shot",
+                                            "decode_fixed_shapes_vs_free"}
     text = format_report(quick_report)
-    assert "null (one shot)" in text and "vs_roofline" in text
+    assert "null (one shot)" in text and "vs_roofline" in text and "fixed_over_free" in text
+
+
+def test_quick_invariance_section_pairs_fixed_shapes_with_exact_row_counts(quick_report):
+    """What fixed shapes cost: per active-row count, the engine's step (padded to a proven-exact row count) and a
+    forward that runs exactly those rows, paired; the batch's own row count is the noise floor (the same forward)."""
+    inv = quick_report["invariance"]
+    cfg = quick_report["config"]
+    assert [r["active_rows"] for r in inv["rows"]] == list(cfg["invariance_rows"]) == [3, 8]
+    for r in inv["rows"]:
+        assert r["free_gemm_rows"] == r["active_rows"] <= r["fixed_gemm_rows"] <= cfg["batch_rows"]
+        assert r["tries"] == cfg["decode_reps"] and r["fixed_over_free"] > 0
+    assert inv["rows"][-1]["fixed_gemm_rows"] == 8
+    ratios = [r["fixed_over_free"] for r in inv["rows"]]
+    assert math.isclose(inv["max_fixed_over_free"], max(ratios))
+    assert min(ratios) <= inv["geomean_fixed_over_free"] <= max(ratios)
+    assert quick_report["targets"]["decode_fixed_shapes_vs_free"]["value"] == inv["geomean_fixed_over_free"]
 
 
 def test_check_report_rejects_broken_figures(quick_report):
