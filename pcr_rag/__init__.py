@@ -36,9 +36,12 @@ _EXPORTS = {
     "SamplingParams": "pcr_rag.requests",
     "StreamChunk": "pcr_rag.requests",
     "Ticket": "pcr_rag.runtime.announcements",
+    "UnknownModelError": "pcr_rag.runtime.model",
+    "CacheDirLockedError": "pcr_rag.cache.errors",
 }
 
 __all__ = [
+    "CacheDirLockedError",
     "ChatPrompt",
     "ConfigError",
     "EngineClosedError",
@@ -58,9 +61,11 @@ __all__ = [
     "SamplingParams",
     "StreamChunk",
     "Ticket",
+    "UnknownModelError",
 ]
 
 if TYPE_CHECKING:
+    from pcr_rag.cache.errors import CacheDirLockedError
     from pcr_rag.config import EngineConfig
     from pcr_rag.engine import EngineStats, PCREngine
     from pcr_rag.errors import (

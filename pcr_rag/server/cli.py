@@ -23,7 +23,7 @@ API_KEY_ENV = "PCR_RAG_API_KEY"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    net.add_argument("--port", type=int, default=8000)
+    net.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     net.add_argument("--api-key", action="append", default=None, metavar="KEY",
                      help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (repeatable; default: "
                           f"${API_KEY_ENV}, comma-separated)")
@@ -31,9 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="give each API key its own cache namespace (tenants never share KV)")
     net.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's name)")
     net.add_argument("--shutdown-timeout", type=float, default=30.0,
-                     help="seconds in-flight requests get to finish on SIGTERM before they are cancelled")
+                     help="seconds in-flight requests get to finish on SIGTERM before they are cancelled (default 30)")
     net.add_argument("--max-body-bytes", default=str(DEFAULT_MAX_BODY_BYTES),
-                     help="larger request bodies get 413 (bytes or e.g. 16MiB)")
+                     help="larger request bodies get 413 (bytes or e.g. 16MiB; default 16MiB)")
     net.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     eng = parser.add_argument_group("engine")
     eng.add_argument("--model", default=None, help="alias or local HF dir (default: smollm2-135m-instruct)")

@@ -13,7 +13,7 @@ Two sources, one registry per app (never the process-global one, so several apps
   ``pcr:cache_usage_bytes{tier}``,
   ``pcr:cache_capacity_bytes{tier}``, ``pcr:cache_chunks{tier}``, ``pcr:cache_pinned_chunks``,
   ``pcr:announcements_pending``; counters ``pcr:prompt_tokens_total``,
-  ``pcr:prompt_tokens_by_source_total{source=computed|device|dram|ssd}``, ``pcr:prefix_cache_queries_total`` and
+  ``pcr:prompt_tokens_by_source_total{source=computed|device|dram|ssd|remote}``, ``pcr:prefix_cache_queries_total`` and
   ``pcr:prefix_cache_hits_total`` (tokens, as vLLM counts them), ``pcr:cache_evictions_total{tier}``,
   ``pcr:cache_load_failures_total``, ``pcr:prefetch_loads_total``, ``pcr:prefetch_hit_chunks_total``,
   ``pcr:prefetch_cycles_total``, ``pcr:announcements_total``, ``pcr:announcements_claimed_total``,
