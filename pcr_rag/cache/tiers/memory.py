@@ -4,8 +4,9 @@
 tier a tensor on that device; it runs outside the engine lock. ``store``/``drop`` only file the copy under its
 key. Copies are used in place, so reads cannot fail while the copy is held (a missing one raises
 ``ChunkNotFoundError``). Byte accounting is the payload's ``nbytes``, except in a page-locked host tier, which
-charges what PyTorch's caching host allocator reserves for it (`pinned_footprint`). A host tier with a ``buffers`` pool gives
-every dropped copy to it, so a new chunk's payload can reuse the bytes without fresh page faults (`BufferPool`).
+charges what PyTorch's caching host allocator reserves for it (`pinned_footprint`). A host tier with a
+``buffers`` pool gives every dropped copy to it, so a new chunk's payload can reuse the bytes without fresh page
+faults (`BufferPool`).
 """
 
 from __future__ import annotations

@@ -167,9 +167,7 @@ class SSDStore:
         is not the size the index expects or ``out`` does not fit the fast path (the caller then reads step by
         step)."""
         padded_payload = file_bytes - data_offset
-        own = None  # a page-locked payload buffer of this read's own
-        if out is None and self.pin_memory:
-            own = _aligned_buffer(padded_payload, True)
+        own: torch.Tensor | None = None  # a page-locked payload buffer of this read's own
         if out is not None and (
             out.nbytes != padded_payload or not out.is_contiguous() or out.device.type != "cpu"
         ):
@@ -178,6 +176,8 @@ class SSDStore:
         try:
             if reader.size != file_bytes:
                 return None
+            if out is None and self.pin_memory:
+                own = _aligned_buffer(padded_payload, True)
             if out is None and own is None:
                 body = _aligned_buffer(file_bytes, self.pin_memory)
                 got = reader.readv_at(0, [memoryview(body.numpy())])
