@@ -115,6 +115,9 @@ def test_config_validation():
         KernelBenchConfig(ppl_tokens=1).validate()
     assert KernelBenchConfig().default_plan == 256
     assert KernelBenchConfig.quick().default_plan == 64  # 256 not measured: the largest chunk size
+    assert KernelBenchConfig().active_row_counts == tuple(range(1, 9))  # every count of active rows of 8
+    with pytest.raises(ValueError, match="invariance_rows"):
+        KernelBenchConfig(invariance_rows=(0, 9)).validate()
 
 
 @pytest.mark.parametrize("fmt", WEIGHT_FORMATS)
