@@ -92,15 +92,37 @@ def _timed(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
 
 def memory_bandwidth(device: torch.device, nbytes: int, reps: int) -> dict[str, float]:
     """Copy GB/s on the device ((read + write) / s, best of ``reps + 1``, as the kernel bench counts it) and
-    host-to-device / device-to-host GB/s from page-locked memory (medians)."""
+    host-to-device / device-to-host GB/s from page-locked memory (medians). On CUDA also what a new chunk's
+    page-locked DRAM payload costs to allocate (`pinned_alloc`)."""
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    out = {"copy_gb_s": max(copy_bandwidth_gb_s(src, dst) for _ in range(reps + 1)), "copy_bytes": nbytes}
+    out: dict[str, Any] = {"copy_gb_s": max(copy_bandwidth_gb_s(src, dst) for _ in range(reps + 1)),
+                           "copy_bytes": nbytes}
     if device.type == "cuda":
         host = torch.ones(nbytes, dtype=torch.uint8).pin_memory()
         out["h2d_pinned_gb_s"] = nbytes / _timed(lambda: dst.copy_(host, non_blocking=True), device, reps) / 1e9
         out["d2h_pinned_gb_s"] = nbytes / _timed(lambda: host.copy_(dst, non_blocking=True), device, reps) / 1e9
+        out["pinned_alloc"] = pinned_alloc_ms()
     return out
+
+
+def pinned_alloc_ms(chunk_bytes: int = 32 << 20, count: int = 8) -> dict[str, float]:
+    """ms to allocate one page-locked buffer of ``chunk_bytes`` (a 256-token Llama-3-8B chunk in bf16 is 32 MiB), as
+    `ChunkOffload` does for every new chunk on a GPU host: ``fresh`` while ``count`` of them are held (new page-locked
+    memory each time: the cost until the DRAM tier is full), ``cached`` after they are freed (PyTorch's host
+    allocator hands the blocks out again). Medians."""
+    held, fresh, cached = [], [], []
+    for _ in range(count):
+        t0 = time.perf_counter()
+        held.append(torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True))
+        fresh.append(time.perf_counter() - t0)
+    held.clear()
+    for _ in range(count):
+        t0 = time.perf_counter()
+        held.append(torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True))
+        cached.append(time.perf_counter() - t0)
+    return {"chunk_bytes": chunk_bytes, "fresh_ms": statistics.median(fresh) * 1e3,
+            "cached_ms": statistics.median(cached) * 1e3}
 
 
 def decode_rows(loaded: Any, batches: Sequence[int], context: int, steps: int, reps: int,
@@ -316,6 +338,10 @@ def format_report(report: dict) -> str:
         lines.append("memory: copy {:.0f} GB/s (read + write){}".format(
             mem["copy_gb_s"], f", host->device pinned {mem['h2d_pinned_gb_s']:.1f} GB/s, device->host "
                               f"{mem['d2h_pinned_gb_s']:.1f} GB/s" if "h2d_pinned_gb_s" in mem else ""))
+        alloc = mem.get("pinned_alloc")
+        if alloc:
+            lines.append(f"page-locked {alloc['chunk_bytes'] >> 20} MiB buffer (a new chunk's DRAM payload): "
+                         f"{alloc['fresh_ms']:.2f} ms fresh, {alloc['cached_ms']:.2f} ms from the host allocator's cache")
     if report.get("decode"):
         roof = report["decode_roofline"]["roofline_ms"]
         lines.append(f"decode (roofline {roof:.2f} ms/step):")
