@@ -23,8 +23,9 @@ Sections:
   ``batch_rows``): the engine's step (k rows of a ``batch_rows``-row batch, GEMMs at the smallest proven-exact row
   count that holds them, padding included) vs the fastest batching without fixed shapes that we could build: a
   forward prepacked for exactly k rows, so its GEMMs run k rows and a row's numbers change with the batch size
-  (attention per row in both: one padded call over all rows was slower here, and not exact either). bf16, paired per
-  repetition; ``fixed_over_free`` is the median of the paired ratios. Issue 11 asks for a ``batch_invariant=False``
+  (attention per row in both: one padded call over all rows was slower here, and not exact either). bf16; each k's
+  pair is interleaved on its own (one extra forward alive at a time) and ``fixed_over_free`` is the median of the
+  paired ratios. Issue 11 asks for a ``batch_invariant=False``
   mode only if fixed shapes cost more than 15% (the ``decode_fixed_shapes_vs_free`` target, on the geometric mean
   over k; k = ``batch_rows`` runs the same forward twice: the noise floor).
 - **roofline**: ``roofline_ms`` = weight bytes one decode step reads (`FastForward.weight_bytes`) / memory
@@ -420,10 +421,6 @@ class _Bench:
         fixed_fw = self.forwards["bf16"]
         shape = {k: v for k, v in (("tile_rows", cfg.tile_rows), ("attention_block", cfg.attention_block))
                  if v is not None}
-        counts = cfg.active_row_counts
-        free_fws = {k: fixed_fw if k == rows_n else
-                    FastForward(self.loaded, weights=self.ran_as["bf16"], batch_rows=k, max_positions=self.capacity + 1,
-                                **shape) for k in counts}
         arena = fixed_fw.new_arena(rows_n, ctx + steps + 1)
         fixed_fw.prefill(arena.row(0), torch.tensor(self.prompt[:ctx], dtype=torch.long), 0, want_logits=False)
         copy_row_prefix(arena, ctx, rows_n)
@@ -442,15 +439,20 @@ class _Bench:
                 return _median(times)
             return run
 
-        pairs = {k: (_Variant(f"fixed/{k}", steps_of(fixed_fw, [r if r < k else None for r in range(rows_n)])),
-                     _Variant(f"free/{k}", steps_of(free_fws[k], list(range(k))))) for k in counts}
-        _interleaved([v for pair in pairs.values() for v in pair], cfg.decode_reps, self.progress, "invariance")
-        rows = []
-        for k, (fixed, free) in pairs.items():
+        def pair(k: int) -> dict:
+            """k active rows, fixed vs free, interleaved; the free forward (its own prepacked weights) is dropped on
+            return, so one extra forward is alive at a time."""
+            free_fw = fixed_fw if k == rows_n else FastForward(
+                self.loaded, weights=self.ran_as["bf16"], batch_rows=k, max_positions=self.capacity + 1, **shape)
+            fixed = _Variant(f"fixed/{k}", steps_of(fixed_fw, [r if r < k else None for r in range(rows_n)]))
+            free = _Variant(f"free/{k}", steps_of(free_fw, list(range(k))))
+            _interleaved([fixed, free], cfg.decode_reps, self.progress, f"invariance {k} rows")
             ratios = [a / b for a, b in zip(fixed.times, free.times)]
-            rows.append({"active_rows": k, "fixed_gemm_rows": fixed_fw.decode_rows_for(k), "free_gemm_rows": k,
-                         "fixed_ms": _median(fixed.times) * 1e3, "free_ms": _median(free.times) * 1e3,
-                         "fixed_over_free": _median(ratios), "tries": len(ratios)})
+            return {"active_rows": k, "fixed_gemm_rows": fixed_fw.decode_rows_for(k), "free_gemm_rows": k,
+                    "fixed_ms": _median(fixed.times) * 1e3, "free_ms": _median(free.times) * 1e3,
+                    "fixed_over_free": _median(ratios), "tries": len(ratios)}
+
+        rows = [pair(k) for k in cfg.active_row_counts]
         ratios = [r["fixed_over_free"] for r in rows]
         return {"rows": rows, "geomean_fixed_over_free": math.exp(statistics.fmean(math.log(x) for x in ratios)),
                 "max_fixed_over_free": max(ratios), "batch_rows": rows_n, "context": ctx, "weights": "bf16"}
