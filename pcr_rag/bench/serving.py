@@ -68,6 +68,7 @@ from pcr_rag.bench.config import QUICK_CAVEAT, SYSTEM_PROMPT, BenchConfig, Bench
 from pcr_rag.bench.disk import drop_page_cache
 from pcr_rag.bench.limit import measure_limit_ratio
 from pcr_rag.bench.report import RequestSample, RunRecord, build_report, format_seconds, run_for
+from pcr_rag.bench.schedule_bound import schedule_bounds
 from pcr_rag.bench.stats import requests_to_resolve
 from pcr_rag.bench.systems import SystemSpec, max_active_variant, parse_systems
 from pcr_rag.bench.targets import LIMIT_RATIO_TARGETS, RETRIEVAL_TARGETS, SERVING_TARGETS
@@ -222,6 +223,7 @@ class BenchRunner:
                               targets=targets, limit_ratio=limit,
                               notes=(), aliases=self.aliases, skipped=self.skipped,
                               caveat=QUICK_CAVEAT if cfg.quick else None)
+        report["schedule_bound"] = [b.as_dict() for b in schedule_bounds(report)]
         report["notes"] = self.notes + self._analysis_notes(report, load_start, load_end)
         report["rate_loads"] = {str(r): lf for r, lf in self._rate_loads.items()}
         return report
@@ -660,6 +662,7 @@ class BenchRunner:
                          f"{r['value']:.3g} req/s vs {r['baseline']} {r['baseline_value']:.3g} req/s = "
                          f"{r['ratio']:.2f}x{ci}")
         notes += self._resolution_notes(report)
+        notes += [f"admission bound: {b['line']}" for b in report.get("schedule_bound", [])]
         rate = report.get("target_rate")
         if rate is None:
             return notes

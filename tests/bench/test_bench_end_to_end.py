@@ -123,6 +123,13 @@ def test_bench_cli_end_to_end(tmp_path, tiny_model_dir, corpus_file, capsys):
     assert any(n.startswith("reuse bound of the workload") for n in report["notes"])
     assert report["limit_ratio"] is not None and report["limit_ratio"]["ratio_dram"] > 0
     assert any(n.startswith("rates calibrated on this machine") for n in report["notes"])
+    # the admission bound: per finite rate, from the fcfs run's own requests (in the JSON, the notes, the page)
+    bounds = {b["rate"]: b for b in report["schedule_bound"]}
+    assert set(bounds) == set(rates) and all(b["requests"] == 6 for b in bounds.values())
+    assert all(0 < b["best_mean_s"] <= b["fcfs_mean_s"] * (1 + 1e-9) and b["ratio"] <= 1 + 1e-9
+               for b in bounds.values())
+    assert any(n.startswith("admission bound: at ") for n in report["notes"])
+    assert "## Admission bound" in (tmp_path / "res" / "bench.md").read_text()
 
 
 def test_bench_with_real_retrieval_topics(tmp_path, corpus_file):

@@ -1,0 +1,144 @@
+"""How much any admission order could change mean TTFT on a measured trace: the schedule bound.
+
+An admission policy only decides *which* pending prefill runs next; it cannot shorten a prefill, and a request
+that arrives while nothing else is pending starts at once under any policy. So on a lightly loaded trace no
+policy can gain much, however clever. This module puts a number on that, from a measured FCFS run:
+
+- Each request is a job released at its arrival with the prefill work it took under FCFS (``prefill_compute``:
+  its own prefill steps, KV waits included; seconds).
+- The engine computes one forward at a time, and a prefill may be paused between chunk steps, so the model is
+  one machine with preemption. On it, shortest remaining work first (SRPT) minimises the mean flow time (Schrage,
+  1968): no order of the same work finishes the prefills sooner on average.
+- ``fcfs_mean_s`` and ``best_mean_s`` are the mean flow times of FCFS and SRPT over that same work, and
+  ``ratio = best / fcfs`` is the largest mean-TTFT gain reordering can bring on this trace - the policy's effect
+  with the requests' work held fixed, free of the run-to-run noise of the work itself.
+
+What the model leaves out makes it generous to reordering: other requests' decode steps (they delay every
+policy alike), and preemption at any instant (the engine pauses a prefill only between steps). What it cannot
+see: an order that lets a request reuse documents another pending request computes would shrink that request's
+work; ``overlapping`` counts the requests for which any order could matter at all (they arrive while another
+request's prefill is still unfinished under FCFS).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pcr_rag.bench.report import rates, run_for
+
+__all__ = ["FCFS_SYSTEM", "ScheduleBound", "fcfs_flow_times", "schedule_bound", "schedule_bounds",
+           "srpt_flow_times"]
+
+#: The run whose per-request work the bound is computed from.
+FCFS_SYSTEM = "pcr-schedule-fcfs"
+
+
+def _check(arrivals: Sequence[float], works: Sequence[float]) -> None:
+    if len(arrivals) != len(works):
+        raise ValueError(f"{len(arrivals)} arrivals but {len(works)} works")
+    if any(w < 0 or not math.isfinite(w) for w in works) or any(not math.isfinite(a) for a in arrivals):
+        raise ValueError("works must be finite and >= 0, arrivals finite")
+
+
+def fcfs_flow_times(arrivals: Sequence[float], works: Sequence[float]) -> list[float]:
+    """Completion minus arrival of each job served to the end in arrival order (ties: list order); seconds."""
+    _check(arrivals, works)
+    out = [0.0] * len(works)
+    free = -math.inf
+    for i in sorted(range(len(works)), key=lambda j: (arrivals[j], j)):
+        free = max(free, arrivals[i]) + works[i]
+        out[i] = free - arrivals[i]
+    return out
+
+
+def srpt_flow_times(arrivals: Sequence[float], works: Sequence[float]) -> list[float]:
+    """Completion minus arrival of each job under shortest-remaining-work-first with preemption (ties: earlier
+    arrival, then list order): the least mean flow time of one machine over these jobs; seconds."""
+    _check(arrivals, works)
+    n = len(works)
+    order = sorted(range(n), key=lambda j: (arrivals[j], j))
+    left = list(works)
+    out = [0.0] * n
+    pending: list[int] = []
+    now, nxt = -math.inf, 0
+    while nxt < n or pending:
+        if not pending:
+            now = max(now, arrivals[order[nxt]])
+        while nxt < n and arrivals[order[nxt]] <= now:
+            pending.append(order[nxt])
+            nxt += 1
+        job = min(pending, key=lambda j: (left[j], arrivals[j], j))
+        until = arrivals[order[nxt]] if nxt < n else math.inf  # the next arrival may preempt it
+        run = min(left[job], until - now)
+        now += run
+        left[job] -= run
+        if left[job] <= 0.0:
+            pending.remove(job)
+            out[job] = now - arrivals[job]
+    return out
+
+
+@dataclass(frozen=True)
+class ScheduleBound:
+    """The schedule bound of one trace (or the repeats of one rate): means in seconds over ``requests``."""
+
+    rate: float
+    requests: int
+    overlapping: int      # requests arriving while another's prefill is unfinished under FCFS
+    fcfs_mean_s: float    # FCFS over the measured work (the model's FCFS, not the measured TTFT)
+    best_mean_s: float    # SRPT over the same work: no admission order does better
+    measured_fcfs_mean_s: float  # the FCFS run's measured mean TTFT (decode steps and noise included)
+
+    @property
+    def ratio(self) -> float:
+        """The least mean TTFT any admission order reaches, over FCFS's (1.0: order cannot matter)."""
+        return self.best_mean_s / self.fcfs_mean_s if self.fcfs_mean_s > 0 else 1.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ratio": self.ratio, "line": self.line()}
+
+    def line(self) -> str:
+        return (f"at {self.rate:.3g} req/s no admission order gets mean TTFT below {self.ratio:.3f}x FCFS "
+                f"(shortest remaining prefill first over the FCFS run's prefill work: {self.best_mean_s * 1e3:.0f} "
+                f"vs {self.fcfs_mean_s * 1e3:.0f} ms; {self.overlapping} of {self.requests} requests arrive while "
+                f"another prefill is unfinished)")
+
+
+def schedule_bound(arrivals: Sequence[float], works: Sequence[float], *, rate: float = math.nan,
+                   measured_ttft: Sequence[float] = ()) -> ScheduleBound:
+    """The bound of one trace: ``arrivals`` (seconds), ``works`` (each request's prefill seconds)."""
+    fcfs = fcfs_flow_times(arrivals, works)
+    best = srpt_flow_times(arrivals, works)
+    overlapping = sum(1 for f, w in zip(fcfs, works, strict=True) if f > w + 1e-12)  # it waited under FCFS
+    n = len(works)
+    return ScheduleBound(rate, n, overlapping, sum(fcfs) / n if n else 0.0, sum(best) / n if n else 0.0,
+                         sum(measured_ttft) / len(measured_ttft) if measured_ttft else math.nan)
+
+
+def schedule_bounds(report: Mapping[str, Any], system: str = FCFS_SYSTEM) -> list[ScheduleBound]:
+    """The bound at every finite rate where ``system`` ran: each repeat's trace simulated on its own (requests
+    paired by their ``key``), means over all of them. Empty when the report has no such run."""
+    out = []
+    for rate in rates(report):
+        run = run_for(report, system, rate)
+        if run is None or math.isinf(rate) or not run.get("requests"):
+            continue
+        req = run["requests"]
+        by_repeat: dict[int, list[int]] = {}
+        for i, key in enumerate(req["key"]):
+            by_repeat.setdefault(int(key[0]), []).append(i)
+        fcfs: list[float] = []
+        best: list[float] = []
+        overlapping = 0
+        for idx in by_repeat.values():
+            b = schedule_bound([req["arrival"][i] for i in idx], [req["prefill_compute"][i] for i in idx])
+            fcfs.append(b.fcfs_mean_s * b.requests)
+            best.append(b.best_mean_s * b.requests)
+            overlapping += b.overlapping
+        n = len(req["key"])
+        out.append(ScheduleBound(rate, n, overlapping, sum(fcfs) / n, sum(best) / n,
+                                 sum(req["ttft"]) / n))
+    return out
