@@ -317,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
     questions = _load_questions(args.questions)
     own_cache_dir = args.cache_dir is None
     cache_dir = Path(args.cache_dir) if args.cache_dir else Path(tempfile.mkdtemp(prefix="pcr-demo-kv-"))
-    base = dict(chunk_size=args.chunk_size, max_new_tokens=args.max_new_tokens)
+    base = dict(chunk_size=args.chunk_size, max_new_tokens=args.max_new_tokens, freeze_gc=True)  # our process
     try:
         _say("[1/5] loading the model")
         t0 = time.perf_counter()

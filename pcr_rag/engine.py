@@ -44,6 +44,7 @@ from pcr_rag.requests import (
     StreamChunk,
     TokenChannel,
 )
+from pcr_rag.runtime import gc_pauses
 from pcr_rag.runtime.admission import PrefillOutlook
 from pcr_rag.runtime.announcements import AnnouncementBoard, Ticket
 from pcr_rag.runtime.batch import BatchExecutor
@@ -70,7 +71,9 @@ class EngineStats:
     prefix-load wait (seconds); ``queue_depth``: requests waiting for a row; ``running``: requests holding a row
     (prefilling or decoding); ``prefill_tokens_per_s``: the measured prefill speed, which is also the cache-aware
     schedule's aging rate (`admission.PrefillSpeed`); ``step_budget``: the ITL budget's reading (decode step and
-    prefill cost line in ms, the last layers-per-step cap chosen while rows decoded; `StepBudget.as_dict`)."""
+    prefill cost line in ms, the last layers-per-step cap chosen while rows decoded; `StepBudget.as_dict`); ``gc``:
+    the process's garbage collections per generation, their total and longest pause (seconds), and the objects
+    frozen now (`gc_pauses.GCPauses.snapshot`: process-wide figures)."""
 
     requests: Mapping[str, Any]
     cache: CacheStats
@@ -81,6 +84,7 @@ class EngineStats:
     running: int = 0
     prefill_tokens_per_s: float = 0.0
     step_budget: Mapping[str, Any] = field(default_factory=dict)
+    gc: Mapping[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """Everything as plain dicts and numbers (the bench's records, `prometheus`)."""
@@ -94,6 +98,7 @@ class EngineStats:
             "running": self.running,
             "prefill_tokens_per_s": self.prefill_tokens_per_s,
             "step_budget": dict(self.step_budget),
+            "gc": dict(self.gc),
         }
 
     def prometheus(self) -> str:
@@ -171,6 +176,10 @@ class PCREngine:
                 self.cache, self._window_keys, window=config.prefetch_window, do_loads=config.prefetch,
                 protect=config.eviction == "lookahead-lru", on_cycle=self.board.expire,
             )
+        gc_pauses.pauses.install()
+        self._gc_held = config.freeze_gc
+        if self._gc_held:
+            gc_pauses.hold()
         log.info("PCREngine ready: model=%s device=%s dtype=%s cache=%s", self.loaded.name, self.device,
                  self.loaded.dtype, "off" if self.cache is None else "on")
 
@@ -408,7 +417,7 @@ class PCREngine:
                            max_queue_depth=self.scheduler.max_depth,
                            layer_wait_s=list(self.copy_engine.waits.seconds), running=self.executor.active,
                            prefill_tokens_per_s=self.executor.ctx.speed.tokens_per_s,
-                           step_budget=self.executor.budget.as_dict())
+                           step_budget=self.executor.budget.as_dict(), gc=gc_pauses.pauses.snapshot())
 
     def root_for(self, namespace: str | None = None) -> bytes:
         """The chunk keys' root for requests of ``namespace`` (None or "" = `root_key`, the engine's own).
@@ -453,6 +462,8 @@ class PCREngine:
         self.copy_engine.close()
         if self.cache is not None:
             self.cache.close()
+        if self._gc_held:
+            gc_pauses.release()
 
     def __enter__(self) -> PCREngine:
         return self

@@ -277,6 +277,7 @@ class BenchRunner:
             "cache_dir": cache_dir, "chunk_size": cfg.chunk_size, "dram_capacity": self.capacities["dram"],
             "ssd_capacity": self.capacities["ssd"], "device": cfg.device, "dtype": cfg.dtype,
             "max_new_tokens": cfg.max_new_tokens, "namespace": f"bench-{spec.name}",
+            "freeze_gc": True,  # the bench owns its process: no system pays a full collection's pause
         }
         if spec.remote:
             base["remote_url"] = self._remote_url(spec.remote)

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir, chunk_size=args.chunk_size, dram_capacity=args.dram, ssd_capacity=args.ssd,
         max_new_tokens=args.max_new_tokens, max_active=args.max_active, max_model_len=args.max_model_len,
         max_queue=args.max_queue, device=args.device, dtype=args.dtype, weights=args.weights,
-        enable_cache=not args.no_cache,
+        enable_cache=not args.no_cache, freeze_gc=True,  # the server owns its process (see gc_pauses)
     )
     engine = PCREngine(model=args.model, config=config)
     log.info("serving %s (auth %s%s)", settings.served_model_name or engine.loaded.name,

@@ -17,7 +17,9 @@ Two sources, one registry per app (never the process-global one, so several apps
   ``pcr:prefix_cache_hits_total`` (tokens, as vLLM counts them), ``pcr:cache_evictions_total{tier}``,
   ``pcr:cache_load_failures_total``, ``pcr:prefetch_loads_total``, ``pcr:prefetch_hit_chunks_total``,
   ``pcr:prefetch_cycles_total``, ``pcr:announcements_total``, ``pcr:announcements_claimed_total``,
-  ``pcr:announcements_expired_total``, ``pcr:requests_failed_total``, ``pcr:requests_cancelled_total``.
+  ``pcr:announcements_expired_total``, ``pcr:requests_failed_total``, ``pcr:requests_cancelled_total``; the garbage
+  collector's ``pcr:gc_collections_total{generation}``, ``pcr:gc_pause_seconds_total{generation}``,
+  ``pcr:gc_max_pause_seconds{generation}`` and ``pcr:gc_frozen_objects`` (process-wide, `runtime.gc_pauses`).
 
 Every series carries a ``model_name`` label, as vLLM's do. The process collector adds
 ``process_resident_memory_bytes`` and friends (the load test reads the server's RSS there).
@@ -183,6 +185,19 @@ class _EngineCollector(Collector):
         yield counter("announcements_expired", "Announcements that expired unclaimed.", pf["expired"])
         yield gauge("announcements_pending", "Announcements waiting for their request.",
                     pf["pending_announcements"])
+        if s.gc:  # process-wide: the garbage collector's pauses stop every thread
+            for key, name, doc, family_of in (
+                    ("collections", "gc_collections", "Garbage collections of the process, per generation.",
+                     CounterMetricFamily),
+                    ("pause_s", "gc_pause_seconds", "Seconds the garbage collector stopped every thread.",
+                     CounterMetricFamily),
+                    ("max_pause_s", "gc_max_pause_seconds", "Longest garbage-collector pause.", GaugeMetricFamily)):
+                family = family_of(PREFIX + name, doc, labels=["model_name", "generation"])
+                for gen, value in s.gc[key].items():
+                    family.add_metric([m, gen], value)
+                yield family
+            yield gauge("gc_frozen_objects", "Objects the collector no longer scans (EngineConfig.freeze_gc).",
+                        s.gc["frozen_objects"])
         yield counter("requests_failed", "Requests that failed with an error.", req["requests_failed"])
         yield counter("requests_cancelled", "Requests cancelled (client gone, timeout, shutdown).",
                       req["requests_cancelled"])

@@ -213,4 +213,11 @@ def test_health_and_metrics(base_url, client, engine, h) -> None:
     assert sample("pcr:request_success_total", finished_reason="length") > 0
     for counter in ("prefetch_loads_total", "prefetch_hit_chunks_total", "announcements_total"):
         assert sample(f"pcr:{counter}") >= 0
+    gcs = engine.stats().gc  # the process's collections (young ones happen while it serves), per generation
+    assert sample("pcr:gc_collections_total", generation="0") >= 1
+    for gen in ("0", "1", "2"):
+        assert sample("pcr:gc_pause_seconds_total", generation=gen) >= sample("pcr:gc_max_pause_seconds",
+                                                                              generation=gen) >= 0
+    assert sample("pcr:gc_collections_total", generation="2") <= engine.stats().gc["collections"]["2"]
+    assert set(gcs) == {"collections", "pause_s", "max_pause_s", "frozen_objects"}
     assert samples[("process_resident_memory_bytes", frozenset())] > 0
