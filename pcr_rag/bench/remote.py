@@ -1,6 +1,7 @@
 """Remote-tier check: the shared-store targets measured as ratios in one run, interleaved.
 
-    python -m pcr_rag.bench.remote [--url redis://...] [--repeats 2] [--json PATH] [--model M] [--closed-loop]
+    python -m pcr_rag.bench.remote [--url redis://...] [--repeats 2] [--json PATH] [--report PATH] [--model M]
+                                   [--closed-loop]
 
 The TTFT targets are judged on ``pcr-rag bench --quick``'s workload and arrivals: the bench runs ``no-reuse`` (it
 calibrates the rates), ``pcr-cold`` (a new replica: empty local tiers before every measured run), ``pcr-remote``
@@ -45,7 +46,7 @@ from typing import Any
 import torch
 
 from pcr_rag.bench.config import SYSTEM_PROMPT, quick_config
-from pcr_rag.bench.report import evaluate_targets, rates
+from pcr_rag.bench.report import evaluate_targets, rates, write_report
 from pcr_rag.bench.serving import run_bench
 from pcr_rag.bench.targets import REMOTE_TARGETS, RatioTarget
 from pcr_rag.bench.traces import build_traces
@@ -167,7 +168,8 @@ def measure_reads(url: str, *, chunk_shape: Sequence[int], dtype: torch.dtype, v
             "rounds_bytes_per_s": rates}
 
 
-def bench_ratios(url: str, *, model: str | None, repeats: int, work: Path) -> dict[str, Any]:
+def bench_ratios(url: str, *, model: str | None, repeats: int, work: Path,
+                 report_path: str | Path | None = None) -> dict[str, Any]:
     """Mean TTFT of the new-replica systems on ``pcr-rag bench --quick``'s workload, and their ratios per rate.
 
     ``pcr`` runs too, as the reference a remote tier is bounded by: a replica whose *own* tiers hold what the store
@@ -178,6 +180,9 @@ def bench_ratios(url: str, *, model: str | None, repeats: int, work: Path) -> di
                        windows=(), saturation=(), limit_ratio=False, repeats=repeats, work_dir=str(work / "bench"),
                        extra={"remote_url": url})
     report = run_bench(cfg, progress=False)
+    if report_path is not None:  # the whole bench report: every request of every run (JSON and Markdown)
+        write_report(report, json_path=report_path, markdown_path=Path(report_path).with_suffix(".md"),
+                     title="pcr-rag remote-tier bench report")
     by_rate: dict[str, dict[str, float]] = {}
     for run in report["runs"]:
         if run["system"] in cfg.systems:  # the rate slots (no saturation runs)
@@ -204,14 +209,15 @@ def bench_ratios(url: str, *, model: str | None, repeats: int, work: Path) -> di
 
 
 def run_remote_check(*, url: str | None = None, model: Any = None, repeats: int = 2, work_dir: str | None = None,
-                     closed_loop: bool = False, progress: Callable[[str], None] = print) -> dict[str, Any]:
+                     closed_loop: bool = False, progress: Callable[[str], None] = print,
+                     report_path: str | Path | None = None) -> dict[str, Any]:
     cfg = quick_config(model=model if isinstance(model, str) else None)
     work = Path(work_dir or tempfile.mkdtemp(prefix="pcr-remote-check-"))
     server = None if url else _start_valkey(work)
     url = url or f"redis://127.0.0.1:{server.port}/0"
     try:
         progress("pcr-rag bench --quick workload: no-reuse, pcr, pcr-cold, pcr-remote, pcr-remote-down")
-        bench = bench_ratios(url, model=cfg.model, repeats=repeats, work=work)
+        bench = bench_ratios(url, model=cfg.model, repeats=repeats, work=work, report_path=report_path)
         loaded = load_model(model, dtype=cfg.dtype, device=cfg.device)
         progress("read throughput")
         g = loaded.kv
@@ -301,10 +307,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="model alias or directory (default: the default model)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--report", help="also write the underlying bench report here (JSON, and Markdown beside it): "
+                                    "every request of every run")
     p.add_argument("--closed-loop", action="store_true", help="also new replicas side by side, one request at a time")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    out = run_remote_check(url=args.url, model=args.model, repeats=args.repeats, closed_loop=args.closed_loop)
+    out = run_remote_check(url=args.url, model=args.model, repeats=args.repeats, closed_loop=args.closed_loop,
+                           report_path=args.report)
     text = json.dumps(out, indent=2, default=str)
     print(text)
     if args.json:

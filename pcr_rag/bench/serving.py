@@ -79,6 +79,7 @@ from pcr_rag.cache.tiers.remote_client import COUNTERS as REMOTE_COUNTERS
 from pcr_rag.config import EngineConfig
 from pcr_rag.engine import GenerationResult, PCREngine
 from pcr_rag.metrics import TIERS
+from pcr_rag.runtime import gc_pauses
 from pcr_rag.runtime.model import load_model
 
 log = logging.getLogger(__name__)
@@ -445,9 +446,11 @@ class BenchRunner:
         io_before = storage.snapshot() if storage else (0, 0)
         cache_b = _cache_stats(server)
         load_before = _loadavg()
+        gc_before = gc_pauses.pauses.snapshot()
         trace = self._in_order(name, trace_name, trace)
         outcome = self._run_trace(name, trace)
         load_after = _loadavg()
+        gc_after = gc_pauses.pauses.snapshot()
         server.flush()
         io_after = storage.snapshot() if storage else (0, 0)
         cache_a = _cache_stats(server)
@@ -486,6 +489,9 @@ class BenchRunner:
             "prefill_s_mean": statistics.mean(prefills) if prefills else 0.0,
             "failed_requests": outcome.failed,
             "load_avg_1m": [load_before, load_after],
+            # the process's garbage collections during the run (every thread stops while one runs)
+            "gc_collections": {g: gc_after["collections"][g] - gc_before["collections"][g] for g in ("0", "1", "2")},
+            "gc_pause_s": sum(gc_after["pause_s"].values()) - sum(gc_before["pause_s"].values()),
         }
         if engine is not None:
             c = engine.config

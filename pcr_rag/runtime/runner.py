@@ -151,27 +151,40 @@ class PrefillTask:
                                                   layerwise=self.ctx.layerwise)
 
     def _collect_sources(self, matched: int) -> None:
+        """The matched chunks as load sources. SSD chunks are read layer by layer as the step needs them; a
+        remote chunk is fetched whole anyway, so it is loaded into DRAM here, through the loader, which shares
+        a fetch with a prefetch of the same chunk in flight (the prefetcher, woken by the same arrival, would
+        otherwise fetch it a second time). A load that fails leaves the chunk to the layer reader (or to
+        recompute)."""
         cache, tiers = self.ctx.cache, self._lease.tiers
-        on_ssd = [self.plan[i].key for i in range(matched) if tiers[i] in _STORED]
+        on_ssd = [self.plan[i].key for i in range(matched) if tiers[i] is Tier.SSD]
+        remote = [self.plan[i].key for i in range(matched) if tiers[i] is Tier.REMOTE]
         waiting_since = time.perf_counter()
+        if remote:
+            try:
+                cache.load(remote)
+            except Exception as exc:  # noqa: BLE001 - loading is an optimisation: the layer reader retries
+                log.debug("loading remote chunks before the step failed: %s", exc)
         for fut in cache.pending_loads(on_ssd):  # a prefetch may be finishing: wait rather than read twice
             try:
                 fut.result(timeout=PREFETCH_WAIT_S)
             except Exception:  # noqa: BLE001 - timed out or failed: read from SSD below
                 pass
         self.load_wait_s += time.perf_counter() - waiting_since
+        fetched_now = frozenset(remote)  # reused from the remote tier by this request, whoever fetched them
         last = self.total - 1
         in_memory = []
         for i in range(matched):
             spec = self.plan[i]
             payload = cache.get_payload(spec.key)
-            tier = tiers[i] if payload is None or tiers[i] not in _STORED else Tier.DRAM
+            from_memory = payload is not None and tiers[i] in _STORED and spec.key not in fetched_now
+            tier = Tier.DRAM if from_memory else tiers[i]
             fill_end = min(spec.end, last)
             if fill_end <= spec.start:
                 continue
             self.reused_by_tier[tier.value] += fill_end - spec.start
             self._sources.append(LoadSource(i, spec.key, spec.start, spec.end, payload, fill_end))
-            if payload is not None:
+            if payload is not None and spec.key not in fetched_now:
                 in_memory.append(spec.key)
         self.memory_keys = frozenset(in_memory)
 

@@ -104,6 +104,7 @@ def test_bench_cli_end_to_end(tmp_path, tiny_model_dir, corpus_file, capsys):
     for r in runs:
         assert r["num_requests"] == 6
         assert r["extra"]["failed_requests"] == 0
+        assert set(r["extra"]["gc_collections"]) == {"0", "1", "2"} and r["extra"]["gc_pause_s"] >= 0
         assert 0 < r["ttft"]["p50"] <= r["ttft"]["p99"] <= r["e2el"]["p99"]
         assert set(r["hit_ratio"]) == {"device", "dram", "ssd", "remote"}
         if r["extra"].get("dram_capacity_bytes"):

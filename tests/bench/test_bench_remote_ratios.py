@@ -64,3 +64,18 @@ def test_a_ttft_target_is_missed_when_the_interval_upper_end_crosses_it(monkeypa
     ci = out["intervals"]["ttft_remote_over_off"]
     assert ci["ratio"] < 0.4 < ci["high"]
     assert out["ttft_targets_met"]["ttft_remote_over_off"] is False
+
+
+def test_the_underlying_bench_report_is_written_when_asked(monkeypatch, tmp_path):
+    report = {"runs": [_run(s, 0.3, t) for s, t in (("no-reuse", 1.0), ("pcr", 0.25), ("pcr-cold", 1.0),
+                                                      ("pcr-remote", 0.4), ("pcr-remote-down", 1.0))],
+              "notes": [], "rate_loads": None}
+    written = {}
+    monkeypatch.setattr(remote, "run_bench", lambda cfg, progress=False: report)
+    monkeypatch.setattr(remote, "write_report", lambda rep, **paths: written.update(paths, report=rep))
+    remote.bench_ratios("redis://127.0.0.1:1/0", model=None, repeats=1, work=tmp_path)
+    assert written == {}  # not asked
+    remote.bench_ratios("redis://127.0.0.1:1/0", model=None, repeats=1, work=tmp_path,
+                        report_path=tmp_path / "remote-report.json")
+    assert written["report"] is report and written["json_path"] == tmp_path / "remote-report.json"
+    assert written["markdown_path"] == tmp_path / "remote-report.md"

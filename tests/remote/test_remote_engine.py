@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pcr_rag import EngineConfig, PCREngine
+from pcr_rag import EngineConfig, PCREngine, RagPrompt
 from pcr_rag.cache import CacheConfig, CacheEngine, ChunkSpec, chunk_key, namespace_key
 from pcr_rag.cache.config import RemoteConfig
 from pcr_rag.cache.tiers.remote_value import value_name
@@ -239,3 +239,43 @@ def test_engine_config_validates_the_remote_fields(tmp_path):
                 {"remote_url": "redis://s", "remote_namespace": "a:b"}, {"remote_url": "redis://s", "remote_ttl_s": -1}):
         with pytest.raises(ConfigError, match="remote tier"):
             EngineConfig(cache_dir=tmp_path, **bad)
+
+
+def test_a_remote_chunk_is_fetched_once_per_replica(tiny, tmp_path, reference):
+    """The prefetcher and the request itself both want a new request's remote chunks at its arrival; the request
+    loads them through the loader, which shares one fetch per chunk with a prefetch in flight. Fetches are slowed
+    down here so the two overlap; every value is still fetched once, and the answers stay exact."""
+    import threading
+    import uuid
+
+    from pcr_rag.cache.tiers.remote_store import MemoryRemoteStore
+
+    name = f"fetch-once-{uuid.uuid4().hex[:8]}"
+    url = f"memory://{name}"
+    try:
+        with make_engine(tiny, tmp_path / "a", remote_url=url) as a:
+            for t in TOPICS[:4]:
+                a.generate(question(t), [DOCS[t]])
+            a.flush()
+        store = MemoryRemoteStore.named(name)
+        fetched: dict[str, int] = {}
+        lock = threading.Lock()
+        plain_get_many = store.get_many
+
+        def slow_counting_get_many(names):
+            time.sleep(0.05)
+            with lock:
+                for n in names:
+                    fetched[n] = fetched.get(n, 0) + 1
+            return plain_get_many(names)
+
+        store.get_many = slow_counting_get_many
+        with make_engine(tiny, tmp_path / "b", remote_url=url) as b:
+            handles = [b.submit(RagPrompt(question(t), (DOCS[t],))) for t in TOPICS[:4]]
+            results = [h.result(timeout=60) for h in handles]
+            reused_remote = b.stats().requests["reused_by_tier"]["remote"]
+        assert all(same_answer(r, reference[t]) for r, t in zip(results, TOPICS[:4], strict=True))
+        assert fetched and max(fetched.values()) == 1, fetched
+        assert reused_remote > 0
+    finally:
+        MemoryRemoteStore.forget(name)
