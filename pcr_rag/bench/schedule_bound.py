@@ -18,6 +18,11 @@ policy alike), and preemption at any instant (the engine pauses a prefill only b
 see: an order that lets a request reuse documents another pending request computes would shrink that request's
 work; ``overlapping`` counts the requests for which any order could matter at all (they arrive while another
 request's prefill is still unfinished under FCFS).
+
+What a measured ratio holds besides the policy: the same work does not take the same time in two runs of one
+bench (measured on 2-core VMs: the same 383-token prefill took 924 ms in one system's run and 697 ms in the
+other's, a few minutes apart). ``speed_ratio`` is the cache-aware run's prefill seconds per computed token over
+the FCFS run's: where it is far from 1, so is the measured TTFT ratio, whatever the order did.
 """
 
 from __future__ import annotations
@@ -29,11 +34,12 @@ from typing import Any
 
 from pcr_rag.bench.report import rates, run_for
 
-__all__ = ["FCFS_SYSTEM", "ScheduleBound", "fcfs_flow_times", "schedule_bound", "schedule_bounds",
-           "srpt_flow_times"]
+__all__ = ["CACHE_AWARE_SYSTEM", "FCFS_SYSTEM", "ScheduleBound", "fcfs_flow_times", "schedule_bound",
+           "schedule_bounds", "seconds_per_computed_token", "srpt_flow_times"]
 
-#: The run whose per-request work the bound is computed from.
+#: The run whose per-request work the bound is computed from, and the run it is compared with.
 FCFS_SYSTEM = "pcr-schedule-fcfs"
+CACHE_AWARE_SYSTEM = "pcr-schedule-cache-aware"
 
 
 def _check(arrivals: Sequence[float], works: Sequence[float]) -> None:
@@ -91,6 +97,7 @@ class ScheduleBound:
     fcfs_mean_s: float    # FCFS over the measured work (the model's FCFS, not the measured TTFT)
     best_mean_s: float    # SRPT over the same work: no admission order does better
     measured_fcfs_mean_s: float  # the FCFS run's measured mean TTFT (decode steps and noise included)
+    speed_ratio: float = math.nan  # cache-aware run's prefill s per computed token / the FCFS run's (same work)
 
     @property
     def ratio(self) -> float:
@@ -98,13 +105,17 @@ class ScheduleBound:
         return self.best_mean_s / self.fcfs_mean_s if self.fcfs_mean_s > 0 else 1.0
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "ratio": self.ratio, "line": self.line()}
+        """JSON-ready (NaN as None)."""
+        out = {**asdict(self), "ratio": self.ratio, "line": self.line()}
+        return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in out.items()}
 
     def line(self) -> str:
+        speed = ("" if math.isnan(self.speed_ratio) else
+                 f"; the cache-aware run computed at {self.speed_ratio:.2f}x the FCFS run's seconds per token")
         return (f"at {self.rate:.3g} req/s no admission order gets mean TTFT below {self.ratio:.3f}x FCFS "
                 f"(shortest remaining prefill first over the FCFS run's prefill work: {self.best_mean_s * 1e3:.0f} "
                 f"vs {self.fcfs_mean_s * 1e3:.0f} ms; {self.overlapping} of {self.requests} requests arrive while "
-                f"another prefill is unfinished)")
+                f"another prefill is unfinished{speed})")
 
 
 def schedule_bound(arrivals: Sequence[float], works: Sequence[float], *, rate: float = math.nan,
@@ -118,9 +129,19 @@ def schedule_bound(arrivals: Sequence[float], works: Sequence[float], *, rate: f
                          sum(measured_ttft) / len(measured_ttft) if measured_ttft else math.nan)
 
 
-def schedule_bounds(report: Mapping[str, Any], system: str = FCFS_SYSTEM) -> list[ScheduleBound]:
+def seconds_per_computed_token(run: Mapping[str, Any]) -> float:
+    """A run's prefill seconds (its own steps) per prompt token it computed; NaN when it computed none."""
+    req = run["requests"]
+    reused = [sum(req[k][i] for k in req if k.startswith("reused_")) for i in range(len(req["key"]))]
+    computed = sum(p - r for p, r in zip(req["prompt_tokens"], reused, strict=True))
+    return sum(req["prefill_compute"]) / computed if computed > 0 else math.nan
+
+
+def schedule_bounds(report: Mapping[str, Any], system: str = FCFS_SYSTEM,
+                    compare: str = CACHE_AWARE_SYSTEM) -> list[ScheduleBound]:
     """The bound at every finite rate where ``system`` ran: each repeat's trace simulated on its own (requests
-    paired by their ``key``), means over all of them. Empty when the report has no such run."""
+    paired by their ``key``), means over all of them; ``speed_ratio`` against ``compare``'s run at that rate
+    (NaN without one). Empty when the report has no ``system`` run."""
     out = []
     for rate in rates(report):
         run = run_for(report, system, rate)
@@ -139,6 +160,9 @@ def schedule_bounds(report: Mapping[str, Any], system: str = FCFS_SYSTEM) -> lis
             best.append(b.best_mean_s * b.requests)
             overlapping += b.overlapping
         n = len(req["key"])
+        other = run_for(report, compare, rate)
+        speed = (seconds_per_computed_token(other) / seconds_per_computed_token(run)
+                 if other is not None and other.get("requests") else math.nan)
         out.append(ScheduleBound(rate, n, overlapping, sum(fcfs) / n, sum(best) / n,
-                                 sum(req["ttft"]) / n))
+                                 sum(req["ttft"]) / n, speed))
     return out

@@ -10,10 +10,12 @@ import pytest
 
 from pcr_rag.bench.report import RequestSample, RunRecord, build_report
 from pcr_rag.bench.schedule_bound import (
+    CACHE_AWARE_SYSTEM,
     FCFS_SYSTEM,
     fcfs_flow_times,
     schedule_bound,
     schedule_bounds,
+    seconds_per_computed_token,
     srpt_flow_times,
 )
 
@@ -62,6 +64,7 @@ def test_bound_of_a_trace_without_overlap_is_one():
     b = schedule_bound([0.0, 2.0, 4.0], [0.5, 0.3, 1.0], rate=0.5, measured_ttft=[0.6, 0.4, 1.1])
     assert b.ratio == 1.0 and b.overlapping == 0 and b.requests == 3
     assert b.measured_fcfs_mean_s == pytest.approx(0.7)
+    assert b.as_dict()["speed_ratio"] is None and math.isnan(b.speed_ratio)  # no run to compare: null in JSON
     assert "below 1.000x FCFS" in b.line() and "0 of 3 requests" in b.line()
 
 
@@ -92,12 +95,23 @@ def test_bounds_from_a_report_simulate_each_repeat_on_its_own():
     # two repeats of the same two-request trace: simulated apart, the second never queues behind the first's jobs
     rep0 = [_sample(0.0, 1.0, 1.0, (0, 0)), _sample(0.5, 0.1, 0.6, (0, 1))]
     rep1 = [_sample(0.0, 1.0, 1.0, (1, 0)), _sample(0.5, 0.1, 0.6, (1, 1))]
+    # the cache-aware run computed the same work at half the seconds per token (machine speed, not the order)
+    fast = [_sample(x.arrival_s, x.prefill_compute_s / 2, x.ttft_s / 2, x.key) for x in rep0 + rep1]
     runs = [RunRecord(FCFS_SYSTEM, 0.5, rep0, 2.0), RunRecord(FCFS_SYSTEM, 0.5, rep1, 2.0),
-            RunRecord("pcr", 0.5, rep0 + rep1, 2.0),
+            RunRecord("pcr", 0.5, fast, 2.0),
             RunRecord(FCFS_SYSTEM, math.inf, rep0, 2.0)]  # saturation: not a rate slot
-    report = build_report(runs, kind="bench")
+    report = build_report(runs, kind="bench", aliases={CACHE_AWARE_SYSTEM: "pcr"})
     (b,) = schedule_bounds(report)
     assert b.rate == 0.5 and b.requests == 4 and b.overlapping == 2
     assert b.ratio == pytest.approx(1.2 / 1.6)
     assert b.measured_fcfs_mean_s == pytest.approx(0.8)
+    assert b.speed_ratio == pytest.approx(0.5) and "computed at 0.50x" in b.line()
+    assert math.isnan(schedule_bounds(report, compare="no-such-system")[0].speed_ratio)
     assert schedule_bounds(report, system="no-such-system") == []
+
+
+def test_seconds_per_computed_token_leaves_reused_tokens_out():
+    reused = RequestSample(ttft_s=0.2, e2e_s=0.3, queue_s=0.0, itl_s=(0.1,), prompt_tokens=100, computed_tokens=20,
+                           reused_by_tier={"dram": 80}, output_tokens=2, key=(0, 0), prefill_compute_s=0.2)
+    report = build_report([RunRecord(FCFS_SYSTEM, 0.5, [reused], 1.0)], kind="bench")
+    assert seconds_per_computed_token(report["runs"][0]) == pytest.approx(0.2 / 20)
