@@ -34,8 +34,8 @@ from typing import Any
 
 from pcr_rag.bench.report import rates, run_for
 
-__all__ = ["CACHE_AWARE_SYSTEM", "FCFS_SYSTEM", "ScheduleBound", "fcfs_flow_times", "schedule_bound",
-           "schedule_bounds", "seconds_per_computed_token", "srpt_flow_times"]
+__all__ = ["CACHE_AWARE_SYSTEM", "DRIFT_MARGIN", "FCFS_SYSTEM", "ScheduleBound", "fcfs_flow_times", "schedule_bound",
+           "schedule_bounds", "seconds_per_computed_token", "srpt_flow_times", "target_note"]
 
 #: The run whose per-request work the bound is computed from, and the run it is compared with.
 FCFS_SYSTEM = "pcr-schedule-fcfs"
@@ -166,3 +166,31 @@ def schedule_bounds(report: Mapping[str, Any], system: str = FCFS_SYSTEM,
         out.append(ScheduleBound(rate, n, overlapping, sum(fcfs) / n, sum(best) / n,
                                  sum(req["ttft"]) / n, speed))
     return out
+
+
+#: How far below the bound a measured ratio must be before the report blames the runs' speed (the bound holds the
+#: work fixed; a couple of percent is the noise of the work itself).
+DRIFT_MARGIN = 0.02
+
+
+def target_note(target: Mapping[str, Any], bound: Mapping[str, Any] | None) -> str | None:
+    """What the admission bound says about a judged admission target (a `TargetResult.as_dict` comparing the
+    cache-aware and FCFS runs, ``max_ratio`` its bound) at the rate of ``bound`` (a `ScheduleBound.as_dict`):
+    that no order can meet the target on this trace, and/or that the measured ratio is more than `DRIFT_MARGIN`
+    below what any order can reach (so the runs' speed made it, not the order). None when neither holds."""
+    ratio = target.get("ratio")
+    if bound is None or ratio is None:
+        return None
+    best, limit = bound["ratio"], target["max_ratio"]
+    speed = bound.get("speed_ratio")
+    drift = "" if speed is None else (f"; the cache-aware run computed the same work at {speed:.2f}x the FCFS run's "
+                                      "seconds per token")
+    below = ratio < best - DRIFT_MARGIN
+    why = (", below what any order reaches: the machine's speed between the two runs made the difference, not the "
+           "order" if below else "")
+    if best > limit:
+        return (f"{target['name']}: unreachable on this trace whatever the policy - the best admission order gets "
+                f"{best:.3f}x; measured {ratio:.2f}x{why}{drift}")
+    if below:
+        return f"{target['name']}: measured {ratio:.2f}x against a best order of {best:.3f}x{why}{drift}"
+    return None

@@ -68,7 +68,7 @@ from pcr_rag.bench.config import QUICK_CAVEAT, SYSTEM_PROMPT, BenchConfig, Bench
 from pcr_rag.bench.disk import drop_page_cache
 from pcr_rag.bench.limit import measure_limit_ratio
 from pcr_rag.bench.report import RequestSample, RunRecord, build_report, format_seconds, run_for
-from pcr_rag.bench.schedule_bound import schedule_bounds
+from pcr_rag.bench.schedule_bound import CACHE_AWARE_SYSTEM, FCFS_SYSTEM, schedule_bounds, target_note
 from pcr_rag.bench.stats import requests_to_resolve
 from pcr_rag.bench.systems import SystemSpec, max_active_variant, parse_systems
 from pcr_rag.bench.targets import LIMIT_RATIO_TARGETS, RETRIEVAL_TARGETS, SERVING_TARGETS
@@ -678,6 +678,12 @@ class BenchRunner:
             if not t["passed"] and t["ratio"] is not None:  # a target this run did not measure is not a miss
                 ci = "" if t.get("ci_high") is None else f", 95% CI [{t['ci_low']:.2f}, {t['ci_high']:.2f}]"
                 notes.append(f"target missed: {t['name']} (measured ratio {t['ratio']:.2f}{ci})")
+        bound_here = {float(b["rate"]): b for b in report.get("schedule_bound", [])}.get(rate_f)
+        for t in report["targets"]:
+            if t["system"] == CACHE_AWARE_SYSTEM and t["baseline"] == FCFS_SYSTEM:
+                note = target_note(t, bound_here)
+                if note:
+                    notes.append(note)
         pcr, sod = run_for(report, "pcr", rate_f), run_for(report, "ssd-on-demand", rate_f)
         nr = run_for(report, "no-reuse", rate_f)
         if pcr and sod and pcr["ttft"]["mean"] and sod["ttft"]["mean"]:

@@ -11,12 +11,14 @@ import pytest
 from pcr_rag.bench.report import RequestSample, RunRecord, build_report
 from pcr_rag.bench.schedule_bound import (
     CACHE_AWARE_SYSTEM,
+    DRIFT_MARGIN,
     FCFS_SYSTEM,
     fcfs_flow_times,
     schedule_bound,
     schedule_bounds,
     seconds_per_computed_token,
     srpt_flow_times,
+    target_note,
 )
 
 
@@ -115,3 +117,18 @@ def test_seconds_per_computed_token_leaves_reused_tokens_out():
                            reused_by_tier={"dram": 80}, output_tokens=2, key=(0, 0), prefill_compute_s=0.2)
     report = build_report([RunRecord(FCFS_SYSTEM, 0.5, [reused], 1.0)], kind="bench")
     assert seconds_per_computed_token(report["runs"][0]) == pytest.approx(0.2 / 20)
+
+
+def test_target_note_says_when_no_order_can_meet_the_target_and_when_drift_made_the_ratio():
+    target = {"name": "cache-aware <= 0.85x fcfs", "ratio": 0.71, "max_ratio": 0.85}
+    bound = {"ratio": 0.914, "speed_ratio": 0.80}
+    note = target_note(target, bound)
+    assert "unreachable on this trace" in note and "0.914x" in note and "measured 0.71x" in note
+    assert "machine's speed" in note and "at 0.80x" in note
+    # within the margin of the bound: unreachable, but no blame on drift
+    near = target_note({**target, "ratio": 0.914 - DRIFT_MARGIN / 2}, bound)
+    assert "unreachable" in near and "machine's speed" not in near
+    # a reachable target: a note only when the measured ratio beats every order by more than the margin
+    assert target_note({**target, "ratio": 0.70}, {"ratio": 0.8, "speed_ratio": None}).endswith("not the order")
+    assert target_note({**target, "ratio": 0.79}, {"ratio": 0.8, "speed_ratio": None}) is None
+    assert target_note(target, None) is None and target_note({**target, "ratio": None}, bound) is None
