@@ -8,7 +8,8 @@ executor thread stopped every thread for 234 ms, and the request it landed on to
 
 - `hold()` (an engine with ``EngineConfig(freeze_gc=True)`` finished starting): collect, then `gc.freeze()`, which
   moves every object alive now (the model, the tokenizer, imported modules) to the permanent generation that
-  collections never scan. A full collection then takes ~0.1 ms here. vLLM and SGLang freeze after start-up too.
+  collections never scan. A full collection then takes ~0.1 ms here. vLLM freezes after its warm-up too, and
+  SGLang offers the same as an API (with a warning when a collection is slow).
 - `release()` (that engine closed): `gc.unfreeze()`. Frozen objects are never collected, so a closed engine's
   reference cycles (its threads, its KV arena) are freed only once nothing is frozen; the next `hold()` freezes
   what the open engines still use. Between the two, open engines run unfrozen, as without `hold()`.
