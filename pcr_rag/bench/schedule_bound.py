@@ -118,53 +118,50 @@ class ScheduleBound:
                 f"another prefill is unfinished{speed})")
 
 
-def schedule_bound(arrivals: Sequence[float], works: Sequence[float], *, rate: float = math.nan,
-                   measured_ttft: Sequence[float] = ()) -> ScheduleBound:
-    """The bound of one trace: ``arrivals`` (seconds), ``works`` (each request's prefill seconds)."""
-    fcfs = fcfs_flow_times(arrivals, works)
-    best = srpt_flow_times(arrivals, works)
-    overlapping = sum(1 for f, w in zip(fcfs, works, strict=True) if f > w + 1e-12)  # it waited under FCFS
+def schedule_bound(arrivals: Sequence[float], works: Sequence[float], *, repeats: Sequence[int] | None = None,
+                   rate: float = math.nan, measured_ttft: Sequence[float] = (),
+                   speed_ratio: float = math.nan) -> ScheduleBound:
+    """The bound of a trace: ``arrivals`` (seconds), ``works`` (each request's prefill seconds). ``repeats`` (one
+    label per request) splits it into traces that never share the machine (a bench's repeats), each simulated on
+    its own; means over all requests."""
+    groups: dict[int, list[int]] = {}
+    for i, label in enumerate(repeats if repeats is not None else [0] * len(works)):
+        groups.setdefault(int(label), []).append(i)
+    fcfs_sum = best_sum = 0.0
+    overlapping = 0
+    for idx in groups.values():
+        a, w = [arrivals[i] for i in idx], [works[i] for i in idx]
+        fcfs = fcfs_flow_times(a, w)
+        fcfs_sum += sum(fcfs)
+        best_sum += sum(srpt_flow_times(a, w))
+        overlapping += sum(1 for f, x in zip(fcfs, w, strict=True) if f > x + 1e-12)  # it waited under FCFS
     n = len(works)
-    return ScheduleBound(rate, n, overlapping, sum(fcfs) / n if n else 0.0, sum(best) / n if n else 0.0,
-                         sum(measured_ttft) / len(measured_ttft) if measured_ttft else math.nan)
+    return ScheduleBound(rate, n, overlapping, fcfs_sum / n if n else 0.0, best_sum / n if n else 0.0,
+                         sum(measured_ttft) / len(measured_ttft) if measured_ttft else math.nan, speed_ratio)
 
 
 def seconds_per_computed_token(run: Mapping[str, Any]) -> float:
     """A run's prefill seconds (its own steps) per prompt token it computed; NaN when it computed none."""
-    req = run["requests"]
-    reused = [sum(req[k][i] for k in req if k.startswith("reused_")) for i in range(len(req["key"]))]
-    computed = sum(p - r for p, r in zip(req["prompt_tokens"], reused, strict=True))
-    return sum(req["prefill_compute"]) / computed if computed > 0 else math.nan
+    computed = run["tokens"]["computed"]
+    return sum(run["requests"]["prefill_compute"]) / computed if computed > 0 else math.nan
 
 
 def schedule_bounds(report: Mapping[str, Any], system: str = FCFS_SYSTEM,
                     compare: str = CACHE_AWARE_SYSTEM) -> list[ScheduleBound]:
-    """The bound at every finite rate where ``system`` ran: each repeat's trace simulated on its own (requests
-    paired by their ``key``), means over all of them; ``speed_ratio`` against ``compare``'s run at that rate
-    (NaN without one). Empty when the report has no ``system`` run."""
+    """The bound at every finite rate where ``system`` ran, its repeats simulated apart (`schedule_bound`);
+    ``speed_ratio`` against ``compare``'s run at that rate (NaN without one). Empty when the report has no
+    ``system`` run."""
     out = []
     for rate in rates(report):
         run = run_for(report, system, rate)
         if run is None or math.isinf(rate) or not run.get("requests"):
             continue
         req = run["requests"]
-        by_repeat: dict[int, list[int]] = {}
-        for i, key in enumerate(req["key"]):
-            by_repeat.setdefault(int(key[0]), []).append(i)
-        fcfs: list[float] = []
-        best: list[float] = []
-        overlapping = 0
-        for idx in by_repeat.values():
-            b = schedule_bound([req["arrival"][i] for i in idx], [req["prefill_compute"][i] for i in idx])
-            fcfs.append(b.fcfs_mean_s * b.requests)
-            best.append(b.best_mean_s * b.requests)
-            overlapping += b.overlapping
-        n = len(req["key"])
         other = run_for(report, compare, rate)
         speed = (seconds_per_computed_token(other) / seconds_per_computed_token(run)
                  if other is not None and other.get("requests") else math.nan)
-        out.append(ScheduleBound(rate, n, overlapping, sum(fcfs) / n, sum(best) / n,
-                                 sum(req["ttft"]) / n, speed))
+        out.append(schedule_bound(req["arrival"], req["prefill_compute"], repeats=[k[0] for k in req["key"]],
+                                  rate=rate, measured_ttft=req["ttft"], speed_ratio=speed))
     return out
 
 

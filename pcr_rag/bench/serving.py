@@ -678,7 +678,8 @@ class BenchRunner:
             if not t["passed"] and t["ratio"] is not None:  # a target this run did not measure is not a miss
                 ci = "" if t.get("ci_high") is None else f", 95% CI [{t['ci_low']:.2f}, {t['ci_high']:.2f}]"
                 notes.append(f"target missed: {t['name']} (measured ratio {t['ratio']:.2f}{ci})")
-        bound_here = {float(b["rate"]): b for b in report.get("schedule_bound", [])}.get(rate_f)
+        bound_here = next((b for b in report.get("schedule_bound", [])
+                           if math.isclose(b["rate"], rate_f, rel_tol=1e-9)), None)
         for t in report["targets"]:
             if t["system"] == CACHE_AWARE_SYSTEM and t["baseline"] == FCFS_SYSTEM:
                 note = target_note(t, bound_here)
