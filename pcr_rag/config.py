@@ -55,11 +55,13 @@ class EngineConfig:
             A longer request raises `PromptTooLongError` before it takes a row.
         prefill_chunk_tokens: prompt tokens per prefill step (prefill is split-invariant, so the value never
             changes an answer).
-        itl_budget_steps: while rows are decoding, an engine step runs only the prefill layers predicted to take
-            at most ``itl_budget_steps - 1`` decode steps (a prefill step then spans several engine steps, same
-            numbers), so a streamed token waits about this many decode steps at most (the ITL P99/P50 the engine
-            plans for; `pcr_rag.runtime.step_budget`). A cold prompt's prefill shares the time with the decode
-            steps it lets through. None = prefill steps always run whole between two decode steps.
+        itl_budget_steps: an engine step runs only the prefill layers predicted to take at most
+            ``itl_budget_steps - 1`` decode steps (a prefill step then spans several engine steps, same numbers),
+            so a streamed token waits about this many decode steps at most (the ITL P99/P50 the engine plans for;
+            `pcr_rag.runtime.step_budget`), and a request admitted during a cold prefill step is ranked against it
+            within that time (under ``cache-aware`` a hit need not wait out the cold step). A cold prompt's prefill
+            shares the time with the decode steps it lets through. None = prefill steps always run whole between
+            two decode steps.
         schedule: "fcfs" (arrival order) or "cache-aware" (least uncached work first, with aging; the
             `ORDER_HORIZON` oldest waiting requests are ranked, later ones wait in arrival order).
         weights: "bf16" (the model's own dtype), "int8" or "int4" weight-only quantization (CPU kernels PyTorch

@@ -6,9 +6,10 @@ Rows: the KV arena has ``batch_rows`` rows; a request holds one from admission t
    the same numbers - so a row's numbers never depend on who is active; every decoding row then picks its token.
 2. **prefill** (when any admitted request is prefilling): a step of the next ``prefill_chunk_tokens`` tokens of one
    request, chosen by the schedule (`pcr_rag.runtime.admission.prefill_candidates`: prefills that share documents
-   rank as a group) - whole when no row decodes, else as many of its layers as the ITL budget allows
-   (`pcr_rag.runtime.step_budget`); a paused step resumes when the schedule picks its request again. A finished
-   prefill yields the first token and the row joins the decode batch at the next step.
+   rank as a group) - as many of its layers as the ITL budget allows (`pcr_rag.runtime.step_budget`), whether
+   rows decode or not, so that the executor is back at its queue soon; a paused step resumes when the schedule
+   picks its request again. A finished prefill yields the first token and the row joins the decode batch at the
+   next step.
 
 So a long cold prefill never freezes streaming answers: the gap between two tokens of a decoding row is one
 decode forward plus prefill layers planned to take at most ``itl_budget_steps - 1`` decode steps. And since the
@@ -134,8 +135,7 @@ class BatchExecutor:
             self.budget.record_decode(self.clock() - started)
         pending = self.prefilling()
         if pending:
-            decoding_now = any(a.decode is not None for a in self._active.values())
-            self._prefill(self._next_prefill(pending), lambda n: self.budget.layers(n, decoding_now))
+            self._prefill(self._next_prefill(pending), self.budget.layers)
 
     def _next_prefill(self, pending: list[ActiveRequest]) -> ActiveRequest:
         """The prefill to advance, by the schedule over `prefill_candidates`: a prefill whose next chunks another

@@ -618,8 +618,7 @@ class Simulator:
                     self._release_row(row, t)
         prefilling = [r for r in self.rows if r.decode is None]
         if prefilling:
-            decoding_now = any(r.decode is not None for r in self.rows)
-            t = self._prefill_step(self._next_prefill(prefilling, t), t, decoding_now)
+            t = self._prefill_step(self._next_prefill(prefilling, t), t)
         self.exec_busy = True
         self._push(t, _EXEC_READY, None)
 
@@ -639,13 +638,13 @@ class Simulator:
         order = rank(self.sys.schedule, [c for _, c in runnable], now, self._aging)
         return runnable[order[0]][0]
 
-    def _prefill_step(self, row: _Row, now: float, decoding: bool) -> float:
-        """Run ``row``'s next prefill step, whole or the layers the ITL budget allows; returns when it stops."""
+    def _prefill_step(self, row: _Row, now: float) -> float:
+        """Run the layers of ``row``'s next prefill step that the ITL budget allows; returns when they stop."""
         if row.prefill is None:
             row.prefill = self._begin(row.req, now)
         run = row.prefill
         n = self.num_layers
-        layers = min(self.budget.layers(run.steps[0], decoding), n - run.layers_done)
+        layers = min(self.budget.layers(run.steps[0]), n - run.layers_done)
         t = now + run.step_s[0] * layers / n
         run.layers_done += layers
         if run.layers_done < n:

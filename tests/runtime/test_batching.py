@@ -126,8 +126,8 @@ def test_long_prefill_does_not_freeze_streaming(tmp_path):
 
 def test_prefill_pauses_between_layers_while_rows_decode(tmp_path):
     """Under the ITL budget an engine step with decoding rows runs only some of a prefill step's layers (here one:
-    a budget of barely one decode step fits no more) and the step resumes at the next engine step; with nothing
-    decoding a step runs whole. The answer is the same as with whole steps."""
+    a budget of barely one decode step fits no more) and the step resumes at the next engine step; before a decode
+    step has been measured a step runs whole. The answer is the same as with whole steps."""
     model, tok = tiny_model("llama")
     docs = tuple(DOCS) * 3
     with _engine(model, tok, tmp_path / "ref", enable_cache=False, prefill_chunk_tokens=128,
@@ -135,7 +135,8 @@ def test_prefill_pauses_between_layers_while_rows_decode(tmp_path):
         ref = eng.generate("long cold prompt", docs, max_new_tokens=4)
     with _engine(model, tok, tmp_path / "c", prefill_chunk_tokens=128, max_active=2, itl_budget_steps=1.001) as eng:
         layers = len(eng.forward.layers)
-        per_step: Counter[tuple[int, bool]] = Counter()  # (engine step, rows decoding) -> prefill layers run
+        per_step: Counter[tuple[int, bool, bool]] = Counter()  # (engine step, rows decoding, decode measured)
+        # -> prefill layers run
         prefill_layers = eng.forward.prefill_layers
 
         def spy(*args, **kwargs):
@@ -144,7 +145,8 @@ def test_prefill_pauses_between_layers_while_rows_decode(tmp_path):
             def counted():
                 while True:
                     decoding = any(a.decode is not None for a in eng.executor._active.values())
-                    per_step[eng.executor.steps, decoding] += 1
+                    measured = eng.executor.budget.decode_step_s is not None
+                    per_step[eng.executor.steps, decoding, measured] += 1
                     try:
                         value = next(inner)
                     except StopIteration as stop:
@@ -160,12 +162,75 @@ def test_prefill_pauses_between_layers_while_rows_decode(tmp_path):
         got = eng.submit(RagPrompt("long cold prompt", docs), SamplingParams(max_new_tokens=4)).result(timeout=120)
         list(it)
         assert eng.stats().step_budget["layers_per_step"] == 1
-    during = [count for (_, decoding), count in per_step.items() if decoding]
-    alone = [count for (_, decoding), count in per_step.items() if not decoding]
+    during = [count for (_, decoding, _), count in per_step.items() if decoding]
+    before = [count for (_, _, measured), count in per_step.items() if not measured]
+    capped = [count for (_, _, measured), count in per_step.items() if measured]
     assert len(during) >= 30 and set(during) == {1}, per_step
-    assert layers in alone, "a step with nothing decoding runs every layer"
+    assert set(capped) == {1}, per_step
+    assert layers in before, "the first step runs whole: no decode step measured yet"
     assert got.token_ids[:len(ref.token_ids)] == ref.token_ids
     assert torch.equal(got.first_token_logits, ref.first_token_logits)
+
+
+@pytest.mark.parametrize("schedule", ["cache-aware", "fcfs"])
+def test_a_hit_admitted_during_a_cold_step_with_nothing_decoding(schedule, tmp_path):
+    """Nothing decodes, a cold prompt's prefill step is under way, and a cache hit arrives: the step pauses within
+    the budget (here one layer), the hit is admitted and ranked against it, and under ``cache-aware`` the hit's
+    prefill runs to its end while the cold step waits; under ``fcfs`` the older cold prompt finishes first. Both
+    answers equal each request alone. (Aging is held at a token per second: the test pauses the executor, and at
+    the tiny model's speed any wait would otherwise age the cold prompt past the hit.)"""
+    model, tok = tiny_model("llama")
+    cold_docs, hit_docs = tuple(DOCS) * 2, (DOCS[0], DOCS[1])
+    with _engine(model, tok, tmp_path / "ref", enable_cache=False) as eng:
+        ref_cold = eng.generate("cold question", cold_docs, max_new_tokens=4)
+        ref_hit = eng.generate("hit question", hit_docs, max_new_tokens=4)
+    with _engine(model, tok, tmp_path / "c", itl_budget_steps=1.001, schedule=schedule, prefetch=False) as eng:
+        eng.generate("warm the hit's documents", hit_docs, max_new_tokens=3)  # measures a decode and a prefill step
+        speed = eng.executor.ctx.speed
+        speed.tokens_per_s = 1.0
+        speed.record = lambda tokens, seconds: None
+        layers: list[tuple[str, int]] = []  # (which request, prefill step start) per layer run, in order
+        cold_started, hit_waiting = threading.Event(), threading.Event()
+        prefill_layers = eng.forward.prefill_layers
+
+        def spy(row, token_ids, start, **kwargs):
+            inner = prefill_layers(row, token_ids, start, **kwargs)
+            req = next(a.request for a in eng.executor._active.values()
+                       if a.prefill is not None and a.prefill.row is row)
+            who = "cold question" if req.token_ids == ref_cold.prompt_token_ids else "hit question"
+
+            def counted():
+                while True:
+                    layers.append((who, start))
+                    if who == "cold question" and not cold_started.is_set():
+                        cold_started.set()
+                        assert hit_waiting.wait(30)
+                    try:
+                        value = next(inner)
+                    except StopIteration as stop:
+                        return stop.value
+                    yield value
+            return counted()
+
+        eng.forward.prefill_layers = spy
+        cold = eng.submit(RagPrompt("cold question", cold_docs), SamplingParams(max_new_tokens=4))
+        assert cold_started.wait(30)
+        hit = eng.submit(RagPrompt("hit question", hit_docs), SamplingParams(max_new_tokens=4))
+        hit_waiting.set()
+        got_cold, got_hit = cold.result(timeout=120), hit.result(timeout=120)
+    assert got_hit.metrics.reused_tokens > 0 and got_cold.metrics.reused_tokens < got_cold.metrics.prompt_tokens
+    assert got_hit.token_ids == ref_hit.token_ids and got_cold.token_ids == ref_cold.token_ids
+    assert torch.equal(got_hit.first_token_logits, ref_hit.first_token_logits)
+    assert torch.equal(got_cold.first_token_logits, ref_cold.first_token_logits)
+    whose = [who for who, _ in layers]
+    first_hit, last_hit = whose.index("hit question"), len(whose) - 1 - whose[::-1].index("hit question")
+    first_step = [i for i, (who, start) in enumerate(layers) if who == "cold question" and start == layers[0][1]]
+    if schedule == "cache-aware":
+        assert first_step[0] < first_hit and last_hit < first_step[-1], \
+            f"the hit ran inside the cold prompt's first step: {layers}"
+    else:
+        assert last_hit > first_hit > max(i for i, w in enumerate(whose) if w == "cold question"), \
+            f"fcfs: the cold prompt finished first: {layers}"
 
 
 def test_bad_config_and_oversized_requests(tmp_path):

@@ -1,4 +1,4 @@
-"""The ITL budget: prefill layers per engine step while rows decode (pure policy, fed with times by hand)."""
+"""The ITL budget: prefill layers per engine step (pure policy, fed with times by hand)."""
 
 from __future__ import annotations
 
@@ -17,20 +17,22 @@ def _budget(steps: float | None = 3.0, decode_s: float = 0.1, prefill: tuple[tup
     return budget
 
 
-def test_nothing_decoding_or_no_budget_runs_every_layer():
-    assert _budget().layers(256, decoding=False) == 30
-    assert _budget(None).layers(256, decoding=True) == 30
-    assert StepBudget(30, 3.0).layers(256, decoding=True) == 30, "nothing measured yet"
+def test_no_budget_or_nothing_measured_runs_every_layer():
+    assert _budget(None).layers(256) == 30
+    assert StepBudget(30, 3.0).layers(256) == 30, "nothing measured yet"
+    only_prefill = StepBudget(30, 3.0)
+    only_prefill.record_prefill(256, 0.7)
+    assert only_prefill.layers(256) == 30, "no decode step measured yet"
 
 
 def test_one_size_measured_assumes_a_decode_step_of_fixed_cost():
     budget = _budget(prefill=((256, 0.74),))
     assert budget.cost() == StepCost(0.1, pytest.approx(0.64 / 256))
     # a 256-token step: 0.74 s over 30 layers; allowed (3 - 1) * 0.1 s = 0.2 s -> 8 layers (0.197 s)
-    assert budget.layers(256, decoding=True) == 8
-    assert _budget(4.0, prefill=((256, 0.74),)).layers(256, decoding=True) == 12
+    assert budget.layers(256) == 8
+    assert _budget(4.0, prefill=((256, 0.74),)).layers(256) == 12
     # a hit's short step fits whole: 0.1 + 0.0025 * 24 = 0.16 s
-    assert budget.layers(24, decoding=True) == 30
+    assert budget.layers(24) == 30
     assert budget.as_dict()["layers_per_step"] == 30
 
 
@@ -39,23 +41,23 @@ def test_a_line_is_fitted_once_sizes_spread():
     cost = budget.cost()
     assert cost.fixed_s == pytest.approx(0.12) and cost.per_token_s == pytest.approx(0.002)
     # allowed 0.1 s; a 256-token step 0.632 s = 21 ms a layer -> 4 layers
-    assert budget.layers(256, decoding=True) == 4
-    assert _budget(1.01, decode_s=0.05, prefill=((256, 0.7),)).layers(256, decoding=True) == 1, \
+    assert budget.layers(256) == 4
+    assert _budget(1.01, decode_s=0.05, prefill=((256, 0.7),)).layers(256) == 1, \
         "at least one layer, so a prompt always advances"
 
 
 def test_an_unbounded_budget_runs_every_layer():
-    assert _budget(float("inf")).layers(256, decoding=True) == 30
+    assert _budget(float("inf")).layers(256) == 30
 
 
 def test_one_slow_decode_step_does_not_move_the_budget():
     budget = _budget()
     for _ in range(4):
         budget.record_decode(0.1)
-    before = budget.layers(256, decoding=True)
+    before = budget.layers(256)
     budget.record_decode(5.0)
     assert budget.decode_step_s == pytest.approx(0.1)
-    assert budget.layers(256, decoding=True) == before
+    assert budget.layers(256) == before
 
 
 def test_bad_budgets_are_config_errors():
