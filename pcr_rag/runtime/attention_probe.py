@@ -2,10 +2,12 @@
 
 A prefill step computes attention in blocks of `ATTENTION_BLOCK` queries aligned to absolute positions, so that
 where a step starts or ends never changes a number. A short step (a cache hit's question, say) needs a few of a
-block's rows, and the rest are padding the kernel computes anyway. PyTorch's CPU flash-attention kernel works
-through the queries in blocks of its own (32 rows whenever there are fewer than 192 queries), so a 32-aligned slice
-of a block should make exactly the calls its rows make inside the whole block - but that is the kernel's choice, per
-version, device and dtype, so the forward asks once per process instead of assuming.
+block's rows, and the rest are padding the kernel computes anyway. The step computes the span of ``sub_block``-
+aligned rows that holds what it needs, ``[a, b)`` with ``a`` and ``b`` multiples of ``sub_block``, in one call.
+Whether a row comes out of such a call with the bits it has in the whole block's call is the kernel's choice, per
+version, device and dtype (PyTorch's CPU flash-attention kernel works through the queries in blocks of its own, 32
+rows whenever there are fewer than 192 queries, starting at the call's first row), so the forward asks once per
+process, for every span a step can make, instead of assuming.
 
 The probe's inputs expose summation order, as the GEMM tile probe's do (`tile_probe`): the queries' features and the
 keys' features come in cancelling pairs (``q_a = -q_b`` with ``k_a = k_b``), so the scores are small sums of large
@@ -49,30 +51,31 @@ def probe_inputs(heads: int, kv_heads: int, head_dim: int, queries: int, keys: i
 
 def sub_blocks_exact(attend, *, block: int, sub_block: int, heads: int, kv_heads: int, head_dim: int,
                      windows: tuple[int | None, ...], dtype: torch.dtype, device: torch.device) -> bool:
-    """True when every ``sub_block``-row, ``sub_block``-aligned slice of a query block gives, through ``attend``,
-    the same bits as those rows of the whole block, on the probe inputs, for blocks at several positions and every
-    attention window in ``windows``. ``attend(q [rows, heads, D] view of a block buffer, rows (a, b), block index,
+    """True when every ``sub_block``-aligned span of a query block (rows ``[a, b)``, both multiples of
+    ``sub_block``) gives, through ``attend``, the same bits as those rows of the whole block, on the probe inputs,
+    for blocks at several positions and every attention window in ``windows``. ``attend(q [rows, heads, D] view of a block buffer, rows (a, b), block index,
     k, v, window) -> [rows, heads * D]`` is the forward's own call. Cached per process by shape, dtype, device and
     thread count."""
     key = (block, sub_block, heads, kv_heads, head_dim, windows, dtype, str(device), torch.get_num_threads())
     found = _exact_cache.get(key)
     if found is not None:
         return found
-    exact = all(_slices_match(attend, block, sub_block, blocks, window,
-                              probe_inputs(heads, kv_heads, head_dim, block, blocks * block, dtype, device))
+    exact = all(_spans_match(attend, block, sub_block, blocks, window,
+                             probe_inputs(heads, kv_heads, head_dim, block, blocks * block, dtype, device))
                 for blocks in (1, 3, 7)  # keys: one block, a few, and past the kernel's 512-key split
                 for window in windows)
     _exact_cache[key] = exact
     return exact
 
 
-def _slices_match(attend, block: int, sub_block: int, blocks: int, window: int | None,
-                  qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> bool:
-    """Every slice of the last of ``blocks`` query blocks equals those rows of the whole block (stops at the first
-    that differs)."""
+def _spans_match(attend, block: int, sub_block: int, blocks: int, window: int | None,
+                 qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> bool:
+    """Every aligned span of the last of ``blocks`` query blocks equals those rows of the whole block (stops at
+    the first that differs)."""
     q, k, v = qkv
     whole = attend(q, (0, block), blocks - 1, k, v, window)
-    return all(torch.equal(attend(q, (a, a + sub_block), blocks - 1, k, v, window), whole[a: a + sub_block])
-               for a in range(0, block, sub_block))
+    return all(torch.equal(attend(q, (a, b), blocks - 1, k, v, window), whole[a:b])
+               for a in range(0, block, sub_block) for b in range(a + sub_block, block + 1, sub_block)
+               if (a, b) != (0, block))
 
 __all__ = ["PAIRED_MAGNITUDE", "probe_inputs", "sub_blocks_exact"]

@@ -115,11 +115,37 @@ def test_attention_probe_rejects_slices_that_change_rows():
 
     kw = dict(block=16, sub_block=4, heads=2, kv_heads=1, head_dim=8, windows=(None,), dtype=torch.float32,
               device=torch.device("cpu"))
+    def changes_with_span(q, rows, index, k, v, window):  # one slice and the whole block agree; longer spans not
+        x = q[rows[0]: rows[1]].flatten(1).float() * 2
+        return x if rows[1] - rows[0] in (4, 16) else x + 1e-3
+
     _exact_cache.clear()  # results are cached per shape: the forward's attend is always the same code
     assert sub_blocks_exact(per_row, **kw)
     _exact_cache.clear()
     assert not sub_blocks_exact(mixes_rows, **kw)
     _exact_cache.clear()
+    assert not sub_blocks_exact(changes_with_span, **kw), "a step computes spans of several slices in one call"
+    _exact_cache.clear()
+
+
+def test_the_finest_exact_attention_slice_is_used(monkeypatch):
+    """The forward takes the finest of its slice size, twice that, ... that the probe proves exact, and whole blocks
+    when none is."""
+    import pcr_rag.runtime.forward as forward
+
+    asked: list[int] = []
+
+    def exact_from(size):
+        def probe(attend, *, sub_block, **kw):
+            asked.append(sub_block)
+            return sub_block >= size
+        return probe
+
+    monkeypatch.setattr(forward, "sub_blocks_exact", exact_from(16))
+    assert _forward("llama", torch.float32, attention_block=64, attention_sub_block=4).attention_sub_block == 16
+    assert asked == [4, 8, 16]
+    monkeypatch.setattr(forward, "sub_blocks_exact", exact_from(1000))
+    assert _forward("llama", torch.float32, attention_block=64, attention_sub_block=4).attention_sub_block is None
 
 
 def test_padded_linears_and_decode_batch_m():
