@@ -4,10 +4,7 @@
 - ``cache-aware``: least uncached work first - the tokens a request would still have to compute given what the
   cache holds when it is ranked (SGLang's longest-prefix-first idea, in tokens) - with **aging**: a request's
   priority improves by ``aging`` tokens per second of waiting, so nothing starves (after waiting
-  ``uncached / aging`` seconds any request outranks a fully cached newcomer). Waiting is the time since arrival
-  less the seconds its own prefill steps have run (``served_s``): a prefill being computed is not waiting. Counting
-  that time too let a cold prompt past half of its prefill outrank every hit (its credit, at the engine's own speed,
-  grew as fast as its work shrank), so a hit arriving then waited for the rest of it.
+  ``uncached / aging`` seconds any request outranks a fully cached newcomer).
 
 The aging rate is the machine's own prefill speed (`PrefillSpeed`, measured on the engine's prefill steps), so a
 request waits about as long as its own prefill takes before newcomers stop overtaking it, on any machine. A fixed
@@ -54,13 +51,11 @@ ORDER_HORIZON = 128  # oldest waiting requests the cache-aware queue order ranks
 
 @dataclass(frozen=True)
 class Candidate:
-    """One request to rank: its arrival time (seconds, same clock as ``now``), the tokens it still has to compute
-    (uncached tokens while waiting, remaining prefill tokens once admitted) and the seconds it has been served
-    (its own prefill steps; aging counts ``now - arrived_s - served_s``)."""
+    """One request to rank: its arrival time (seconds, same clock as ``now``) and the tokens it still has to
+    compute (uncached tokens while waiting, remaining prefill tokens once admitted)."""
 
     arrived_s: float
     work_tokens: int
-    served_s: float = 0.0
 
 
 class PlanChunk(Protocol):
@@ -87,14 +82,12 @@ class CacheMatch(Protocol):
 class PrefillOutlook:
     """An admitted prefill as the executor ranks it: arrival time (seconds), tokens it still has to compute, the
     plan chunks it would compute and insert (key -> tokens; chunk keys chain, so two prefills that share a chunk
-    share everything before it), whether it has begun - a begun prefill is computing those chunks now - and the
-    seconds its own prefill steps have run (0 before it begins)."""
+    share everything before it), and whether it has begun - a begun prefill is computing those chunks now."""
 
     arrived_s: float
     work_tokens: int
     chunks: Mapping[bytes, int]
     begun: bool
-    served_s: float = 0.0
 
     @classmethod
     def not_begun(cls, arrived_s: float, total_tokens: int, plan: Sequence[PlanChunk],
@@ -138,7 +131,7 @@ def rank(schedule: str, candidates: Sequence[Candidate], now: float,
     if schedule == "cache-aware":
         def key(i: int) -> tuple[float, float, int]:
             c = candidates[i]
-            return (c.work_tokens - aging * max(0.0, now - c.arrived_s - c.served_s), c.arrived_s, i)
+            return (c.work_tokens - aging * max(0.0, now - c.arrived_s), c.arrived_s, i)
         return sorted(range(len(candidates)), key=key)
     raise ConfigError(f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
 
@@ -150,13 +143,12 @@ def prefill_candidates(schedule: str, prefills: Sequence[PrefillOutlook]) -> lis
     A runnable prefill lends nothing and borrows from the not-begun prefills that would reuse chunks it computes
     (its *dependents*; ``residual`` = a dependent's work minus the shared chunks' tokens):
     - arrival: the earliest of its own, its waiting dependents' and those its work counts (aging and ``fcfs``
-      then serve the oldest waiting request's group first: priority inheritance); aging counts from the earliest
-      time one of them began to wait (its own: arrival plus its ``served_s``; a dependent's: its arrival);
+      then serve the oldest waiting request's group first: priority inheritance);
     - work (``cache-aware``): ``min over k of (own + the k smallest residuals) / (1 + k)``, the group's work per
       request whose TTFT it ends, so a cold prefill that two more requests wait on outranks a lone request with
       half its work, and a shared preamble every request needs does not make them all look alike.
-    Invariants: without shared chunks every candidate is ``Candidate(arrived_s, work_tokens, served_s)``; a begun
-    prefill is never None, so some prefill can always run."""
+    Invariants: without shared chunks every candidate is ``Candidate(arrived_s, work_tokens)``; a begun prefill is
+    never None, so some prefill can always run."""
     if schedule not in SCHEDULES:
         raise ConfigError(f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
     computing: set[bytes] = set()
@@ -180,7 +172,7 @@ def prefill_candidates(schedule: str, prefills: Sequence[PrefillOutlook]) -> lis
                     shared[j] = shared.get(j, 0) + prefills[j].chunks[key]
         dependents = sorted((max(0, prefills[j].work_tokens - tokens), prefills[j].arrived_s, waiting[j])
                             for j, tokens in shared.items())  # (residual tokens, arrival, waits on p)
-        members = [a for _, a, waits in dependents if waits]  # arrivals of those its rank speaks for
+        arrived = min([p.arrived_s] + [a for _, a, waits in dependents if waits])
         work = float(p.work_tokens)
         if schedule == "cache-aware":
             total, best_k = float(p.work_tokens), 0
@@ -188,10 +180,8 @@ def prefill_candidates(schedule: str, prefills: Sequence[PrefillOutlook]) -> lis
                 total += residual
                 if total / (1 + k) < work:
                     work, best_k = total / (1 + k), k
-            members += [a for _, a, _ in dependents[:best_k]]
-        arrived = min([p.arrived_s, *members])
-        waiting_since = min([p.arrived_s + p.served_s, *members])  # dependents have not begun: never served
-        out.append(Candidate(arrived, round(work), waiting_since - arrived))
+            arrived = min([arrived] + [a for _, a, _ in dependents[:best_k]])
+        out.append(Candidate(arrived, round(work)))
     return out
 
 

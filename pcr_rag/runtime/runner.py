@@ -128,7 +128,7 @@ class PrefillTask:
             match = None if cache is None else cache.match([c.key for c in self.plan])
             return PrefillOutlook.not_begun(arrived, self.total, self.plan, match)
         chunks = {} if cache is None else {spec.key: spec.num_tokens for spec in self.plan[self._stored_upto:]}
-        return PrefillOutlook(arrived, self.remaining, chunks, begun=True, served_s=self.step_seconds)
+        return PrefillOutlook(arrived, self.remaining, chunks, begun=True)
 
     # -------------------------------------------------------------------------------------------- lifecycle
     def begin(self) -> None:

@@ -206,7 +206,6 @@ class _Prefill:
     position: int  # tokens [0, position) are in the request's KV
     stored: int  # plan chunks [0, stored) are cached (matched or inserted)
     layers_done: int = 0  # layers of steps[0] already run (engine-steps: a step paused by the ITL budget)
-    served_s: float = 0.0  # modelled seconds of its steps run so far (the schedule's aging leaves them out)
 
 
 @dataclass
@@ -633,8 +632,7 @@ class Simulator:
                 outlooks.append(self._outlook(row.req))
             else:
                 chunks = {} if self.engine is None else {c.key: c.num_tokens for c in row.req.plan[run.stored:]}
-                outlooks.append(PrefillOutlook(arrived, row.req.prompt_tokens - run.position, chunks, begun=True,
-                                               served_s=run.served_s))
+                outlooks.append(PrefillOutlook(arrived, row.req.prompt_tokens - run.position, chunks, begun=True))
         candidates = prefill_candidates(self.sys.schedule, outlooks)
         runnable = [(row, c) for row, c in zip(prefilling, candidates, strict=True) if c is not None]
         order = rank(self.sys.schedule, [c for _, c in runnable], now, self._aging)
@@ -648,7 +646,6 @@ class Simulator:
         n = self.num_layers
         layers = min(self.budget.layers(run.steps[0]), n - run.layers_done)
         t = now + run.step_s[0] * layers / n
-        run.served_s += t - now
         run.layers_done += layers
         if run.layers_done < n:
             return t

@@ -57,29 +57,6 @@ def test_aging_follows_the_given_rate():
     assert rank("cache-aware", [cold, hit], now=1.0) == rank("cache-aware", [cold, hit], now=1.0, aging=2000.0)
 
 
-def test_time_being_computed_is_not_waiting():
-    """A cold prompt that arrived 0.7 s ago and has been computed for 0.6 s of it, with 127 tokens left, yields to
-    a 26-token hit at 400 tokens/s of aging: it waited 0.1 s (40 tokens of credit). Had its computing counted as
-    waiting (280 tokens of credit), every hit would wait for the rest of it. A prefill preempted long enough still
-    outranks newcomers, so nothing starves."""
-    cold, hit = Candidate(0.0, 127, served_s=0.6), Candidate(0.65, 26)
-    assert rank("cache-aware", [cold, hit], now=0.7, aging=400.0) == [1, 0]
-    assert rank("cache-aware", [Candidate(0.0, 127), hit], now=0.7, aging=400.0) == [0, 1]
-    assert rank("cache-aware", [cold, Candidate(1.5, 0)], now=1.5, aging=400.0) == [0, 1]
-    assert rank("fcfs", [hit, cold], now=0.7) == [1, 0], "fcfs: arrival order, service aside"
-
-
-def test_a_group_ages_from_its_earliest_waiting_member():
-    """A begun prefill ages from its arrival plus its service; one that a waiting request depends on ages from
-    that request's arrival when it began to wait first (priority inheritance, service aside)."""
-    begun = PrefillOutlook(0.0, 200, {b"a": 100, b"b": 100}, begun=True, served_s=0.5)
-    assert prefill_candidates("cache-aware", [begun]) == [Candidate(0.0, 200, 0.5)]
-    waiter = PrefillOutlook(0.2, 150, {b"a": 100, b"b": 100, b"c": 50}, begun=False)
-    got = prefill_candidates("cache-aware", [begun, waiter])
-    assert got[1] is None and got[0].arrived_s == 0.0 and got[0].served_s == pytest.approx(0.2)
-    assert prefill_candidates("fcfs", [begun, waiter])[0].arrived_s == 0.0
-
-
 def test_prefill_speed_weighs_steps_by_their_length():
     """Tokens over seconds of decayed sums: a short step's fixed cost barely moves the rate; until a step is
     recorded the rate is the default; empty steps are ignored."""
