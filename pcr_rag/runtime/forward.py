@@ -82,6 +82,18 @@ _MASK_CACHE_ENTRIES = 256  # attention-block masks kept (full layers need one pe
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
 
+@dataclass(frozen=True)
+class WarmUp:
+    """What `FastForward.warm_up` took and measured, in seconds: ``seconds`` in all; one prefill step of
+    ``prefill_tokens`` (``prefill_s``) and one full decode step (``decode_s``), timed after the first calls had paid
+    their one-time costs (None when the arena holds no tile)."""
+
+    seconds: float
+    prefill_tokens: int
+    prefill_s: float | None
+    decode_s: float | None
+
+
 class UnsupportedArchitectureError(PCRError, ValueError):
     """The model's architecture has no fast forward (see `SUPPORTED_MODEL_TYPES`)."""
 
@@ -423,20 +435,32 @@ class FastForward:
         return KVArena(self.loaded.kv, rows, capacity, self.device)
 
     @torch.inference_mode()
-    def warm_up(self, arena: KVArena) -> float:
+    def warm_up(self, arena: KVArena) -> WarmUp:
         """One prefill tile and one decode step per decode row count on ``arena``'s scratch row, so that one-time
         costs (oneDNN kernel generation and weight reorders per shape, first-touch allocations, ``compile``'s
-        graphs) are paid here and not by the first request. Changes no number of any later call. Returns the
-        seconds it took."""
+        graphs) are paid here and not by the first request; then the tile and a full decode step once more, timed,
+        so the engine knows its speed before its first request (the ITL budget, the aging rate). Changes no number
+        of any later call."""
         started = time.perf_counter()
         scratch = arena.row(arena.scratch_row)
         n = min(self.tile_rows, arena.row_capacity - 1, self.max_positions - 1)
-        if n >= 1:
-            self.prefill(scratch, torch.zeros(n, dtype=torch.long), 0)
-            for m in (*self.decode_sizes, self.batch_rows):
-                self._decode(arena, [arena.scratch_row] + [None] * (m - 1), torch.zeros(m, dtype=torch.long),
-                             torch.full((m,), n, dtype=torch.long))
-        return time.perf_counter() - started
+        if n < 1:
+            return WarmUp(time.perf_counter() - started, 0, None, None)
+        tokens = torch.zeros(n, dtype=torch.long)
+
+        def decode(m: int) -> None:
+            self._decode(arena, [arena.scratch_row] + [None] * (m - 1), torch.zeros(m, dtype=torch.long),
+                         torch.full((m,), n, dtype=torch.long))
+
+        self.prefill(scratch, tokens, 0)
+        for m in (*self.decode_sizes, self.batch_rows):
+            decode(m)
+        t0 = time.perf_counter()
+        self.prefill(scratch, tokens, 0)
+        t1 = time.perf_counter()
+        decode(self.batch_rows)
+        t2 = time.perf_counter()
+        return WarmUp(t2 - started, n, t1 - t0, t2 - t1)
 
     # ---------------------------------------------------------------------------------------------- prefill
     def prefill(self, row: RowKV, token_ids: torch.Tensor, start: int, *, hooks: LayerHooks | None = None,

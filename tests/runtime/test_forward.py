@@ -362,7 +362,8 @@ def test_warm_up_changes_no_number(arch):
         fw = _forward(arch, torch.bfloat16)
         arena = fw.new_arena(4, 64)
         if warm:
-            assert fw.warm_up(arena) > 0
+            done = fw.warm_up(arena)
+            assert done.seconds > done.prefill_s + done.decode_s > 0 and done.prefill_tokens == 16
         logits = fw.prefill(arena.row(1), ids, 0)
         out = fw.decode(arena, [None, 1, None, None], torch.tensor([0, int(logits.argmax()), 0, 0]),
                         torch.tensor([0, 40, 0, 0]))
