@@ -124,6 +124,27 @@ def test_long_prefill_does_not_freeze_streaming(tmp_path):
     assert eng.executor.decode_steps >= 59
 
 
+def _before_each_layer(eng: PCREngine, before) -> None:
+    """Wrap the engine's `FastForward.prefill_layers` so that ``before(row, start)`` runs (on the executor thread)
+    before each layer of every prefill step."""
+    prefill_layers = eng.forward.prefill_layers
+
+    def spy(row, token_ids, start, **kwargs):
+        inner = prefill_layers(row, token_ids, start, **kwargs)
+
+        def counted():
+            while True:
+                before(row, start)
+                try:
+                    value = next(inner)
+                except StopIteration as stop:
+                    return stop.value
+                yield value
+        return counted()
+
+    eng.forward.prefill_layers = spy
+
+
 def test_prefill_pauses_between_layers_while_rows_decode(tmp_path):
     """Under the ITL budget an engine step with decoding rows runs only some of a prefill step's layers (here one:
     a budget of barely one decode step fits no more) and the step resumes at the next engine step. The engine's
@@ -138,24 +159,13 @@ def test_prefill_pauses_between_layers_while_rows_decode(tmp_path):
         layers = len(eng.forward.layers)
         per_step: Counter[tuple[int, bool, bool]] = Counter()  # (engine step, rows decoding, decode measured)
         # -> prefill layers run
-        prefill_layers = eng.forward.prefill_layers
 
-        def spy(*args, **kwargs):
-            inner = prefill_layers(*args, **kwargs)
+        def count(row, start):
+            decoding = any(a.decode is not None for a in eng.executor._active.values())
+            measured = eng.executor.budget.decode_step_s is not None
+            per_step[eng.executor.steps, decoding, measured] += 1
 
-            def counted():
-                while True:
-                    decoding = any(a.decode is not None for a in eng.executor._active.values())
-                    measured = eng.executor.budget.decode_step_s is not None
-                    per_step[eng.executor.steps, decoding, measured] += 1
-                    try:
-                        value = next(inner)
-                    except StopIteration as stop:
-                        return stop.value
-                    yield value
-            return counted()
-
-        eng.forward.prefill_layers = spy
+        _before_each_layer(eng, count)
         eng.executor.eos_ids = frozenset()
         streaming = eng.submit(RagPrompt("stream please", (DOCS[3],)), SamplingParams(max_new_tokens=40))
         it = iter(streaming)
@@ -192,28 +202,17 @@ def test_a_hit_admitted_during_a_cold_step_with_nothing_decoding(schedule, tmp_p
         speed.record = lambda tokens, seconds: None
         layers: list[tuple[str, int]] = []  # (which request, prefill step start) per layer run, in order
         cold_started, hit_waiting = threading.Event(), threading.Event()
-        prefill_layers = eng.forward.prefill_layers
 
-        def spy(row, token_ids, start, **kwargs):
-            inner = prefill_layers(row, token_ids, start, **kwargs)
+        def log_layer(row, start):
             req = next(a.request for a in eng.executor._active.values()
                        if a.prefill is not None and a.prefill.row is row)
             who = "cold question" if req.token_ids == ref_cold.prompt_token_ids else "hit question"
+            layers.append((who, start))
+            if who == "cold question" and not cold_started.is_set():
+                cold_started.set()
+                assert hit_waiting.wait(30)
 
-            def counted():
-                while True:
-                    layers.append((who, start))
-                    if who == "cold question" and not cold_started.is_set():
-                        cold_started.set()
-                        assert hit_waiting.wait(30)
-                    try:
-                        value = next(inner)
-                    except StopIteration as stop:
-                        return stop.value
-                    yield value
-            return counted()
-
-        eng.forward.prefill_layers = spy
+        _before_each_layer(eng, log_layer)
         cold = eng.submit(RagPrompt("cold question", cold_docs), SamplingParams(max_new_tokens=4))
         assert cold_started.wait(30)
         hit = eng.submit(RagPrompt("hit question", hit_docs), SamplingParams(max_new_tokens=4))
