@@ -53,9 +53,9 @@ def sub_blocks_exact(attend, *, block: int, sub_block: int, heads: int, kv_heads
                      windows: tuple[int | None, ...], dtype: torch.dtype, device: torch.device) -> bool:
     """True when every ``sub_block``-aligned span of a query block (rows ``[a, b)``, both multiples of
     ``sub_block``) gives, through ``attend``, the same bits as those rows of the whole block, on the probe inputs,
-    for blocks at several positions and every attention window in ``windows``. ``attend(q [rows, heads, D] view of a block buffer, rows (a, b), block index,
-    k, v, window) -> [rows, heads * D]`` is the forward's own call. Cached per process by shape, dtype, device and
-    thread count."""
+    for blocks at several positions and every attention window in ``windows``. ``attend(q [rows, heads, D] view of
+    a block buffer, rows (a, b), block index, k, v, window) -> [rows, heads * D]`` is the forward's own call. Cached
+    per process by shape, dtype, device and thread count."""
     key = (block, sub_block, heads, kv_heads, head_dim, windows, dtype, str(device), torch.get_num_threads())
     found = _exact_cache.get(key)
     if found is not None:

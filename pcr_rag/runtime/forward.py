@@ -452,14 +452,19 @@ class FastForward:
             self._decode(arena, [arena.scratch_row] + [None] * (m - 1), torch.zeros(m, dtype=torch.long),
                          torch.full((m,), n, dtype=torch.long))
 
+        def now() -> float:  # on a GPU, after the queued kernels have run
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return time.perf_counter()
+
         self.prefill(scratch, tokens, 0)
         for m in (*self.decode_sizes, self.batch_rows):
             decode(m)
-        t0 = time.perf_counter()
+        t0 = now()
         self.prefill(scratch, tokens, 0)
-        t1 = time.perf_counter()
+        t1 = now()
         decode(self.batch_rows)
-        t2 = time.perf_counter()
+        t2 = now()
         return WarmUp(t2 - started, n, t1 - t0, t2 - t1)
 
     # ---------------------------------------------------------------------------------------------- prefill
