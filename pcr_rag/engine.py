@@ -169,14 +169,8 @@ class PCREngine:
             prefill_ctx, self.arena, prefill_chunk_tokens=config.prefill_chunk_tokens,
             budget=StepBudget(len(self.forward.layers), config.itl_budget_steps), schedule=config.schedule,
             tokenizer=self.loaded.tokenizer, eos_ids=frozenset(self.loaded.eos_token_ids), recorder=self.recorder)
-        if warm is not None and warm.prefill_s and warm.decode_s:
-            # the engine's speed from its first request on: without it a new replica's first prefill steps ran
-            # whole (nothing measured), so a hit arriving then waited for a cold step
-            self.executor.budget.record_prefill(warm.prefill_tokens, warm.prefill_s)
-            self.executor.budget.record_decode(warm.decode_s)
-            prefill_ctx.speed.record(warm.prefill_tokens, warm.prefill_s)
-            if self.cache is not None:
-                self.cache.record_compute(warm.prefill_tokens, warm.prefill_s)
+        if warm is not None:
+            self.executor.seed(warm)
         self.scheduler = Scheduler(self.executor, schedule=config.schedule, max_queue=config.max_queue,
                                    outlook_of=self._waiting_outlook, speed=prefill_ctx.speed,
                                    on_change=self._queue_changed)

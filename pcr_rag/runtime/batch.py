@@ -32,6 +32,7 @@ from pcr_rag.errors import RequestCancelledError
 from pcr_rag.metrics import MetricsRecorder
 from pcr_rag.requests import GenerationResult, Request, RequestState
 from pcr_rag.runtime.admission import prefill_candidates, rank
+from pcr_rag.runtime.forward import WarmUp
 from pcr_rag.runtime.kv_arena import KVArena
 from pcr_rag.runtime.runner import DecodeRow, PrefillContext, PrefillTask
 from pcr_rag.runtime.step_budget import StepBudget
@@ -104,6 +105,15 @@ class BatchExecutor:
         with self._lock:
             tasks = [a.prefill for a in self._active.values() if a.prefill is not None]
         return {c.key for t in tasks for c in t.plan}
+
+    def seed(self, warm: WarmUp) -> None:
+        """Learn the engine's speed from its warm-up's timed prefill tile and decode step (when it timed them), as
+        from the requests' own steps: the ITL budget, the aging rate and the load-or-recompute decision hold from
+        the first request on (without, a new engine's first prefill steps ran whole)."""
+        if warm.prefill_s and warm.decode_s:
+            self.budget.record_prefill(warm.prefill_tokens, warm.prefill_s)
+            self.budget.record_decode(warm.decode_s)
+            self.ctx.record_step(warm.prefill_tokens, warm.prefill_s)
 
     # -------------------------------------------------------------------------------------------- admission
     def admit(self, req: Request) -> None:

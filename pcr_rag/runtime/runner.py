@@ -54,6 +54,13 @@ class PrefillContext:
     layerwise: bool
     speed: PrefillSpeed = field(default_factory=PrefillSpeed)
 
+    def record_step(self, tokens: int, seconds: float) -> None:
+        """A prefill step computed ``tokens`` positions in ``seconds`` of compute: the aging rate and the cache's
+        load-or-recompute decision learn the engine's speed from it."""
+        self.speed.record(tokens, seconds)
+        if self.cache is not None:
+            self.cache.record_compute(tokens, seconds)
+
 
 class _StepHooks:
     """`LayerHooks` of one prefill step: wait for the prefix load, offload completed chunks."""
@@ -242,9 +249,7 @@ class PrefillTask:
             self.load_wait_s += step.waited
             self._load = None
             self._promote_ssd_chunks()
-        self.ctx.speed.record(step.end - step.start, compute_s)
-        if self.ctx.cache is not None:  # the load-or-recompute decision's compute speed
-            self.ctx.cache.record_compute(step.end - step.start, compute_s)
+        self.ctx.record_step(step.end - step.start, compute_s)
         self.last_step = (step.end - step.start, compute_s)
         self.position = step.end
         if step.offload is not None:

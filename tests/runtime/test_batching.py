@@ -11,6 +11,7 @@ import torch
 
 from pcr_rag import ConfigError, EngineConfig, PCREngine, PromptTooLongError, RequestCancelledError
 from pcr_rag.requests import RagPrompt, SamplingParams
+from pcr_rag.runtime.admission import AGING_TOKENS_PER_S
 from pcr_rag.testing import TEST_DEVICE, tiny_model
 
 DOCS = [
@@ -197,9 +198,7 @@ def test_a_hit_admitted_during_a_cold_step_with_nothing_decoding(schedule, tmp_p
         ref_hit = eng.generate("hit question", hit_docs, max_new_tokens=4)
     with _engine(model, tok, tmp_path / "c", itl_budget_steps=1.001, schedule=schedule, prefetch=False) as eng:
         eng.generate("warm the hit's documents", hit_docs, max_new_tokens=3)  # measures a decode and a prefill step
-        speed = eng.executor.ctx.speed
-        speed.tokens_per_s = 1.0
-        speed.record = lambda tokens, seconds: None
+        _age_at(eng, 1.0)
         layers: list[tuple[str, int]] = []  # (which request, prefill step start) per layer run, in order
         cold_started, hit_waiting = threading.Event(), threading.Event()
 
@@ -290,8 +289,6 @@ def test_the_schedule_ages_at_the_measured_prefill_speed(tmp_path):
     """Prefill steps feed the engine's measured speed, which the scheduler and the executor rank with and stats
     report: the warm-up's timed prefill tile before the first request (the default without a warm-up), then the
     requests' own steps."""
-    from pcr_rag.runtime.admission import AGING_TOKENS_PER_S
-
     model, tok = tiny_model("llama")
     with _engine(model, tok, tmp_path / "cold", warmup=False) as eng:
         assert eng.scheduler.speed.tokens_per_s == AGING_TOKENS_PER_S
@@ -308,13 +305,11 @@ def test_the_schedule_ages_at_the_measured_prefill_speed(tmp_path):
         assert eng.scheduler.speed.tokens_per_s == speed
 
 
-def _age_at_the_default_rate(eng: PCREngine) -> None:
-    """Hold the schedule's aging at `AGING_TOKENS_PER_S` (the tiny model's measured speed, ~10^5 tokens/s, would
+def _age_at(eng: PCREngine, tokens_per_s: float) -> None:
+    """Hold the schedule's aging rate at ``tokens_per_s`` (the tiny model's measured speed, ~10^5 tokens/s, would
     make any wait outweigh any difference in work)."""
-    from pcr_rag.runtime.admission import AGING_TOKENS_PER_S
-
     speed = eng.executor.ctx.speed
-    speed.tokens_per_s = AGING_TOKENS_PER_S
+    speed.tokens_per_s = tokens_per_s
     speed.record = lambda tokens, seconds: None
 
 
@@ -327,7 +322,7 @@ def test_a_prefill_others_wait_on_runs_first(schedule, tmp_path):
     cache-aware C no longer overtakes the prefill that another request waits on."""
     model, tok = tiny_model("llama")
     with _engine(model, tok, tmp_path / "c", max_active=3, schedule=schedule) as eng:
-        _age_at_the_default_rate(eng)
+        _age_at(eng, AGING_TOKENS_PER_S)
         with eng.scheduler._cond:  # hold admission until all three are queued: one admission round
             handles = {name: eng.submit(RagPrompt(q, docs), SamplingParams(max_new_tokens=2))
                        for name, q, docs in [("C", "lone question", (DOCS[2],)),
@@ -351,7 +346,7 @@ def test_waiting_requests_that_share_documents_are_admitted_as_a_group(schedule,
     first under cache-aware too.)"""
     model, tok = tiny_model("llama")
     with _engine(model, tok, tmp_path / "c", max_active=1, schedule=schedule) as eng:
-        _age_at_the_default_rate(eng)
+        _age_at(eng, AGING_TOKENS_PER_S)
         with eng.scheduler._cond:  # hold admission until all three are queued
             handles = {name: eng.submit(RagPrompt(q, docs), SamplingParams(max_new_tokens=2))
                        for name, q, docs in [("C", "lone question", (DOCS[2],)),
