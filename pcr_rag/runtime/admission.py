@@ -4,12 +4,22 @@
 - ``cache-aware``: least uncached work first - the tokens a request would still have to compute given what the
   cache holds when it is ranked (SGLang's longest-prefix-first idea, in tokens) - with **aging**: a request's
   priority improves by ``aging`` tokens per second of waiting, so nothing starves (after waiting
-  ``uncached / aging`` seconds any request outranks a fully cached newcomer). Waiting counts from arrival, the
-  time the request's own prefill steps run included. Counting only the time it is not served was tried and
-  measured: in the demo (8 questions at once) Q1, its shared documents computed and ~300 tokens left, then fell
-  behind two colder questions that had waited longer, and the cached run's mean TTFT went from 6.8 to 7.6 s. The
-  price of the rule kept: a hit that arrives after a cold prompt is past about half its prefill waits for the rest
-  (a hit 60% into a 2.7 s cold prompt: 922 ms TTFT, against 136 ms).
+  ``uncached / aging`` seconds any request outranks a fully cached newcomer). Waiting counts from arrival, and a
+  prefill's own steps count as waiting only against the requests that were already there while they ran:
+  - against those, counting them keeps shortest-remaining-work order: a prefill that outranked a request when it
+    began keeps outranking it, as its work shrinks while their credits grow alike. Leaving them out was tried and
+    measured: in the demo (8 questions at once) Q1, its shared documents computed and ~300 tokens left, fell behind
+    two colder questions that had waited longer, and the cached run's mean TTFT went from 6.8 to 7.6 s;
+  - against a request that arrived later, counting them would let a cold prompt past about half its prefill
+    outrank every hit (its credit, at the engine's own speed, grows as fast as its work shrinks): a hit arriving
+    60% into a 2.7 s cold prompt waited 922 ms for the rest of it. Against such a newcomer only the time the
+    prefill waited counts, so the two rank by remaining work plus real waiting, and a prefill preempted by hit
+    after hit still gains on the next one: nothing starves.
+  This is a relation between pairs, not one key per request: `rank` puts first the request that outranks every
+  other pairwise, and falls back to the single key (service counted against all) when no request does. The
+  service before a newcomer's arrival is taken as the prefill's steps up to then, at most the time since it
+  began (``began_s``, ``served_s``): exact for a prefill computed without pause since it began, otherwise an
+  over-estimate that favours the newcomer.
 
 The aging rate is the machine's own prefill speed (`PrefillSpeed`, measured on the engine's prefill steps), so a
 request waits about as long as its own prefill takes before newcomers stop overtaking it, on any machine. A fixed
@@ -41,6 +51,7 @@ what runs next.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -56,11 +67,27 @@ ORDER_HORIZON = 128  # oldest waiting requests the cache-aware queue order ranks
 
 @dataclass(frozen=True)
 class Candidate:
-    """One request to rank: its arrival time (seconds, same clock as ``now``) and the tokens it still has to
-    compute (uncached tokens while waiting, remaining prefill tokens once admitted)."""
+    """One request to rank (seconds on the same clock as ``now``; tokens):
+
+    - ``arrived_s``: arrival (the earliest of the requests its rank speaks for: `prefill_candidates`);
+    - ``work_tokens``: tokens it still has to compute (uncached tokens while waiting, remaining prefill tokens once
+      admitted);
+    - ``began_s``, ``served_s``: when its own prefill began and the seconds its steps have run since (inf and 0
+      before it begins);
+    - ``waiting_s``: the earliest arrival among the not-begun requests its rank speaks for (its dependents: never
+      served, so they wait from arrival; inf: none)."""
 
     arrived_s: float
     work_tokens: int
+    began_s: float = math.inf
+    served_s: float = 0.0
+    waiting_s: float = math.inf
+
+    def waiting_since(self, other_arrived_s: float) -> float:
+        """When its aging starts, against a request that arrived at ``other_arrived_s``: arrival, moved later by
+        its own service before then (at most the time since it began), or its dependents' arrival if earlier."""
+        served_before = min(self.served_s, max(0.0, other_arrived_s - self.began_s))
+        return min(self.arrived_s + served_before, self.waiting_s)
 
 
 class PlanChunk(Protocol):
@@ -87,12 +114,15 @@ class CacheMatch(Protocol):
 class PrefillOutlook:
     """An admitted prefill as the executor ranks it: arrival time (seconds), tokens it still has to compute, the
     plan chunks it would compute and insert (key -> tokens; chunk keys chain, so two prefills that share a chunk
-    share everything before it), and whether it has begun - a begun prefill is computing those chunks now."""
+    share everything before it), whether it has begun - a begun prefill is computing those chunks now - and, once
+    begun, when it began and the seconds its own steps have run (`Candidate`)."""
 
     arrived_s: float
     work_tokens: int
     chunks: Mapping[bytes, int]
     begun: bool
+    began_s: float = math.inf
+    served_s: float = 0.0
 
     @classmethod
     def not_begun(cls, arrived_s: float, total_tokens: int, plan: Sequence[PlanChunk],
@@ -130,15 +160,33 @@ class PrefillSpeed:
 def rank(schedule: str, candidates: Sequence[Candidate], now: float,
          aging: float = AGING_TOKENS_PER_S) -> list[int]:
     """Indices of ``candidates``, best first, under ``schedule`` (ties keep arrival order); ``aging``: tokens of
-    priority per second waited (cache-aware)."""
+    priority per second waited (cache-aware).
+
+    ``cache-aware`` orders by ``work - aging * (now - arrived)``, every prefill's service counted as waiting; if one
+    candidate outranks every other pairwise - each pair aged from `Candidate.waiting_since` the other's arrival,
+    so service only counts against requests already there while it ran - it goes first. Without service (nothing
+    begun: the waiting queue) the two agree, so the pairwise pass is skipped."""
     if schedule == "fcfs":
         return sorted(range(len(candidates)), key=lambda i: (candidates[i].arrived_s, i))
-    if schedule == "cache-aware":
-        def key(i: int) -> tuple[float, float, int]:
-            c = candidates[i]
-            return (c.work_tokens - aging * max(0.0, now - c.arrived_s), c.arrived_s, i)
-        return sorted(range(len(candidates)), key=key)
-    raise ConfigError(f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
+    if schedule != "cache-aware":
+        raise ConfigError(f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
+
+    def key(i: int, since: float) -> tuple[float, float, int]:
+        c = candidates[i]
+        return (c.work_tokens - aging * max(0.0, now - since), c.arrived_s, i)
+
+    order = sorted(range(len(candidates)), key=lambda i: key(i, candidates[i].arrived_s))
+    if all(c.served_s == 0 for c in candidates):
+        return order
+
+    def beats(i: int, j: int) -> bool:
+        a, b = candidates[i], candidates[j]
+        return key(i, a.waiting_since(b.arrived_s)) < key(j, b.waiting_since(a.arrived_s))
+
+    for pos, i in enumerate(order):
+        if all(beats(i, j) for j in order if j != i):
+            return [i, *order[:pos], *order[pos + 1:]]
+    return order
 
 
 def prefill_candidates(schedule: str, prefills: Sequence[PrefillOutlook]) -> list[Candidate | None]:
@@ -152,8 +200,9 @@ def prefill_candidates(schedule: str, prefills: Sequence[PrefillOutlook]) -> lis
     - work (``cache-aware``): ``min over k of (own + the k smallest residuals) / (1 + k)``, the group's work per
       request whose TTFT it ends, so a cold prefill that two more requests wait on outranks a lone request with
       half its work, and a shared preamble every request needs does not make them all look alike.
-    Invariants: without shared chunks every candidate is ``Candidate(arrived_s, work_tokens)``; a begun prefill is
-    never None, so some prefill can always run."""
+    - service: its own ``began_s`` and ``served_s``, and ``waiting_s`` from the requests its rank speaks for.
+    Invariants: without shared chunks every candidate is ``Candidate(arrived_s, work_tokens, began_s, served_s)``;
+    a begun prefill is never None, so some prefill can always run."""
     if schedule not in SCHEDULES:
         raise ConfigError(f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
     computing: set[bytes] = set()
@@ -177,7 +226,7 @@ def prefill_candidates(schedule: str, prefills: Sequence[PrefillOutlook]) -> lis
                     shared[j] = shared.get(j, 0) + prefills[j].chunks[key]
         dependents = sorted((max(0, prefills[j].work_tokens - tokens), prefills[j].arrived_s, waiting[j])
                             for j, tokens in shared.items())  # (residual tokens, arrival, waits on p)
-        arrived = min([p.arrived_s] + [a for _, a, waits in dependents if waits])
+        members = [a for _, a, waits in dependents if waits]  # arrivals of the requests its rank speaks for
         work = float(p.work_tokens)
         if schedule == "cache-aware":
             total, best_k = float(p.work_tokens), 0
@@ -185,8 +234,9 @@ def prefill_candidates(schedule: str, prefills: Sequence[PrefillOutlook]) -> lis
                 total += residual
                 if total / (1 + k) < work:
                     work, best_k = total / (1 + k), k
-            arrived = min([arrived] + [a for _, a, _ in dependents[:best_k]])
-        out.append(Candidate(arrived, round(work)))
+            members += [a for _, a, _ in dependents[:best_k]]
+        out.append(Candidate(min([p.arrived_s, *members]), round(work), p.began_s, p.served_s,
+                             min(members, default=math.inf)))
     return out
 
 

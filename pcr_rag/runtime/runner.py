@@ -20,6 +20,7 @@ the prefix before that chunk and recomputes from there (counted in ``retries``).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
@@ -113,6 +114,7 @@ class PrefillTask:
         self._stored_upto = 0                  # plan chunks [0, _stored_upto) are cached or matched
         self._max_chunks = len(self.plan)
         self.begun = False
+        self.began_at = math.inf               # perf_counter seconds of its first `advance` (the schedule's aging)
         self._inflight: _InflightStep | None = None
         self.last_step: tuple[int, float] = (0, 0.0)  # the last complete step's (tokens, seconds without waits)
 
@@ -135,7 +137,8 @@ class PrefillTask:
             match = None if cache is None else cache.match([c.key for c in self.plan])
             return PrefillOutlook.not_begun(arrived, self.total, self.plan, match)
         chunks = {} if cache is None else {spec.key: spec.num_tokens for spec in self.plan[self._stored_upto:]}
-        return PrefillOutlook(arrived, self.remaining, chunks, begun=True)
+        return PrefillOutlook(arrived, self.remaining, chunks, begun=True, began_s=self.began_at,
+                              served_s=self.step_seconds)
 
     # -------------------------------------------------------------------------------------------- lifecycle
     def begin(self) -> None:
@@ -208,6 +211,7 @@ class PrefillTask:
         started = time.perf_counter()
         try:
             if not self.begun:
+                self.began_at = started
                 self.begin()
             while True:
                 try:

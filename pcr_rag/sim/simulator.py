@@ -206,6 +206,8 @@ class _Prefill:
     position: int  # tokens [0, position) are in the request's KV
     stored: int  # plan chunks [0, stored) are cached (matched or inserted)
     layers_done: int = 0  # layers of steps[0] already run (engine-steps: a step paused by the ITL budget)
+    began_s: float = math.inf  # when its first step ran (the schedule's aging)
+    served_s: float = 0.0  # modelled seconds of its steps run so far (the schedule's aging)
 
 
 @dataclass
@@ -632,7 +634,8 @@ class Simulator:
                 outlooks.append(self._outlook(row.req))
             else:
                 chunks = {} if self.engine is None else {c.key: c.num_tokens for c in row.req.plan[run.stored:]}
-                outlooks.append(PrefillOutlook(arrived, row.req.prompt_tokens - run.position, chunks, begun=True))
+                outlooks.append(PrefillOutlook(arrived, row.req.prompt_tokens - run.position, chunks, begun=True,
+                                               began_s=run.began_s, served_s=run.served_s))
         candidates = prefill_candidates(self.sys.schedule, outlooks)
         runnable = [(row, c) for row, c in zip(prefilling, candidates, strict=True) if c is not None]
         order = rank(self.sys.schedule, [c for _, c in runnable], now, self._aging)
@@ -642,10 +645,12 @@ class Simulator:
         """Run the layers of ``row``'s next prefill step that the ITL budget allows; returns when they stop."""
         if row.prefill is None:
             row.prefill = self._begin(row.req, now)
+            row.prefill.began_s = now
         run = row.prefill
         n = self.num_layers
         layers = min(self.budget.layers(run.steps[0]), n - run.layers_done)
         t = now + run.step_s[0] * layers / n
+        run.served_s += t - now
         run.layers_done += layers
         if run.layers_done < n:
             return t

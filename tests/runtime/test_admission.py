@@ -57,6 +57,48 @@ def test_aging_follows_the_given_rate():
     assert rank("cache-aware", [cold, hit], now=1.0) == rank("cache-aware", [cold, hit], now=1.0, aging=2000.0)
 
 
+def test_service_counts_as_waiting_only_against_requests_already_there():
+    """A cold prompt that arrived and began at 0 and has been computed for 0.6 s, 127 tokens left, at 400 tokens/s
+    of aging: a 26-token hit arriving at 0.65 s goes first (against it the cold prompt waited 0.1 s: 40 tokens of
+    credit, not 280); a 300-token request waiting since 0 does not (the cold prompt outranked it when it began, and
+    still does); under fcfs arrival order stands."""
+    cold = Candidate(0.0, 127, began_s=0.0, served_s=0.6)
+    hit, waiter = Candidate(0.65, 26), Candidate(0.0, 300)
+    assert cold.waiting_since(0.65) == pytest.approx(0.6) and cold.waiting_since(0.0) == 0.0
+    assert rank("cache-aware", [cold, hit], now=0.7, aging=400.0) == [1, 0]
+    assert rank("cache-aware", [cold, waiter], now=0.7, aging=400.0) == [0, 1]
+    assert rank("cache-aware", [cold, waiter, hit], now=0.7, aging=400.0) == [2, 0, 1]
+    assert rank("cache-aware", [Candidate(0.0, 127), hit], now=0.7, aging=400.0) == [0, 1], "no service: one key"
+    assert rank("fcfs", [hit, cold], now=0.7) == [1, 0]
+
+
+def test_a_prefill_preempted_by_hit_after_hit_still_gains_on_the_next():
+    """The same cold prompt 2 s after it began, 0.6 s of it computed: it waited 1.4 s, 560 tokens of credit, so a
+    hit arriving now waits for it - nothing starves."""
+    cold = Candidate(0.0, 127, began_s=0.0, served_s=0.6)
+    assert rank("cache-aware", [cold, Candidate(1.95, 26)], now=2.0, aging=400.0) == [0, 1]
+
+
+def test_without_a_pairwise_winner_the_single_key_decides():
+    """A cycle: the cold prompt outranks the 250-token request that was waiting when it began, that request
+    outranks the hit (it has waited 0.7 s), and the hit outranks the cold prompt (which has hardly waited):
+    no request outranks all the others, so the single key (service counted against all) orders them."""
+    cold = Candidate(0.0, 127, began_s=0.0, served_s=0.6)
+    waiter, hit = Candidate(0.0, 250), Candidate(0.65, 26)
+    assert rank("cache-aware", [hit, waiter, cold], now=0.7, aging=400.0) == [2, 1, 0]
+
+
+def test_a_group_ages_from_its_own_service_or_its_waiting_dependents():
+    """A begun prefill carries when it began and its service; one that a waiting request depends on ages, against
+    a newcomer, from that request's arrival when it is earlier than the prefill's own arrival plus service."""
+    begun = PrefillOutlook(0.0, 200, {b"a": 100, b"b": 100}, begun=True, began_s=0.0, served_s=0.5)
+    assert prefill_candidates("cache-aware", [begun]) == [Candidate(0.0, 200, 0.0, 0.5)]
+    waiter = PrefillOutlook(0.2, 150, {b"a": 100, b"b": 100, b"c": 50}, begun=False)
+    got = prefill_candidates("cache-aware", [begun, waiter])
+    assert got[1] is None and got[0].arrived_s == 0.0 and got[0].waiting_since(1.0) == pytest.approx(0.2)
+    assert got[0].waiting_since(0.1) == pytest.approx(0.1), "before the dependent came: its own service"
+
+
 def test_prefill_speed_weighs_steps_by_their_length():
     """Tokens over seconds of decayed sums: a short step's fixed cost barely moves the rate; until a step is
     recorded the rate is the default; empty steps are ignored."""
@@ -94,7 +136,7 @@ def test_a_prefill_waits_for_chunks_a_running_one_computes_and_lends_it_its_arri
     c = PrefillOutlook(2.0, 100, _chunks("z"), False)
     cands = prefill_candidates("fcfs", [a, b, c])
     assert cands[1] is None
-    assert cands[0] == Candidate(1.0, 300) and cands[2] == Candidate(2.0, 100)
+    assert cands[0] == Candidate(1.0, 300, waiting_s=1.0) and cands[2] == Candidate(2.0, 100)
     assert rank("fcfs", [cands[0], cands[2]], now=6.0) == [0, 1]
 
 
@@ -123,7 +165,7 @@ def test_the_groups_work_ages_from_its_oldest_counted_request():
     newer = PrefillOutlook(10.0, 800, shared, False)
     older_dep = PrefillOutlook(1.0, 830, {**shared, b"x": 30}, False)
     cands = prefill_candidates("cache-aware", [newer, older_dep])
-    assert cands[0] == Candidate(1.0, round((800 + 30) / 2))
+    assert cands[0] == Candidate(1.0, round((800 + 30) / 2), waiting_s=1.0)
 
 
 def test_prefill_candidates_reject_an_unknown_schedule():

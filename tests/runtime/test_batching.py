@@ -232,6 +232,51 @@ def test_a_hit_admitted_during_a_cold_step_with_nothing_decoding(schedule, tmp_p
             f"fcfs: the cold prompt finished first: {layers}"
 
 
+def test_a_hit_overtakes_a_cold_prompt_late_in_its_prefill(tmp_path):
+    """A hit arrives once a lone cold prompt has computed three quarters of its tokens and has been computed for
+    over 0.6 s (held inside a layer): its service does not count as waiting against the newcomer, so under
+    ``cache-aware`` the hit's prefill runs before the cold prompt's remaining steps. Counting it (the single key:
+    0.6 s at 2,000 tokens/s outweighs the ~470 tokens left) would hold the hit behind the whole cold prompt. Both
+    answers equal each request alone."""
+    model, tok = tiny_model("llama")
+    cold_docs, hit_docs = tuple(DOCS) * 2, (DOCS[0], DOCS[1])
+    with _engine(model, tok, tmp_path / "ref", enable_cache=False) as eng:
+        ref_cold = eng.generate("cold question", cold_docs, max_new_tokens=4)
+        ref_hit = eng.generate("hit question", hit_docs, max_new_tokens=4)
+    total = len(ref_cold.prompt_token_ids)
+    with _engine(model, tok, tmp_path / "c", itl_budget_steps=1.001, prefetch=False) as eng:
+        eng.generate("warm the hit's documents", hit_docs, max_new_tokens=3)
+        _age_at(eng, AGING_TOKENS_PER_S)
+        layers: list[tuple[str, int]] = []  # (which request, prefill step start) per layer run, in order
+        held, hit_waiting = threading.Event(), threading.Event()
+
+        def log_layer(row, start):
+            req = next(a.request for a in eng.executor._active.values()
+                       if a.prefill is not None and a.prefill.row is row)
+            who = "cold question" if req.token_ids == ref_cold.prompt_token_ids else "hit question"
+            layers.append((who, start))
+            if who == "cold question" and start > 3 * total // 4 and not held.is_set():
+                time.sleep(0.6)  # inside the cold prompt's step: served time
+                held.set()
+                assert hit_waiting.wait(30)
+
+        _before_each_layer(eng, log_layer)
+        cold = eng.submit(RagPrompt("cold question", cold_docs), SamplingParams(max_new_tokens=4))
+        assert held.wait(30)
+        hit = eng.submit(RagPrompt("hit question", hit_docs), SamplingParams(max_new_tokens=4))
+        hit_waiting.set()
+        got_cold, got_hit = cold.result(timeout=120), hit.result(timeout=120)
+    assert got_hit.metrics.reused_tokens > 0
+    assert got_hit.token_ids == ref_hit.token_ids and got_cold.token_ids == ref_cold.token_ids
+    assert torch.equal(got_hit.first_token_logits, ref_hit.first_token_logits)
+    assert torch.equal(got_cold.first_token_logits, ref_cold.first_token_logits)
+    cold_starts = sorted({start for who, start in layers if who == "cold question"})
+    last_hit = max(i for i, (who, _) in enumerate(layers) if who == "hit question")
+    last_cold_step = min(i for i, (who, start) in enumerate(layers) if who == "cold question"
+                         and start == cold_starts[-1])
+    assert len(cold_starts) >= 3 and last_hit < last_cold_step, f"the hit ran before the cold prompt's end: {layers}"
+
+
 def test_bad_config_and_oversized_requests(tmp_path):
     model, tok = tiny_model("llama")
     with pytest.raises(ConfigError, match="max_active"):

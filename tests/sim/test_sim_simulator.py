@@ -273,6 +273,27 @@ def test_engine_steps_prefills_wait_for_shared_chunks_and_reuse_them(schedule):
     assert b.first_token_s > a.first_token_s
 
 
+@pytest.mark.parametrize("schedule", ["cache-aware", "fcfs"])
+def test_engine_steps_a_short_prompt_overtakes_a_long_one_late_in_its_prefill(schedule):
+    """A one-document prompt arrives when a lone 12-document prompt is 70% computed: under cache-aware the long
+    prompt's computing does not count as waiting against the newcomer, so the short one (less work than the long
+    one's remaining 30%) runs first; under fcfs the long one finishes first. As the runtime's `rank`."""
+    prof = _host_profile()
+    system = dataclasses.replace(get_system("no-reuse"), schedule=schedule)
+    long_docs = tuple("abcdefghijkl")
+
+    def run(arrivals, docs):
+        sim = Simulator(SimConfig(prof, system, chunk_size=CS, max_batch=8, executor="engine-steps"))
+        return sim.run(_reqs(docs, arrivals)).outcomes
+
+    alone = run([0.0], [long_docs])[0].first_token_s
+    long, short = run([0.0, 0.7 * alone], [long_docs, ("z",)])
+    if schedule == "cache-aware":
+        assert short.first_token_s < long.first_token_s
+    else:
+        assert long.first_token_s < short.first_token_s
+
+
 def test_sim_config_rejects_an_unknown_executor():
     with pytest.raises(ValueError, match="executor"):
         SimConfig(_profile(), get_system("pcr"), executor="round-robin")
