@@ -12,9 +12,10 @@
     two colder questions that had waited longer, and the cached run's mean TTFT went from 6.8 to 7.6 s;
   - against a request that arrived later, counting them would let a cold prompt past about half its prefill
     outrank every hit (its credit, at the engine's own speed, grows as fast as its work shrinks): a hit arriving
-    60% into a 2.7 s cold prompt waited 922 ms for the rest of it. Against such a newcomer only the time the
-    prefill waited counts, so the two rank by remaining work plus real waiting, and a prefill preempted by hit
-    after hit still gains on the next one: nothing starves.
+    60% into a 2.3-2.7 s cold prompt waited 922-1,175 ms for the rest of it (112-136 ms with the rule kept,
+    measured by a one-thread A/B). Against such a newcomer only the time the prefill waited counts, so the two
+    rank by remaining work plus real waiting, and a prefill preempted by hit after hit still gains on the next
+    one: nothing starves.
   This is a relation between pairs, not one key per request: `rank` puts first the request that outranks every
   other pairwise, and falls back to the single key (service counted against all) when no request does. The
   service before a newcomer's arrival is taken as the prefill's steps up to then, at most the time since it
