@@ -184,36 +184,37 @@ def test_prefill_pauses_between_layers_while_rows_decode(tmp_path):
     assert torch.equal(got.first_token_logits, ref.first_token_logits)
 
 
-@pytest.mark.parametrize("schedule", ["cache-aware", "fcfs"])
-def test_a_hit_admitted_during_a_cold_step_with_nothing_decoding(schedule, tmp_path):
-    """Nothing decodes, a cold prompt's prefill step is under way, and a cache hit arrives: the step pauses within
-    the budget (here one layer), the hit is admitted and ranked against it, and under ``cache-aware`` the hit's
-    prefill runs to its end while the cold step waits; under ``fcfs`` the older cold prompt finishes first. Both
-    answers equal each request alone. (Aging is held at a token per second: the test pauses the executor, and at
-    the tiny model's speed any wait would otherwise age the cold prompt past the hit.)"""
+def _hit_during_cold(tmp_path, *, hold_at, hold_s: float, aging: float, **engine_kw):
+    """A cold prompt (every document, twice) and a cache hit (the first two documents) on one engine with a
+    one-layer ITL budget: the executor is held inside the cold prompt's first prefill layer whose step start
+    ``hold_at(start, prompt_tokens)`` accepts, for ``hold_s`` seconds of its service and until the hit has been
+    submitted. Both answers must equal each request alone. Returns the layer log: (which request, its step's
+    start) per layer run, in order."""
     model, tok = tiny_model("llama")
     cold_docs, hit_docs = tuple(DOCS) * 2, (DOCS[0], DOCS[1])
     with _engine(model, tok, tmp_path / "ref", enable_cache=False) as eng:
         ref_cold = eng.generate("cold question", cold_docs, max_new_tokens=4)
         ref_hit = eng.generate("hit question", hit_docs, max_new_tokens=4)
-    with _engine(model, tok, tmp_path / "c", itl_budget_steps=1.001, schedule=schedule, prefetch=False) as eng:
+    total = len(ref_cold.prompt_token_ids)
+    with _engine(model, tok, tmp_path / "c", itl_budget_steps=1.001, prefetch=False, **engine_kw) as eng:
         eng.generate("warm the hit's documents", hit_docs, max_new_tokens=3)  # measures a decode and a prefill step
-        _age_at(eng, 1.0)
-        layers: list[tuple[str, int]] = []  # (which request, prefill step start) per layer run, in order
-        cold_started, hit_waiting = threading.Event(), threading.Event()
+        _age_at(eng, aging)
+        layers: list[tuple[str, int]] = []
+        held, hit_waiting = threading.Event(), threading.Event()
 
         def log_layer(row, start):
             req = next(a.request for a in eng.executor._active.values()
                        if a.prefill is not None and a.prefill.row is row)
             who = "cold question" if req.token_ids == ref_cold.prompt_token_ids else "hit question"
             layers.append((who, start))
-            if who == "cold question" and not cold_started.is_set():
-                cold_started.set()
+            if who == "cold question" and hold_at(start, total) and not held.is_set():
+                time.sleep(hold_s)  # inside the cold prompt's step: its service
+                held.set()
                 assert hit_waiting.wait(30)
 
         _before_each_layer(eng, log_layer)
         cold = eng.submit(RagPrompt("cold question", cold_docs), SamplingParams(max_new_tokens=4))
-        assert cold_started.wait(30)
+        assert held.wait(30)
         hit = eng.submit(RagPrompt("hit question", hit_docs), SamplingParams(max_new_tokens=4))
         hit_waiting.set()
         got_cold, got_hit = cold.result(timeout=120), hit.result(timeout=120)
@@ -221,6 +222,18 @@ def test_a_hit_admitted_during_a_cold_step_with_nothing_decoding(schedule, tmp_p
     assert got_hit.token_ids == ref_hit.token_ids and got_cold.token_ids == ref_cold.token_ids
     assert torch.equal(got_hit.first_token_logits, ref_hit.first_token_logits)
     assert torch.equal(got_cold.first_token_logits, ref_cold.first_token_logits)
+    return layers
+
+
+@pytest.mark.parametrize("schedule", ["cache-aware", "fcfs"])
+def test_a_hit_admitted_during_a_cold_step_with_nothing_decoding(schedule, tmp_path):
+    """Nothing decodes, a cold prompt's prefill step is under way, and a cache hit arrives: the step pauses within
+    the budget (here one layer), the hit is admitted and ranked against it, and under ``cache-aware`` the hit's
+    prefill runs to its end while the cold step waits; under ``fcfs`` the older cold prompt finishes first. Both
+    answers equal each request alone. (Aging is held at a token per second: the test pauses the executor, and at
+    the tiny model's speed any wait would otherwise age the cold prompt past the hit.)"""
+    layers = _hit_during_cold(tmp_path, hold_at=lambda start, total: True, hold_s=0.0, aging=1.0,
+                              schedule=schedule)
     whose = [who for who, _ in layers]
     first_hit, last_hit = whose.index("hit question"), len(whose) - 1 - whose[::-1].index("hit question")
     first_step = [i for i, (who, start) in enumerate(layers) if who == "cold question" and start == layers[0][1]]
@@ -238,38 +251,8 @@ def test_a_hit_overtakes_a_cold_prompt_late_in_its_prefill(tmp_path):
     ``cache-aware`` the hit's prefill runs before the cold prompt's remaining steps. Counting it (the single key:
     0.6 s at 2,000 tokens/s outweighs the ~470 tokens left) would hold the hit behind the whole cold prompt. Both
     answers equal each request alone."""
-    model, tok = tiny_model("llama")
-    cold_docs, hit_docs = tuple(DOCS) * 2, (DOCS[0], DOCS[1])
-    with _engine(model, tok, tmp_path / "ref", enable_cache=False) as eng:
-        ref_cold = eng.generate("cold question", cold_docs, max_new_tokens=4)
-        ref_hit = eng.generate("hit question", hit_docs, max_new_tokens=4)
-    total = len(ref_cold.prompt_token_ids)
-    with _engine(model, tok, tmp_path / "c", itl_budget_steps=1.001, prefetch=False) as eng:
-        eng.generate("warm the hit's documents", hit_docs, max_new_tokens=3)
-        _age_at(eng, AGING_TOKENS_PER_S)
-        layers: list[tuple[str, int]] = []  # (which request, prefill step start) per layer run, in order
-        held, hit_waiting = threading.Event(), threading.Event()
-
-        def log_layer(row, start):
-            req = next(a.request for a in eng.executor._active.values()
-                       if a.prefill is not None and a.prefill.row is row)
-            who = "cold question" if req.token_ids == ref_cold.prompt_token_ids else "hit question"
-            layers.append((who, start))
-            if who == "cold question" and start > 3 * total // 4 and not held.is_set():
-                time.sleep(0.6)  # inside the cold prompt's step: served time
-                held.set()
-                assert hit_waiting.wait(30)
-
-        _before_each_layer(eng, log_layer)
-        cold = eng.submit(RagPrompt("cold question", cold_docs), SamplingParams(max_new_tokens=4))
-        assert held.wait(30)
-        hit = eng.submit(RagPrompt("hit question", hit_docs), SamplingParams(max_new_tokens=4))
-        hit_waiting.set()
-        got_cold, got_hit = cold.result(timeout=120), hit.result(timeout=120)
-    assert got_hit.metrics.reused_tokens > 0
-    assert got_hit.token_ids == ref_hit.token_ids and got_cold.token_ids == ref_cold.token_ids
-    assert torch.equal(got_hit.first_token_logits, ref_hit.first_token_logits)
-    assert torch.equal(got_cold.first_token_logits, ref_cold.first_token_logits)
+    layers = _hit_during_cold(tmp_path, hold_at=lambda start, total: start > 3 * total // 4, hold_s=0.6,
+                              aging=AGING_TOKENS_PER_S)
     cold_starts = sorted({start for who, start in layers if who == "cold question"})
     last_hit = max(i for i, (who, _) in enumerate(layers) if who == "hit question")
     last_cold_step = min(i for i, (who, start) in enumerate(layers) if who == "cold question"
