@@ -55,7 +55,7 @@ def measure_hit_behind_cold(engine: PCREngine, passages: Sequence[str], *, fract
                             schedules: Sequence[str] = SCHEDULES, trials: int = 3, documents: int = 4,
                             hit_documents: int = 2, max_new_tokens: int = 8) -> list[HitTrial]:
     """Trials as in the module docstring, on ``engine`` (cache on, at least two rows). Bad arguments raise before
-    any request runs: fractions in [0, 1), known schedules, and enough passages for the hit, the timing run and
+    any request runs: fractions in [0, 1), known schedules, and enough passages for the hit, the two timing runs and
     every run's own cold prompt."""
     if not engine.config.enable_cache or engine.config.max_active < 2:
         raise ConfigError("the hit-behind-cold bench needs the cache on and max_active >= 2")
