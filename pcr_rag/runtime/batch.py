@@ -111,9 +111,14 @@ class BatchExecutor:
         from the requests' own steps: the ITL budget, the aging rate and the load-or-recompute decision hold from
         the first request on (without, a new engine's first prefill steps ran whole)."""
         if warm.prefill_s and warm.decode_s:
-            self.budget.record_prefill(warm.prefill_tokens, warm.prefill_s)
+            self._record_prefill(warm.prefill_tokens, warm.prefill_s)
             self.budget.record_decode(warm.decode_s)
-            self.ctx.record_step(warm.prefill_tokens, warm.prefill_s)
+
+    def _record_prefill(self, tokens: int, seconds: float) -> None:
+        """A complete prefill step: ``tokens`` positions in ``seconds`` of compute. The one place its speed goes:
+        the ITL budget, the aging rate and the load-or-recompute decision (`PrefillContext.record_step`)."""
+        self.budget.record_prefill(tokens, seconds)
+        self.ctx.record_step(tokens, seconds)
 
     # -------------------------------------------------------------------------------------------- admission
     def admit(self, req: Request) -> None:
@@ -190,7 +195,7 @@ class BatchExecutor:
         if task.in_flight:
             return
         self.prefill_steps += 1
-        self.budget.record_prefill(*task.last_step)
+        self._record_prefill(*task.last_step)
         if logits is None:
             return
         m = a.request.metrics

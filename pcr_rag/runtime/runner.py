@@ -116,7 +116,7 @@ class PrefillTask:
         self.begun = False
         self.began_at = math.inf               # perf_counter seconds of its first `advance` (the schedule's aging)
         self._inflight: _InflightStep | None = None
-        self.last_step: tuple[int, float] = (0, 0.0)  # the last complete step's (tokens, seconds without waits)
+        self.last_step: tuple[int, float] = (0, 0.0)  # the last complete step's (tokens, compute s): the executor's
 
     # ------------------------------------------------------------------------------------------------ state
     @property
@@ -253,7 +253,6 @@ class PrefillTask:
             self.load_wait_s += step.waited
             self._load = None
             self._promote_ssd_chunks()
-        self.ctx.record_step(step.end - step.start, compute_s)
         self.last_step = (step.end - step.start, compute_s)
         self.position = step.end
         if step.offload is not None:

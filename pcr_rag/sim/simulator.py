@@ -206,7 +206,7 @@ class _Prefill:
     position: int  # tokens [0, position) are in the request's KV
     stored: int  # plan chunks [0, stored) are cached (matched or inserted)
     layers_done: int = 0  # layers of steps[0] already run (engine-steps: a step paused by the ITL budget)
-    began_s: float = math.inf  # when its first step ran (the schedule's aging)
+    began_s: float = math.inf  # when it began (`_begin`; the schedule's aging)
     served_s: float = 0.0  # modelled seconds of its steps run so far (the schedule's aging)
 
 
@@ -491,7 +491,7 @@ class Simulator:
         out.stall_s = stall
         if self.sys.device_cache:
             self._trim_device_cache()
-        return _Prefill(req, lease, ssd_read, list(steps), step_s, cached, matched)
+        return _Prefill(req, lease, ssd_read, list(steps), step_s, cached, matched, began_s=now)
 
     def _on_prefill_done(self, run: _Prefill, now: float) -> None:
         self._prefilling = frozenset()
@@ -645,7 +645,6 @@ class Simulator:
         """Run the layers of ``row``'s next prefill step that the ITL budget allows; returns when they stop."""
         if row.prefill is None:
             row.prefill = self._begin(row.req, now)
-            row.prefill.began_s = now
         run = row.prefill
         n = self.num_layers
         layers = min(self.budget.layers(run.steps[0]), n - run.layers_done)

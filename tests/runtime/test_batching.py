@@ -321,6 +321,10 @@ def test_the_schedule_ages_at_the_measured_prefill_speed(tmp_path):
     with _engine(model, tok, tmp_path / "cold", warmup=False) as eng:
         assert eng.scheduler.speed.tokens_per_s == AGING_TOKENS_PER_S
         assert eng.executor.budget.cost() is None and eng.executor.budget.decode_step_s is None
+        q, d = QUESTIONS[1]
+        eng.generate(q, [DOCS[i] for i in d])
+        assert eng.scheduler.speed.tokens_per_s != AGING_TOKENS_PER_S, "the request's prefill steps measured it"
+        assert eng.executor.budget.cost() is not None and eng.executor.budget.decode_step_s > 0
     with _engine(model, tok, tmp_path / "c") as eng:
         assert eng.scheduler.speed is eng.executor.ctx.speed  # one measurement ranks admission and prefills
         at_start = eng.scheduler.speed.tokens_per_s
