@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -19,6 +20,31 @@ from pcr_rag.units import parse_bytes
 EvictionPolicyName = Literal["lookahead-lru", "lru"]
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
+
+
+_BOOL_FIELDS = ("layerwise", "prefetch", "enable_cache", "compile", "warmup", "freeze_gc", "remote_insecure",
+                "remote_encrypt", "ssd_encrypt")
+_STR_FIELDS = ("namespace", "remote_namespace", "schedule", "weights", "eviction")
+
+
+def _check_bool(name: str, value: object) -> None:
+    """Flags are real bools: ``enable_cache="no"`` is truthy and ``1`` is ambiguous, so both are refused."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {value!r}")
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    """Counts are ints, never bools (``True`` is an int in Python, and ``chunk_size=True`` is a mistake)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_seconds(name: str, value: object, *, positive: bool) -> None:
+    """Durations are finite real numbers (NaN compares false with everything, so it would pass a bare ``<=``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {value!r}")
+    if value < 0 or (positive and value == 0):
+        raise ConfigError(f"{name} must be {'>' if positive else '>='} 0, got {value!r}")
 
 
 def default_cache_dir() -> Path:
@@ -93,6 +119,17 @@ class EngineConfig:
             skipped for the back-off (seconds) and requests run on the local tiers; then one trial call decides.
         remote_write_queue: chunks waiting to be written to the remote store; beyond it writes are dropped
             (counted), never waited for.
+        remote_secret: the replicas' shared secret (str, at least 16 characters) that authenticates every remote
+            value (a keyed MAC over key, parent, namespace root, token digest, dtype, shape and payload); never
+            written to the store. None reads ``$PCR_RAG_REMOTE_SECRET``. A ``remote_url`` without a secret refuses
+            to start unless ``remote_insecure=True``.
+        remote_insecure: accept a remote tier without a secret (values checked by unkeyed checksums only: anyone
+            who can write to the store can change answers). One warning at start.
+        remote_encrypt: also encrypt remote payloads (AES-GCM under a key derived from the secret per namespace
+            root), so the store never holds KV in the clear. Needs a secret.
+        ssd_encrypt: encrypt SSD chunk files the same way (AES-GCM, key derived from ``remote_secret`` or
+            ``$PCR_RAG_REMOTE_SECRET``), so a reader of the cache directory learns nothing and a writer cannot
+            forge a chunk. Needs a secret.
     """
 
     cache_dir: str | Path | None = None
@@ -131,12 +168,22 @@ class EngineConfig:
     remote_breaker_errors: int = 3
     remote_breaker_backoff_s: float = 5.0
     remote_write_queue: int = 64
+    remote_secret: str | None = field(default=None, repr=False)
+    remote_insecure: bool = False
+    remote_encrypt: bool = False
+    ssd_encrypt: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
-            raise ConfigError(f"chunk_size must be a positive int (tokens), got {self.chunk_size!r}")
+        for name in _BOOL_FIELDS:
+            _check_bool(name, getattr(self, name))
+        for name in _STR_FIELDS:
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name} must be a str, got {getattr(self, name)!r}")
+        _check_int("chunk_size", self.chunk_size, minimum=1)
         for name in ("dram_capacity", "ssd_capacity", "device_capacity"):
+            if isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be bytes as an int or a string like '2GiB', not a bool")
             try:
                 value = parse_bytes(getattr(self, name))
             except (TypeError, ValueError) as exc:
@@ -144,31 +191,28 @@ class EngineConfig:
             if value < 0:
                 raise ConfigError(f"{name} must be >= 0 bytes, got {value}")
             setattr(self, name, value)
-        if not isinstance(self.prefetch_window, int) or self.prefetch_window < 0:
-            raise ConfigError(f"prefetch_window must be an int >= 0, got {self.prefetch_window!r}")
+        _check_int("prefetch_window", self.prefetch_window, minimum=0)
         if self.eviction not in ("lookahead-lru", "lru"):
             raise ConfigError(f"eviction must be 'lookahead-lru' or 'lru', got {self.eviction!r}")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
-        if self.announce_ttl_s <= 0:
-            raise ConfigError(f"announce_ttl_s must be > 0 seconds, got {self.announce_ttl_s!r}")
-        for name in ("max_queue", "max_active", "io_workers", "prefill_chunk_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
+        _check_seconds("announce_ttl_s", self.announce_ttl_s, positive=True)
+        _check_seconds("remote_ttl_s", self.remote_ttl_s, positive=False)
+        for name in ("remote_connect_timeout_s", "remote_timeout_s", "remote_breaker_backoff_s"):
+            _check_seconds(name, getattr(self, name), positive=True)
+        for name in ("max_queue", "max_active", "io_workers", "prefill_chunk_tokens", "remote_breaker_errors",
+                     "remote_write_queue"):
+            _check_int(name, getattr(self, name), minimum=1)
         check_budget_steps(self.itl_budget_steps)
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
-            raise ConfigError(f"max_model_len must be an int >= 2 (tokens) or None, got {self.max_model_len!r}")
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, minimum=2)
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
-        if not isinstance(self.compile, bool):
-            raise ConfigError(f"compile must be True or False, got {self.compile!r}")
-        if not isinstance(self.warmup, bool):
-            raise ConfigError(f"warmup must be True or False, got {self.warmup!r}")
-        if not isinstance(self.freeze_gc, bool):
-            raise ConfigError(f"freeze_gc must be True or False, got {self.freeze_gc!r}")
         if self.weights not in WEIGHT_FORMATS:
             raise ConfigError(f"weights must be one of {list(WEIGHT_FORMATS)}, got {self.weights!r}")
+        if self.remote_secret is not None and not isinstance(self.remote_secret, str):
+            raise ConfigError("remote_secret must be a str (or None to read $PCR_RAG_REMOTE_SECRET)")
+        if not isinstance(self.device, str):
+            raise ConfigError(f"device must be a str, got {self.device!r}")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

@@ -73,6 +73,20 @@ def test_invalid_config_errors():
         EngineConfig(eviction="random")
 
 
+@pytest.mark.parametrize("field,value", [
+    ("announce_ttl_s", float("nan")), ("announce_ttl_s", float("inf")), ("remote_timeout_s", float("nan")),
+    ("remote_ttl_s", float("-inf")), ("enable_cache", "no"), ("layerwise", 1), ("warmup", None),
+    ("chunk_size", True), ("max_active", True), ("max_model_len", False), ("namespace", 123),
+    ("remote_namespace", None), ("dram_capacity", True), ("itl_budget_steps", float("inf")),
+    ("remote_encrypt", "yes"), ("remote_secret", b"bytes-are-not-a-secret-string"),
+])
+def test_config_rejects_ambiguous_values(field, value):
+    """Truthy strings, bools standing for ints and NaN/inf durations are refused before anything starts: each of
+    these was accepted and silently meant something else."""
+    with pytest.raises(ConfigError, match=field):
+        EngineConfig(**{field: value})
+
+
 def test_unknown_model_alias_lists_known():
     from pcr_rag.runtime.model import UnknownModelError
 
