@@ -193,6 +193,8 @@ class RemoteEngine:
             body["stop"] = list(params.stop)
         if params.seed is not None:
             body["seed"] = params.seed
+        if params.response_format is not None:
+            body["response_format"] = params.response_format.to_openai()
         return path, body
 
     # ------------------------------------------------------------------------------------------ announcements

@@ -86,6 +86,16 @@ class ResponseFormat:
             return json.loads(self.source)
         return {"type": "object"} if self.kind == "json_object" else None
 
+    def to_openai(self) -> dict[str, Any]:
+        """The OpenAI ``response_format`` object of this format (vLLM's ``regex`` / ``grammar`` types for the
+        others): what a client sends so a server builds the same grammar. ``ResponseFormat.of`` of it is equal to
+        ``self`` (the schema's JSON text, property order included, round-trips)."""
+        if self.kind == "json_object":
+            return {"type": "json_object"}
+        if self.kind == "json_schema":
+            return {"type": "json_schema", "json_schema": {"name": "response", "schema": json.loads(self.source)}}
+        return {"type": self.kind, self.kind: self.source}
+
     @classmethod
     def json_schema(cls, schema: Mapping[str, Any] | str) -> ResponseFormat:
         """A JSON-schema format from a dict or its JSON text."""
