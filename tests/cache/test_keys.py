@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from pcr_rag.cache import KEY_BYTES, ChunkSpec, chunk_key, namespace_key, plan_chunks
+from pcr_rag.cache.keys import scope_key
 from pcr_rag.units import format_bytes, parse_bytes
 
 
@@ -86,6 +87,77 @@ def test_plan_rejects_bad_arguments():
     with pytest.raises(ValueError):
         plan_chunks(root, [[[1, 2]]], 4)
     assert plan_chunks(root, [], 4) == []
+
+
+SHARED = namespace_key("m", "float32", 4, "engine")
+TENANT_A = namespace_key("m", "float32", 4, "engine|a")
+TENANT_B = namespace_key("m", "float32", 4, "engine|b")
+HEAD, PUBLIC, SECRET, QUERY = [1, 2, 3, 4, 5], [10, 11, 12, 13, 14, 15], [20, 21, 22], [30, 31]
+
+
+def _scoped(tenant: bytes, segments, private_from):
+    return plan_chunks(SHARED, segments, 4, private_root=tenant, private_from=private_from)
+
+
+def test_plans_without_a_private_part_keep_their_keys():
+    """Requests without scopes key exactly as before: no switch, or a wholly private prompt from its own root."""
+    segments = [HEAD, PUBLIC, QUERY]
+    assert _scoped(TENANT_A, segments, None) == plan_chunks(SHARED, segments, 4)
+    assert _scoped(TENANT_A, segments, 3) == plan_chunks(SHARED, segments, 4)  # past the last segment
+    assert _scoped(TENANT_A, segments, 0) == plan_chunks(TENANT_A, segments, 4)
+
+
+def test_shared_prefix_is_shared_across_tenants_and_nothing_after_a_private_segment_is():
+    segments = [HEAD, PUBLIC, SECRET, QUERY]
+    a, b = _scoped(TENANT_A, segments, 2), _scoped(TENANT_B, segments, 2)
+    shared = [s for s in a if s.segment < 2]
+    assert [s.key for s in shared] == [s.key for s in b[: len(shared)]]
+    assert [s.key for s in shared] == [s.key for s in plan_chunks(SHARED, segments[:2], 4)]
+    private_a = {s.key for s in a if s.segment >= 2}
+    private_b = {s.key for s in b if s.segment >= 2}
+    assert private_a and private_a.isdisjoint(private_b)
+    # nor with any key the tenant, the shared root or another tenant computes in any other way
+    others = set()
+    for root in (SHARED, TENANT_B):
+        for cut in range(len(segments) + 1):
+            others |= {s.key for s in plan_chunks(root, segments[cut:], 4)}
+            others |= {s.key for s in _scoped(TENANT_B, segments, cut)}
+    others |= {s.key for s in plan_chunks(TENANT_A, segments, 4)}  # the tenant's own all-private plan
+    assert private_a.isdisjoint(others)
+
+
+def test_first_private_chunk_hashes_the_scope_key_and_keeps_its_tree_parent():
+    segments = [HEAD, PUBLIC, SECRET, QUERY]
+    plan = _scoped(TENANT_A, segments, 2)
+    first = next(s for s in plan if s.segment == 2)
+    before = plan[plan.index(first) - 1]
+    assert first.parent == before.key  # the prefix tree links it under the shared chain
+    assert first.key == chunk_key(scope_key(TENANT_A, before.key), SECRET)
+    assert first.key != chunk_key(before.key, SECRET)
+    for prev, spec in zip(plan, plan[1:]):
+        assert spec.parent == prev.key
+    assert plan[0].parent == SHARED and plan[0].start == 0
+
+
+def test_private_part_under_the_shared_root_itself_is_not_the_shared_chain():
+    """The engine's own namespace: an explicitly private document keys apart from the shared chain even though
+    its private root is the shared root (a tenant marking the same prefix shared cannot match it)."""
+    segments = [HEAD, PUBLIC, SECRET]
+    own = plan_chunks(SHARED, segments, 4, private_root=SHARED, private_from=1)
+    plain = plan_chunks(SHARED, segments, 4)
+    assert own[:2] == plain[:2]  # the head is shared
+    assert {s.key for s in own[2:]}.isdisjoint({s.key for s in plain})
+    first = plan_chunks(SHARED, segments, 4, private_root=SHARED, private_from=0)
+    assert first[0].parent == SHARED and first[0].key == chunk_key(scope_key(SHARED, SHARED), HEAD[:4])
+
+
+def test_scope_arguments_are_checked():
+    with pytest.raises(ValueError):
+        plan_chunks(SHARED, [HEAD], 4, private_from=0)
+    with pytest.raises(ValueError):
+        plan_chunks(SHARED, [HEAD], 4, private_root=TENANT_A, private_from=-1)
+    with pytest.raises(ValueError):
+        scope_key(b"short", SHARED)
 
 
 @pytest.mark.parametrize(
