@@ -11,6 +11,7 @@ from typing import Any, Literal
 import torch
 
 from pcr_rag.cache.config import RemoteConfig
+from pcr_rag.cache.seal import SECRET_MIN_CHARS
 from pcr_rag.errors import ConfigError
 from pcr_rag.runtime.admission import SCHEDULES
 from pcr_rag.runtime.step_budget import check_budget_steps
@@ -127,6 +128,13 @@ class EngineConfig:
             who can write to the store can change answers). One warning at start.
         remote_encrypt: also encrypt remote payloads (AES-GCM under a key derived from the secret per namespace
             root), so the store never holds KV in the clear. Needs a secret.
+        system_prompt_scope: "shared" (default) or "private": the sharing scope of the text before the first
+            document (system prompt, instruction, template head) in a request with a namespace. Shared, it keys from
+            the engine-wide root, so tenants reuse each other's system prompt (and the shared documents after it);
+            a flat or chat prompt whose template puts the question or earlier turns before the documents should
+            use "private". Documents are private in such a request unless marked shared (`pcr_rag.Doc`).
+        token_cache_bytes: bytes the prompt builder's cache of tokenized pieces (texts, ids, learned layouts) may
+            hold, across namespaces (or a "64MiB"-style string); only accepted requests fill it.
         ssd_encrypt: encrypt SSD chunk files the same way (AES-GCM, key derived from ``remote_secret`` or
             ``$PCR_RAG_REMOTE_SECRET``), so a reader of the cache directory learns nothing and a writer cannot
             forge a chunk. Needs a secret.
@@ -172,6 +180,8 @@ class EngineConfig:
     remote_insecure: bool = False
     remote_encrypt: bool = False
     ssd_encrypt: bool = False
+    system_prompt_scope: str = "shared"
+    token_cache_bytes: int | str = "64MiB"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -181,7 +191,7 @@ class EngineConfig:
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a str, got {getattr(self, name)!r}")
         _check_int("chunk_size", self.chunk_size, minimum=1)
-        for name in ("dram_capacity", "ssd_capacity", "device_capacity"):
+        for name in ("dram_capacity", "ssd_capacity", "device_capacity", "token_cache_bytes"):
             if isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be bytes as an int or a string like '2GiB', not a bool")
             try:
@@ -205,12 +215,20 @@ class EngineConfig:
         check_budget_steps(self.itl_budget_steps)
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, minimum=2)
+        if self.system_prompt_scope not in ("shared", "private"):
+            raise ConfigError(f"system_prompt_scope must be 'shared' or 'private', got {self.system_prompt_scope!r}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
         if self.weights not in WEIGHT_FORMATS:
             raise ConfigError(f"weights must be one of {list(WEIGHT_FORMATS)}, got {self.weights!r}")
         if self.remote_secret is not None and not isinstance(self.remote_secret, str):
             raise ConfigError("remote_secret must be a str (or None to read $PCR_RAG_REMOTE_SECRET)")
+        if self.ssd_encrypt and self.secret is None:
+            raise ConfigError("ssd_encrypt needs a secret: set remote_secret or $PCR_RAG_REMOTE_SECRET (a random "
+                              "string of >= 16 characters)")
+        if self.secret is not None and len(self.secret) < SECRET_MIN_CHARS:
+            raise ConfigError(f"remote_secret (or $PCR_RAG_REMOTE_SECRET) must be at least {SECRET_MIN_CHARS} "
+                              f"characters, got {len(self.secret)}")
         if not isinstance(self.device, str):
             raise ConfigError(f"device must be a str, got {self.device!r}")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -241,8 +259,16 @@ class EngineConfig:
             raise ConfigError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}") from None
 
     @property
+    def secret(self) -> str | None:
+        """``remote_secret``, else ``$PCR_RAG_REMOTE_SECRET`` (None when neither is set)."""
+        if self.remote_secret is not None:
+            return self.remote_secret
+        return os.environ.get("PCR_RAG_REMOTE_SECRET") or None
+
+    @property
     def remote_config(self) -> RemoteConfig | None:
-        """The remote tier's `RemoteConfig` (None without ``remote_url``)."""
+        """The remote tier's `RemoteConfig` (None without ``remote_url``); a `ConfigError` saying what to set when
+        there is no secret and ``remote_insecure`` is off."""
         if self.remote_url is None:
             return None
         try:
@@ -250,7 +276,8 @@ class EngineConfig:
                 url=self.remote_url, capacity_bytes=self.remote_capacity, ttl_s=self.remote_ttl_s,
                 namespace=self.remote_namespace, connect_timeout_s=self.remote_connect_timeout_s,
                 timeout_s=self.remote_timeout_s, breaker_errors=self.remote_breaker_errors,
-                breaker_backoff_s=self.remote_breaker_backoff_s, write_queue=self.remote_write_queue)
+                breaker_backoff_s=self.remote_breaker_backoff_s, write_queue=self.remote_write_queue,
+                secret=self.secret, insecure=self.remote_insecure, encrypt=self.remote_encrypt)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"remote tier: {exc}") from exc
 

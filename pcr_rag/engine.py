@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pcr_rag.cache import CacheConfig, CacheEngine, CacheStats, ChunkSpec, Tier, namespace_key, plan_chunks
+from pcr_rag.cache.config import remote_with_layout
 from pcr_rag.config import EngineConfig
 from pcr_rag.errors import EngineClosedError, InvalidRequestError, PromptTooLongError, RequestCancelledError
 from pcr_rag.metrics import MetricsRecorder, prometheus_text
-from pcr_rag.prompt import PromptBuilder, validate_documents
+from pcr_rag.prompt import Doc, PromptBuilder, PromptContext, SegmentedPrompt, split_documents
 from pcr_rag.reorder import reuse_order
 from pcr_rag.requests import (
     PROMPT_KINDS,
@@ -128,7 +129,8 @@ class PCREngine:
         self.loaded: LoadedModel = load_model(model, tokenizer, dtype=config.dtype, device=config.device,
                                               model_cache_dir=config.model_cache_dir)
         self.device = self.loaded.device
-        self.builder = PromptBuilder(self.loaded.tokenizer)
+        self.builder = PromptBuilder(self.loaded.tokenizer, token_cache_bytes=int(config.token_cache_bytes),
+                                     system_prompt_scope=config.system_prompt_scope)
         weights = resolve_weight_format(config.weights, self.loaded.dtype, self.device)
         self.max_model_len = min(config.max_model_len or self.loaded.context_window, self.loaded.context_window)
         # tokens a KV row holds (prompt + generated); rows are preallocated, pages touched as they fill
@@ -153,7 +155,8 @@ class PCREngine:
                 device_bytes=config.device_capacity,
                 policy=config.eviction,
                 io_workers=config.io_workers,
-                remote=config.remote_config,
+                remote=remote_with_layout(config.remote_config, self.loaded.kv),
+                ssd_secret=config.secret if config.ssd_encrypt else None,
             ), storage=storage)
         self.copy_engine = CopyEngine(self.device)
         # response formats compiled against the vocabulary (the rows of the logits), cached by format
@@ -217,10 +220,15 @@ class PCREngine:
             params: `SamplingParams` (None = defaults; ``max_new_tokens=None`` = ``EngineConfig.max_new_tokens``).
             timeout: seconds from now after which any wait on the handle cancels the request and raises
                 `TimeoutError` (None = no deadline).
-            namespace: a tenant namespace inside the engine's (`root_for`): requests of different namespaces never
-                share cached KV, nor claim each other's announcements (None or "" = the engine's own).
+            namespace: a tenant namespace inside the engine's (`root_for`): requests of different namespaces share
+                cached KV only for a prefix of shared segments (documents marked shared, see `pcr_rag.Doc`, after
+                a shared system prompt), never from a private segment on, and never claim each other's
+                announcements (None or "" = the engine's own, the shared pool, where documents are shared unless
+                marked private). The prompt's token pieces and learned layout are kept per namespace.
         Raises (before any compute): `InvalidRequestError` (bad prompt kind, params or timeout; a response format
-            that does not compile), `PromptTooLongError`, `QueueFullError`, `EngineClosedError`.
+            that does not compile), `PromptTooLongError` (a rendered prompt longer than
+            `PromptBuilder.max_prompt_chars` is rejected before it is tokenized), `QueueFullError`,
+            `EngineClosedError`. Only an accepted request's pieces enter the prompt builder's token cache.
         """
         self._check_open()
         if not isinstance(prompt, PROMPT_KINDS):
@@ -235,14 +243,16 @@ class PCREngine:
             raise InvalidRequestError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
         if params.max_new_tokens is None:
             params = SamplingParams.from_kwargs(params, max_new_tokens=self.config.max_new_tokens)
-        seg = prompt.segment(self.builder)
+        limit = ("the model's context window" if self.max_model_len == self.loaded.context_window
+                 else "the engine's max_model_len")
+        context = PromptContext(namespace or "", self.max_model_len - params.max_new_tokens, params.max_new_tokens,
+                                self.max_model_len, limit)
+        seg = prompt.segment(self.builder, context)
         n = seg.num_tokens
         if n + params.max_new_tokens > self.max_model_len:
-            limit = ("the model's context window" if self.max_model_len == self.loaded.context_window
-                     else "the engine's max_model_len")
             raise PromptTooLongError(n, params.max_new_tokens, self.max_model_len, limit)
         constraint = None if params.response_format is None else self.grammars.matcher(params.response_format)
-        plan = plan_chunks(root, seg.segments, self.config.chunk_size)
+        plan = self._plan(seg, root)
         ticket = self.board.claim(prompt.documents, namespace or "") if prompt.documents else None
         channel = TokenChannel()
         req = Request(
@@ -255,6 +265,7 @@ class PCREngine:
         req.future.add_done_callback(channel.close)
         req.future.add_done_callback(self._count_failure)
         self.scheduler.submit(req)
+        self.builder.accept(context)
         return RequestHandle(req, channel, self._cancel, timeout)
 
     # The public methods below are wrappers over `submit`: generate* wait for the result, stream* return the

@@ -2,18 +2,46 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import torch
+
+from pcr_rag.cache.seal import check_secret
 from pcr_rag.units import parse_bytes
 
-__all__ = ["REMOTE_SCHEMES", "CacheConfig", "POLICIES", "RemoteConfig"]
+__all__ = ["REMOTE_SCHEMES", "CacheConfig", "KVLayout", "POLICIES", "RemoteConfig", "remote_with_layout"]
 
 POLICIES = ("lookahead-lru", "lru")
 #: URL schemes of the remote tier; valkey(s):// are spelled redis(s):// for the client. "memory://name" is an
 #: in-process store (``MemoryRemoteStore``: the simulator, unit tests), shared by every engine using the same name.
 REMOTE_SCHEMES = ("redis", "rediss", "valkey", "valkeys", "memory")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The KV layout of the engine's model: a chunk of ``T`` tokens is ``[num_layers, 2, kv_heads, T, head_dim]``
+    of ``dtype``. The remote tier sizes what it learns from this (never from a stored header's claim) and rejects
+    a value of any other dtype or shape."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "kv_heads", "head_dim"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"KVLayout.{name} must be an int >= 1, got {getattr(self, name)!r}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"KVLayout.dtype must be a torch.dtype, got {self.dtype!r}")
+
+    def shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.kv_heads, num_tokens, self.head_dim)
+
+    def nbytes(self, num_tokens: int) -> int:
+        return self.num_layers * 2 * self.kv_heads * num_tokens * self.head_dim * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -31,6 +59,12 @@ class RemoteConfig:
       back-off, then one trial operation decides whether it is used again.
     - ``write_queue``: chunks waiting to be written; a full queue drops new writes (counted), never blocks.
     - ``max_connections``: connection pool size.
+    - ``secret``: the replicas' shared secret (at least 16 characters): every value carries a MAC under keys
+      derived from it (``pcr_rag.cache.seal``); never sent to the store. Required unless ``insecure``.
+    - ``insecure``: no secret; values are checked with unkeyed checksums only (anyone who can write to the store
+      can change answers). ``encrypt``: AES-GCM payloads (needs ``secret`` and the ``cryptography`` package).
+    - ``kv_layout``: the engine's KV layout; without it the tier only reads back chunks whose sizes the engine
+      already knows and learns nothing from lookups (sizes never come from a stored header).
     """
 
     url: str
@@ -43,9 +77,21 @@ class RemoteConfig:
     breaker_backoff_s: float = 5.0
     write_queue: int = 64
     max_connections: int = 8
+    secret: str | None = field(default=None, repr=False)
+    insecure: bool = False
+    encrypt: bool = False
+    kv_layout: KVLayout | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "capacity_bytes", parse_bytes(self.capacity_bytes))
+        if self.secret is not None:
+            check_secret(self.secret, "remote secret")
+        elif not self.insecure:
+            raise ValueError("a remote tier needs a secret to authenticate its values: set remote_secret (or "
+                             "$PCR_RAG_REMOTE_SECRET) to the same random string of >= 16 characters on every "
+                             "replica, or remote_insecure=True to accept unauthenticated values")
+        if self.encrypt and self.secret is None:
+            raise ValueError("remote encryption needs a secret: set remote_secret (or $PCR_RAG_REMOTE_SECRET)")
         scheme = urlsplit(str(self.url)).scheme
         if scheme not in REMOTE_SCHEMES:
             raise ValueError(
@@ -63,6 +109,15 @@ class RemoteConfig:
             raise ValueError(f"namespace must be a non-empty string without ':', got {self.namespace!r}")
         if int(self.capacity_bytes) <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {self.capacity_bytes!r}")
+
+
+def remote_with_layout(remote: RemoteConfig | None, kv: object) -> RemoteConfig | None:
+    """``remote`` with the KV layout of a model's KV geometry (``num_layers``, ``num_kv_heads``, ``head_dim``,
+    ``dtype``: ``runtime.model.KVGeometry``); None stays None."""
+    if remote is None:
+        return None
+    layout = KVLayout(kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.dtype)  # type: ignore[attr-defined]
+    return replace(remote, kv_layout=layout)
 
 
 @dataclass
@@ -87,6 +142,9 @@ class CacheConfig:
     - ``writeback_wait_s``: how long an insert may wait for pending write-backs to finish when the only DRAM
       eviction candidates are chunks not yet on SSD (backpressure instead of losing data).
     - ``remote``: a shared remote tier below SSD (:class:`RemoteConfig`), or None.
+    - ``ssd_secret``: when set (>= 16 characters), SSD chunk files are sealed and encrypted (AES-GCM per layer,
+      keys derived from it): the cache directory holds no KV in the clear and a file written without the secret
+      is dropped as forged.
     """
 
     chunk_size: int = 256
@@ -103,8 +161,11 @@ class CacheConfig:
     drop_page_cache: bool = True
     writeback_wait_s: float = 10.0
     remote: RemoteConfig | None = None
+    ssd_secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.ssd_secret is not None:
+            check_secret(self.ssd_secret, "SSD secret")
         self.dram_bytes = parse_bytes(self.dram_bytes)
         self.ssd_bytes = parse_bytes(self.ssd_bytes)
         self.device_bytes = parse_bytes(self.device_bytes)

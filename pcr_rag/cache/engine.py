@@ -163,7 +163,7 @@ class CacheEngine:
         raw = [k.key if isinstance(k, ChunkSpec) else k for k in keys]
         limit = len(raw) if max_chunks is None else max(0, min(len(raw), max_chunks))
         if self._remote is not None and limit:
-            self._remote.discover(raw[:limit])
+            self._remote.discover(keys[:limit])  # ChunkSpecs: checked against the plan
         with self._lock:
             self._sync.check_open()
             nodes: list[CacheNode] = self._index.tree.match(raw, limit)  # type: ignore[assignment]

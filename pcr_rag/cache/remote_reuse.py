@@ -3,7 +3,12 @@ from it beats recomputing it, and the write-through queue.
 
 - ``discover(keys)``: after the local match of a chunk chain ends, one pipelined lookup of the rest; the longest
   run of verified values that continues the chain is added to the prefix tree as remote copies (within the
-  tier's budget). Skipped, without any network call, while the circuit breaker is open.
+  tier's budget), sized from the engine's KV layout and the chunk's token count (never from a stored header).
+  Skipped, without any network call, while the circuit breaker is open. Each value is checked against what the
+  engine knows itself (``remote_value.Expected``): the chain's namespace root (the local match's, or the plan's
+  when ``keys`` are ``ChunkSpec`` s) and, from a plan, each chunk's token count and partial flag; a value that
+  contradicts them is deleted and counted as forged. Keys alone with no local match give no root: the few roots
+  recently seen are tried as guesses, and a value that fails under a guess is left alone.
 - ``reuse_limit(nodes)``: how many leading chunks of a matched path to reuse. A remote chunk costs a load
   (measured round trip + bytes / measured read bandwidth, for the remote chunks up to it together) and saves its
   recompute (tokens x measured compute seconds per token); the cut maximises the saving, so no chunk is loaded
@@ -15,22 +20,25 @@ from it beats recomputing it, and the write-through queue.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from pcr_rag.cache.engine_lock import EngineLock
 from pcr_rag.cache.errors import RemoteUnavailableError
+from pcr_rag.cache.keys import ChunkSpec
 from pcr_rag.cache.node import CacheNode
 from pcr_rag.cache.payload import Payload
 from pcr_rag.cache.remote_writer import RemoteWriter
 from pcr_rag.cache.residency import ResidencyIndex, Room
 from pcr_rag.cache.tiers.base import ChunkRecord, Tier, tier_bit
-from pcr_rag.cache.tiers.remote import RemoteTier
-from pcr_rag.cache.tiers.remote_value import RemoteHeader
+from pcr_rag.cache.tiers.remote import RemoteTier, root_of
+from pcr_rag.cache.tiers.remote_value import Expected, RemoteHeader
 
 __all__ = ["RemoteReuse"]
 
 _BIT = tier_bit(Tier.REMOTE)
 _DECAY = 0.95  # weight of the older prefill-step samples each time a new one comes
+_GUESS_ROOTS = 4  # recent namespace roots tried for a lookup by keys alone (one round trip each, at most)
 
 
 class RemoteReuse:
@@ -46,24 +54,53 @@ class RemoteReuse:
         self._speed_lock = threading.Lock()
         self.compute_s_per_token: float | None = None
         self._fit = [0.0] * 5  # decayed sums of 1, tokens, seconds, tokens^2, tokens x seconds
+        self._roots: OrderedDict[bytes, None] = OrderedDict()  # namespace roots recently seen, newest last
 
     # ------------------------------------------------------------------ discovery (no lock held)
-    def discover(self, keys: Sequence[bytes]) -> int:
-        """Look up the chunks of ``keys`` after the local match; returns how many were added to the tree."""
+    def saw_root(self, root: bytes) -> None:
+        """Remember a namespace root this engine uses (a guess for lookups by keys alone)."""
+        with self._speed_lock:
+            self._roots[root] = None
+            self._roots.move_to_end(root)
+            while len(self._roots) > _GUESS_ROOTS:
+                self._roots.popitem(last=False)
+
+    def discover(self, keys: Sequence[bytes | ChunkSpec]) -> int:
+        """Look up the chunks of ``keys`` (chunk keys, or a plan's ``ChunkSpec`` s) after the local match; returns
+        how many were added to the tree."""
         if not keys or not self.client.available():
             return 0
+        raw = [k.key if isinstance(k, ChunkSpec) else k for k in keys]
+        specs = [k for k in keys if isinstance(k, ChunkSpec)]
+        plan = specs if len(specs) == len(keys) else None
+        if plan is not None and plan[0].start == 0:
+            self.saw_root(plan[0].parent)
         with self._sync.lock:
-            local = self._index.tree.match(keys)
+            local = self._index.tree.match(raw)
             start = len(local)
             parent = local[-1].key if local else None
-        if start >= len(keys):
+            root = root_of(local[-1]) if local else None
+        if start >= len(raw):
             return 0
-        todo = keys[start:]
-        try:
-            headers = self.tier.probe(todo)
-        except RemoteUnavailableError:
-            return 0
-        found = _chain(todo, headers, parent)
+        if root is None and plan is not None and plan[0].start == 0:
+            root = plan[0].parent
+        todo = raw[start:]
+        todo_plan = plan[start:] if plan is not None else None
+        if root is not None:
+            guesses = [(root, True)]
+        else:
+            with self._speed_lock:
+                guesses = [(r, False) for r in reversed(self._roots)]
+        found: list[RemoteHeader] = []
+        headers: list[RemoteHeader | None] = []
+        for guess, strict in guesses:
+            try:
+                headers = self.tier.probe(_expected(todo, todo_plan, guess, parent), strict=strict)
+            except RemoteUnavailableError:
+                return 0
+            found = _chain(todo, headers)
+            if found:
+                break
         self.client.count("lookup_found", len(found))
         self.client.count("misses", sum(1 for h in headers if h is None))
         return self._learn(found) if found else 0
@@ -144,6 +181,8 @@ class RemoteReuse:
 
     # ------------------------------------------------------------------ writes and stats
     def offer(self, chunk: ChunkRecord, payload: Payload) -> None:
+        if chunk.parent_is_root:
+            self.saw_root(chunk.parent_key)
         self.writer.offer(chunk, payload)
 
     def counters(self) -> dict[str, object]:
@@ -159,17 +198,22 @@ class RemoteReuse:
         self.writer.stop()
 
 
-def _chain(keys: Sequence[bytes], headers: Sequence[RemoteHeader | None], parent: bytes | None) -> list[RemoteHeader]:
-    """The leading headers that exist and continue the chain (each one's parent is the key before it)."""
+def _expected(keys: Sequence[bytes], plan: Sequence[ChunkSpec] | None, root: bytes,
+              parent: bytes | None) -> list[Expected]:
+    """What the engine knows of each chunk of the chain ``keys`` (continuing ``parent``, None: from ``root``)."""
+    out: list[Expected] = []
+    for i, key in enumerate(keys):
+        before = parent if i == 0 else keys[i - 1]
+        spec = plan[i] if plan is not None else None
+        out.append(Expected(key, root, before, spec.num_tokens if spec else None, spec.partial if spec else None))
+    return out
+
+
+def _chain(keys: Sequence[bytes], headers: Sequence[RemoteHeader | None]) -> list[RemoteHeader]:
+    """The leading headers that exist (each verified against the chain it continues by the codec)."""
     found: list[RemoteHeader] = []
     for key, h in zip(keys, headers, strict=True):
         if h is None or h.record.key != key:
             break
-        if parent is None:
-            if not h.record.parent_is_root:
-                break
-        elif h.record.parent_key != parent or h.record.parent_is_root:
-            break
         found.append(h)
-        parent = key
     return found

@@ -5,6 +5,8 @@ by a background thread, so other replicas can reuse it.
   time). A full queue, or an open circuit breaker, drops the write and counts it (``writes_dropped``): a request
   never waits for the remote store.
 - ``SET NX``: a value another replica already wrote for the key is left as it is (``writes_existing``).
+- A value is sealed under its chain's namespace root, found from the tree when the chunk is offered (its own node
+  or its parent's); a chunk whose chain is no longer in the tree is dropped (``writes_dropped``).
 - Once written, the node (if still cached) is marked resident in the remote tier, within the tier's budget, so it
   outlives its local copies there. A failed write only counts (``writes_failed``, and the client's ``errors``).
 - ``inline`` (``sync_io``): the offering thread writes at once (deterministic; the simulator).
@@ -23,7 +25,7 @@ from pcr_rag.cache.errors import RemoteError
 from pcr_rag.cache.payload import Payload
 from pcr_rag.cache.residency import ResidencyIndex, Room
 from pcr_rag.cache.tiers.base import ChunkRecord, Tier, tier_bit
-from pcr_rag.cache.tiers.remote import RemoteTier
+from pcr_rag.cache.tiers.remote import RemoteTier, root_of
 
 __all__ = ["RemoteWriter"]
 
@@ -42,7 +44,7 @@ class RemoteWriter:
         self._sync = sync
         self._index = index
         self._cond = threading.Condition()
-        self._queue: deque[tuple[ChunkRecord, Payload]] = deque()
+        self._queue: deque[tuple[ChunkRecord, Payload, bytes]] = deque()
         self._writing = 0
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -63,18 +65,30 @@ class RemoteWriter:
         if not client.available():
             client.count("writes_dropped")
             return
+        root = self._root(chunk)
+        if root is None:
+            client.count("writes_dropped")
+            return
         if self._thread is None:
-            self.write(chunk, payload)
+            self.write(chunk, payload, root)
             return
         with self._cond:
             if len(self._queue) >= self.capacity or self._stopping:
                 client.count("writes_dropped")
                 return
-            self._queue.append((chunk, payload))
+            self._queue.append((chunk, payload, root))
             self._cond.notify_all()
 
-    def write(self, chunk: ChunkRecord, payload: Payload) -> None:
-        """Write one chunk now and record where it lives (no lock held)."""
+    def _root(self, chunk: ChunkRecord) -> bytes | None:
+        """The namespace root of ``chunk``'s chain (None when neither it nor its parent is in the tree)."""
+        if chunk.parent_is_root:
+            return chunk.parent_key
+        with self._sync.lock:
+            node = self._index.get(chunk.key) or self._index.get(chunk.parent_key)
+            return root_of(node) if node is not None else None
+
+    def write(self, chunk: ChunkRecord, payload: Payload, root: bytes) -> None:
+        """Write one chunk (of namespace root ``root``) now and record where it lives (no lock held)."""
         tier, index = self.tier, self._index
         size = tier.charge(chunk)
         with self._sync.lock:
@@ -89,7 +103,7 @@ class RemoteWriter:
                 finally:
                     node.tree_holds -= 1
         try:
-            tier.store(chunk, payload)
+            tier.store(chunk, payload, root)
         except RemoteError:
             tier.client.count("writes_failed")
             if reserved:
@@ -121,11 +135,11 @@ class RemoteWriter:
                     self._cond.wait()
                 if not self._queue:
                     return
-                chunk, payload = self._queue.popleft()
+                chunk, payload, root = self._queue.popleft()
                 self._writing += 1
             try:
                 if self.tier.client.available():
-                    self.write(chunk, payload)
+                    self.write(chunk, payload, root)
                 else:
                     self.tier.client.count("writes_dropped")
             except BaseException:  # never let the writer die

@@ -62,7 +62,8 @@ def ssd_tier_on_disk(tmp_path) -> KVTier:
 
 
 def remote_tier_in_memory(tmp_path) -> KVTier:
-    return open_remote_tier(RemoteConfig(f"memory://contract-{tmp_path.name}", capacity_bytes=1 << 20))
+    return open_remote_tier(RemoteConfig(f"memory://contract-{tmp_path.name}", capacity_bytes=1 << 20,
+                                         secret="contract-test-secret"))
 
 
 @pytest.mark.parametrize("make_tier", [memory_tier, ssd_tier_in_memory, ssd_tier_on_disk, remote_tier_in_memory])

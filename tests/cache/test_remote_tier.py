@@ -12,14 +12,25 @@ import pytest
 import torch
 
 from pcr_rag.cache import CacheConfig, CacheEngine, CorruptChunkError, ManualClock, Tier, VirtualPayload
-from pcr_rag.cache.config import RemoteConfig
+from pcr_rag.cache.config import KVLayout, RemoteConfig
 from pcr_rag.cache.errors import RemoteMissError, RemoteUnavailableError
 from pcr_rag.cache.tiers.breaker import BreakerState, CircuitBreaker
 from pcr_rag.cache.tiers.remote import open_remote_tier
 from pcr_rag.cache.tiers.remote_store import MemoryRemoteStore
-from pcr_rag.cache.tiers.remote_value import PROBE_BYTES, decode_probe, encode_value, value_name
+from pcr_rag.cache.tiers.remote_value import PROBE_BYTES, Expected, value_name
 
 from .conftest import Chunks
+
+
+SECRET = "unit-test-remote-secret"  # the replicas' shared secret in these tests
+LAYOUT = KVLayout(2, 1, 4, torch.float32)  # the layout of conftest's payload_for
+
+
+def remote_config(url: str, **kw) -> RemoteConfig:
+    """A remote tier config with the tests' secret and KV layout."""
+    kw.setdefault("secret", SECRET)
+    kw.setdefault("kv_layout", LAYOUT)
+    return RemoteConfig(url, **kw)
 
 
 @pytest.fixture
@@ -32,7 +43,7 @@ def store_name():
 def engine(store_name: str, clock: ManualClock | None = None, namespace: str = "pcr-rag", **remote) -> CacheEngine:
     remote.setdefault("breaker_backoff_s", 5.0)
     cfg = CacheConfig(chunk_size=4, dram_bytes=1 << 20, sync_io=True,
-                      remote=RemoteConfig(f"memory://{store_name}", namespace=namespace, **remote))
+                      remote=remote_config(f"memory://{store_name}", namespace=namespace, **remote))
     return CacheEngine(cfg, clock=clock or ManualClock())
 
 
@@ -71,7 +82,7 @@ def test_a_bad_value_is_dropped_deleted_and_recomputed(store_name, chunks, make_
             r.read_layer(0)  # layer 0 verifies
             r.read_layer(1)
         assert name not in store.values and specs[1].key not in b  # deleted for every replica, dropped here
-        assert b.stats().remote_io["corrupt"] == 1 and b.stats().corrupt_chunks_dropped == 1
+        assert b.stats().remote_io["forged"] == 1 and b.stats().corrupt_chunks_dropped == 1  # its MAC fails
         assert b.insert(specs[1], make_payload(specs[1]))  # recomputed and written again
         assert name in store.values
 
@@ -106,7 +117,7 @@ def test_a_value_under_the_wrong_key_fails_verification(store_name, chunks, make
         fill(a, [a_spec], make_payload)
         store.values[value_name("pcr-rag", b_spec.key)] = store.values[value_name("pcr-rag", a_spec.key)]
         assert b.acquire([b_spec]).num_chunks == 0  # its header names another key: deleted, not matched
-        assert value_name("pcr-rag", b_spec.key) not in store.values and b.stats().remote_io["corrupt"] == 1
+        assert value_name("pcr-rag", b_spec.key) not in store.values and b.stats().remote_io["forged"] == 1
 
 
 def test_the_breaker_skips_a_failing_store_and_tries_again_after_the_backoff(store_name, chunks, make_payload):
@@ -159,7 +170,7 @@ def test_remote_writes_never_block_a_request(store_name, chunks, make_payload):
 
     slow = SlowStore()
     cfg = CacheConfig(chunk_size=4, dram_bytes=1 << 20,
-                      remote=RemoteConfig(f"memory://{store_name}", write_queue=2))
+                      remote=remote_config(f"memory://{store_name}", write_queue=2))
     eng = CacheEngine(cfg)
     eng._remote.client.store = slow  # noqa: SLF001 - a store whose writes hang until released
     specs = chunks.path([[i] * 4 for i in range(6)])
@@ -201,20 +212,23 @@ def test_values_carry_their_own_header_and_long_headers_are_read_in_full(chunks)
     from pcr_rag.cache.tiers.base import ChunkRecord
 
     rec = ChunkRecord(spec.key, spec.parent, True, 4, False, None, payload.nbytes, 200)
-    tier = open_remote_tier(RemoteConfig(f"memory://long-{uuid.uuid4().hex[:6]}"))
+    tier = open_remote_tier(remote_config(f"memory://long-{uuid.uuid4().hex[:6]}",
+                                          kv_layout=KVLayout(200, 1, 4, torch.float32)))
     tier.store(rec, payload)
-    found = tier.probe([spec.key])[0]
+    found = tier.probe([Expected(spec.key, spec.parent, None)])[0]
     assert found is not None and found.record.num_layers == 200 and found.value_bytes == tier.charge(rec)
     assert torch.equal(tier.read(rec), payload)
     with pytest.raises(CorruptChunkError):
-        decode_probe(encode_value(rec, payload)[:PROBE_BYTES], spec.key)  # truncated header
-    virtual = rec._replace(virtual=True)
-    assert decode_probe(encode_value(virtual, None), spec.key).record.virtual
-    assert tier.read(virtual) == VirtualPayload(payload.nbytes, 200)
+        tier.codec.probe(tier.codec.encode(rec, payload, spec.parent)[:PROBE_BYTES],
+                         Expected(spec.key, spec.parent, None))  # truncated header
+    virtual = rec._replace(virtual=True, nbytes=LAYOUT.nbytes(4) * 100)  # 200 layers of LAYOUT's tokens
+    assert tier.codec.probe(tier.codec.encode(virtual, None, spec.parent),
+                            Expected(spec.key, spec.parent, None)).record.virtual
+    assert tier.read(virtual) == VirtualPayload(virtual.nbytes, 200)
 
 
 def test_remote_failures_are_os_errors_the_engine_treats_as_misses(chunks):
-    tier = open_remote_tier(RemoteConfig(f"memory://down-{uuid.uuid4().hex[:6]}"))
+    tier = open_remote_tier(remote_config(f"memory://down-{uuid.uuid4().hex[:6]}"))
     tier.client.store.down = True
     spec = chunks.child(None, [1] * 4)
     from pcr_rag.cache.tiers.base import ChunkRecord
@@ -233,7 +247,7 @@ def test_chunks_loaded_from_the_store_are_kept_on_the_local_ssd(store_name, chun
 
     specs = chunks.path([[1] * 4, [2] * 4])
     cfg = CacheConfig(chunk_size=4, dram_bytes=1 << 20, ssd_bytes=1 << 20, sync_io=True,
-                      remote=RemoteConfig(f"memory://{store_name}"))
+                      remote=remote_config(f"memory://{store_name}"))
     with engine(store_name) as a, CacheEngine(cfg, clock=ManualClock(), storage=MemoryBackend()) as b:
         fill(a, specs, make_payload)
         b.acquire(specs).release()

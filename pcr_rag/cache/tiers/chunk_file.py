@@ -7,21 +7,29 @@ Files live at ``<hh>/<key hex>.kv`` (256 sub-directories keep directories small)
 
 Layout (little endian, version 1)::
 
-    fixed header  magic "PCRKVCH\\0", version u16, flags u16 (1 = parent is a namespace root, 2 = partial),
+    fixed header  magic "PCRKVCH\\0", version u16, flags u16 (1 = parent is a namespace root, 2 = partial,
+                  4 = sealed, 8 = encrypted),
                   header_len u32, num_tokens u32, data_offset u64, payload_nbytes u64, written_at f64 (unix s),
                   key[16], parent[16], tokens digest[16], dtype name[16], ndim u8
     shape         ndim x u64                 (dim 0 = layers)
-    checksums     layers x u64               (xxh3-64 of each layer's bytes)
+    checksums     layers x u64               (xxh3-64 of each layer's stored bytes)
+    seal          only when sealed (flag 4): nonce[12], pad[4], layers x tag[16], mac[32] (``seal``: a layer's
+                  HMAC tag, or its AES-GCM tag when encrypted (flag 8); the MAC covers the namespace root and
+                  every header byte before it)
     header sum    u64                        (xxh3-64 of every header byte before it)
     padding       to data_offset (a multiple of 4096, so the payload is O_DIRECT-aligned)
     payload       payload_nbytes bytes, layer after layer, then zero padding to a multiple of 4096
 
 A reader verifies the header checksum, that the header's key is the key asked for, that the file size matches,
-and the checksum of every layer it returns. Any failure raises ``CorruptChunkError``.
+and the checksum of every layer it returns. Any failure raises ``CorruptChunkError``. A reader holding a
+``Sealer`` (``verify_seal``, ``open_layer``) also requires the seal: the header MAC under the root it expects, and
+each layer's tag (decrypting it when encrypted); an unsealed chunk then fails as forged (``ForgedChunkError``).
+The *core* (the fixed header and the shape) is each encrypted layer's associated data.
 """
 
 from __future__ import annotations
 
+import hmac
 import re
 import struct
 import time
@@ -31,6 +39,7 @@ import torch
 import xxhash
 
 from pcr_rag.cache.errors import CorruptChunkError
+from pcr_rag.cache.seal import LAYER_TAG_BYTES, MAC_BYTES, NONCE_BYTES, ForgedChunkError, Sealer
 from pcr_rag.cache.tiers.base import ChunkRecord, ChunkRef
 
 __all__ = [
@@ -48,7 +57,10 @@ __all__ = [
     "encode_header",
     "header_bytes",
     "key_of_name",
+    "open_layer",
+    "seal_chunk",
     "stored_header_len",
+    "verify_seal",
 ]
 
 MAGIC = b"PCRKVCH\x00"
@@ -56,6 +68,8 @@ VERSION = 1
 ALIGN = 4096
 FLAG_PARENT_IS_ROOT = 1
 FLAG_PARTIAL = 2
+FLAG_SEALED = 4
+FLAG_ENCRYPTED = 8
 NO_DIGEST = b"\x00" * 16  # the tokens-digest field of a chunk without one
 _FIXED = struct.Struct("<8sHHIIQQd16s16s16s16sB")
 _U64 = struct.Struct("<Q")
@@ -92,8 +106,12 @@ def key_of_name(name: str) -> bytes | None:
     return bytes.fromhex(m.group(2))
 
 
-def _header_len(ndim: int, num_layers: int) -> int:
-    return _FIXED.size + 8 * ndim + 8 * num_layers + 8
+def _seal_len(num_layers: int) -> int:
+    return NONCE_BYTES + 4 + LAYER_TAG_BYTES * num_layers + MAC_BYTES
+
+
+def _header_len(ndim: int, num_layers: int, sealed: bool = False) -> int:
+    return _FIXED.size + 8 * ndim + 8 * num_layers + (_seal_len(num_layers) if sealed else 0) + 8
 
 
 def align(n: int) -> int:
@@ -101,9 +119,9 @@ def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def header_bytes(ndim: int, num_layers: int) -> int:
+def header_bytes(ndim: int, num_layers: int, sealed: bool = False) -> int:
     """Bytes before the payload (the header padded to ``ALIGN``): the payload's offset in the file."""
-    return align(_header_len(ndim, num_layers))
+    return align(_header_len(ndim, num_layers, sealed))
 
 
 def stored_header_len(raw: bytes) -> int | None:
@@ -124,10 +142,10 @@ def announced_header_len(raw: bytes) -> int | None:
     return hlen if _FIXED.size < hlen <= _MAX_HEADER else None
 
 
-def chunk_file_bytes(payload_nbytes: int, ndim: int = 5, num_layers: int = 1) -> int:
+def chunk_file_bytes(payload_nbytes: int, ndim: int = 5, num_layers: int = 1, sealed: bool = False) -> int:
     """Size in bytes of a chunk file holding ``payload_nbytes`` (what the SSD tier's budget is charged): the
     header padded to 4096, the payload, and zero padding to the next multiple of 4096 (O_DIRECT-friendly)."""
-    return header_bytes(ndim, num_layers) + align(payload_nbytes)
+    return header_bytes(ndim, num_layers, sealed) + align(payload_nbytes)
 
 
 @dataclass(frozen=True)
@@ -158,6 +176,20 @@ class ChunkHeader:
     data_offset: int
     payload_nbytes: int
     written_at: float
+    flags: int = 0
+    core: bytes = b""  # the fixed header and the shape: each encrypted layer's associated data
+    signed: bytes = b""  # the header bytes the MAC covers (sealed only)
+    nonce: bytes = b""
+    tags: tuple[bytes, ...] = ()
+    mac: bytes = b""
+
+    @property
+    def sealed(self) -> bool:
+        return bool(self.flags & FLAG_SEALED)
+
+    @property
+    def encrypted(self) -> bool:
+        return bool(self.flags & FLAG_ENCRYPTED)
 
     @property
     def file_bytes(self) -> int:
@@ -168,34 +200,71 @@ class ChunkHeader:
         return self.payload_nbytes // self.shape[0]
 
 
-def encode_header(meta: ChunkMeta, payload: torch.Tensor, checksums: list[int]) -> bytes:
-    dtype_name = str(payload.dtype).removeprefix("torch.")
-    if dtype_name not in _DTYPES:
-        raise TypeError(
-            f"payload dtype {payload.dtype} cannot be stored on SSD; supported: {sorted(_DTYPES)}"
-        )
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise TypeError(f"payload dtype {dtype} cannot be stored in a chunk; supported: {sorted(_DTYPES)}")
+    return name
+
+
+def _core(meta: ChunkMeta, payload: torch.Tensor, flags: int) -> bytes:
+    """The fixed header and the shape of ``payload``'s chunk."""
     shape = tuple(int(s) for s in payload.shape)
-    flags = (FLAG_PARENT_IS_ROOT if meta.parent_is_root else 0) | (FLAG_PARTIAL if meta.partial else 0)
-    hlen = _header_len(len(shape), shape[0])
-    data_offset = align(hlen)
+    flags |= (FLAG_PARENT_IS_ROOT if meta.parent_is_root else 0) | (FLAG_PARTIAL if meta.partial else 0)
+    hlen = _header_len(len(shape), shape[0], bool(flags & FLAG_SEALED))
     body = _FIXED.pack(
         MAGIC,
         VERSION,
         flags,
         hlen,
         meta.num_tokens,
-        data_offset,
+        align(hlen),
         payload.nbytes,
         time.time(),
         meta.key,
         meta.parent,
         meta.digest,
-        dtype_name.encode("ascii"),
+        _dtype_name(payload.dtype).encode("ascii"),
         len(shape),
     )
-    body += struct.pack(f"<{len(shape)}Q", *shape) + struct.pack(f"<{len(checksums)}Q", *checksums)
+    return body + struct.pack(f"<{len(shape)}Q", *shape)
+
+
+def _finish(body: bytes) -> bytes:
     body += _U64.pack(xxhash.xxh3_64_intdigest(body))
-    return body + b"\x00" * (data_offset - len(body))
+    return body + b"\x00" * (align(len(body)) - len(body))
+
+
+def _checksums(stored: memoryview, num_layers: int) -> bytes:
+    lb = stored.nbytes // num_layers
+    sums = [xxhash.xxh3_64_intdigest(stored[i * lb : (i + 1) * lb]) for i in range(num_layers)]
+    return struct.pack(f"<{num_layers}Q", *sums)
+
+
+def encode_header(meta: ChunkMeta, payload: torch.Tensor, checksums: list[int]) -> bytes:
+    """The header of an unsealed chunk (xxh3 checksums only)."""
+    core = _core(meta, payload, 0)
+    return _finish(core + struct.pack(f"<{len(checksums)}Q", *checksums))
+
+
+def seal_chunk(meta: ChunkMeta, payload: torch.Tensor, sealer: Sealer, root: bytes) -> tuple[bytes, memoryview]:
+    """(header, the payload bytes to store after it) of a sealed chunk: per-layer HMAC tags, or per-layer AES-GCM
+    ciphertexts and tags when ``sealer.encrypt``; the header MAC binds ``root``. ``payload``: contiguous, CPU."""
+    num_layers = int(payload.shape[0])
+    data = byte_view(payload)
+    lb = data.nbytes // num_layers
+    core = _core(meta, payload, FLAG_SEALED | (FLAG_ENCRYPTED if sealer.encrypt else 0))
+    if sealer.encrypt:
+        nonce = sealer.new_nonce()
+        parts = [sealer.seal_layer(root, nonce, i, core, data[i * lb : (i + 1) * lb]) for i in range(num_layers)]
+        stored = memoryview(b"".join(ct for ct, _ in parts))
+        tags = [tag for _, tag in parts]
+    else:
+        nonce = b"\x00" * NONCE_BYTES
+        stored = data
+        tags = [sealer.layer_tag(meta.key, i, data[i * lb : (i + 1) * lb]) for i in range(num_layers)]
+    signed = core + _checksums(stored, num_layers) + nonce + b"\x00" * 4 + b"".join(tags)
+    return _finish(signed + sealer.sign_header(root, signed)), stored
 
 
 def decode_header(raw: bytes, expected_key: bytes | None = None) -> ChunkHeader:
@@ -212,12 +281,28 @@ def decode_header(raw: bytes, expected_key: bytes | None = None) -> ChunkHeader:
         raise CorruptChunkError(f"chunk header length {hlen} inconsistent (have {len(raw)} bytes)")
     shape = struct.unpack_from(f"<{ndim}Q", raw, _FIXED.size)
     num_layers = shape[0] if shape else 0
-    if hlen != _header_len(ndim, num_layers) or num_layers < 1:
+    sealed = bool(flags & FLAG_SEALED)
+    if hlen != _header_len(ndim, num_layers, sealed) or num_layers < 1:
         raise CorruptChunkError("chunk header length does not match its shape")
     (stored_sum,) = _U64.unpack_from(raw, hlen - 8)
     if xxhash.xxh3_64_intdigest(raw[: hlen - 8]) != stored_sum:
         raise CorruptChunkError("chunk header checksum mismatch")
-    checksums = struct.unpack_from(f"<{num_layers}Q", raw, _FIXED.size + 8 * ndim)
+    core_len = _FIXED.size + 8 * ndim
+    checksums = struct.unpack_from(f"<{num_layers}Q", raw, core_len)
+    seal: dict[str, object] = {}
+    if sealed:
+        at = core_len + 8 * num_layers
+        tags_at = at + NONCE_BYTES + 4
+        mac_at = tags_at + LAYER_TAG_BYTES * num_layers
+        seal = {
+            "signed": bytes(raw[:mac_at]),
+            "nonce": bytes(raw[at : at + NONCE_BYTES]),
+            "tags": tuple(bytes(raw[tags_at + i * LAYER_TAG_BYTES : tags_at + (i + 1) * LAYER_TAG_BYTES])
+                          for i in range(num_layers)),
+            "mac": bytes(raw[mac_at : mac_at + MAC_BYTES]),
+        }
+    elif flags & FLAG_ENCRYPTED:
+        raise CorruptChunkError("chunk header says encrypted but carries no seal")
     dtype_name = dtype_raw.rstrip(b"\x00").decode("ascii", "replace")
     dtype = _DTYPES.get(dtype_name)
     if dtype is None:
@@ -237,7 +322,37 @@ def decode_header(raw: bytes, expected_key: bytes | None = None) -> ChunkHeader:
         partial=bool(flags & FLAG_PARTIAL),
         digest=digest,
     )
-    return ChunkHeader(meta, dtype, tuple(shape), tuple(checksums), data_offset, nbytes, written_at)
+    return ChunkHeader(meta, dtype, tuple(shape), tuple(checksums), data_offset, nbytes, written_at, flags,
+                       bytes(raw[:core_len]), **seal)  # type: ignore[arg-type]
+
+
+def verify_seal(header: ChunkHeader, sealer: Sealer | None, root: bytes) -> None:
+    """With a ``sealer``: the header must be sealed and its MAC valid under ``root`` (``ForgedChunkError``).
+    Without one (an insecure reader) nothing more is checked here, but an encrypted chunk cannot be read."""
+    key = header.meta.key
+    if sealer is None:
+        if header.encrypted:
+            raise CorruptChunkError(f"chunk {key.hex()} is encrypted and this reader has no secret")
+        return
+    if not header.sealed:
+        raise ForgedChunkError(f"chunk {key.hex()} carries no MAC (written without the secret)")
+    sealer.check_header(root, header.signed, header.mac, key)
+
+
+def open_layer(header: ChunkHeader, layer: int, stored: memoryview, sealer: Sealer | None, root: bytes) \
+        -> memoryview | bytes:
+    """Layer ``layer``'s plaintext bytes from its ``stored`` bytes, verified: its AES-GCM tag (decrypting), its HMAC
+    tag, or (no ``sealer``) its xxh3 checksum; the header must have passed ``verify_seal`` with the same
+    ``sealer`` and ``root``. Raises ``ForgedChunkError`` / ``CorruptChunkError``."""
+    key = header.meta.key
+    if sealer is None or not header.sealed:
+        check_layers(header, stored, key, layer)
+        return stored
+    if header.encrypted:
+        return sealer.open_layer(root, header.nonce, layer, header.core, stored, header.tags[layer], key)
+    if not hmac.compare_digest(sealer.layer_tag(key, layer, stored), header.tags[layer]):
+        raise ForgedChunkError(f"chunk {key.hex()} layer {layer}: MAC mismatch (forged or tampered)")
+    return stored
 
 
 def byte_view(t: torch.Tensor) -> memoryview:

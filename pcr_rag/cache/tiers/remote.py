@@ -4,7 +4,10 @@ Valkey/Redis server (``remote_store``), every call through ``RemoteClient`` (bre
 The tier is *shared*: replicas on other machines write to the same store and read each other's chunks. So:
 
 - ``drop`` only forgets a copy locally (another replica may still use the value); a value that fails
-  verification is deleted from the store, so no replica reads it again.
+  verification is deleted from the store, so no replica reads it again (counted in ``corrupt``, or in ``forged``
+  when its MAC fails or its authenticated header contradicts the reader: see ``remote_value``).
+- Every value is sealed under the replicas' secret (``RemoteConfig.secret``) and bound to its namespace root,
+  which the tier finds from the chunk's node (the root its chain hangs from) and never stores.
 - ``recover`` lists nothing: the engine learns remote chunks by looking them up (``probe``: the first bytes of
   each value, one pipelined round trip) after its local match ends.
 - The store may evict or expire a value at any time: reading it then raises ``RemoteMissError`` (a miss; the
@@ -13,7 +16,7 @@ The tier is *shared*: replicas on other machines write to the same store and rea
   ``maxmemory`` what it holds.
 
 Reads fetch the whole value in one GET (a round trip per layer would cost more than the bytes), verify the
-header and length at once and each layer's checksum when that layer is used.
+header (MAC, the chunk's own plan, the KV layout) and length at once and each layer's tag when that layer is used.
 """
 
 from __future__ import annotations
@@ -27,30 +30,40 @@ import torch
 from pcr_rag.cache.config import RemoteConfig
 from pcr_rag.cache.errors import CorruptChunkError, RemoteMissError
 from pcr_rag.cache.payload import Payload, VirtualPayload
+from pcr_rag.cache.seal import ForgedChunkError, Sealer
 from pcr_rag.cache.tiers.base import ChunkRef, PayloadLayers, Tier, TierKind, TierRecovery
 from pcr_rag.cache.tiers.breaker import CircuitBreaker
-from pcr_rag.cache.tiers.chunk_file import ChunkHeader, byte_view, check_layers
+from pcr_rag.cache.tiers.chunk_file import ChunkHeader
 from pcr_rag.cache.tiers.remote_client import RemoteClient
-from pcr_rag.cache.tiers.remote_store import RemoteStore, open_store
+from pcr_rag.cache.tiers.remote_store import RemoteStore, open_store, redacted_url
 from pcr_rag.cache.tiers.remote_value import (
     PROBE_BYTES,
+    Expected,
     RemoteHeader,
-    check_layer,
-    decode_probe,
-    decode_value,
-    encode_value,
+    ValueCodec,
     header_len_needed,
     value_bytes,
     value_name,
 )
 
-__all__ = ["RemoteTier", "open_remote_tier"]
+__all__ = ["RemoteTier", "open_remote_tier", "root_of"]
 
 log = logging.getLogger(__name__)
 
 # Payloads are views over the immutable bytes a GET returned (no copy); nothing writes into a cached payload.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
                         module=r"pcr_rag\.cache\.tiers\.remote_value")
+
+
+def root_of(chunk: ChunkRef) -> bytes | None:
+    """The namespace root ``chunk``'s chain hangs from: its parent key when that is a root, else the root its
+    tree node's ancestors end at (None for a record that is neither)."""
+    if chunk.parent_is_root:
+        return chunk.parent_key
+    node = getattr(chunk, "parent", None)  # a tree node: parents are fixed for a node's life
+    while node is not None and not node.is_root:
+        node = node.parent
+    return node.key if node is not None else None
 
 
 class RemoteTier:
@@ -65,21 +78,27 @@ class RemoteTier:
         self.capacity_bytes = int(config.capacity_bytes)
         self.namespace = config.namespace
         self.ttl_s = config.ttl_s
+        sealer = Sealer(config.secret, "remote", encrypt=config.encrypt) if config.secret is not None else None
+        self.codec = ValueCodec(sealer, config.kv_layout)
         self._known: set[bytes] = set()  # keys this engine tracks as stored (``holds``)
 
     def name(self, key: bytes) -> str:
         return value_name(self.namespace, key)
 
     def charge(self, chunk: ChunkRef) -> int:
-        return value_bytes(chunk)
+        return value_bytes(chunk, self.codec.sealed)
 
     def place(self, payload: Payload) -> Payload:
         return payload  # encoded (a CPU copy made if needed) by ``store``
 
-    def store(self, chunk: ChunkRef, payload: Payload) -> None:
-        """``SET NX``: a value another replica wrote for this key is the same chunk and stays."""
+    def store(self, chunk: ChunkRef, payload: Payload, root: bytes | None = None) -> None:
+        """``SET NX``: a value another replica wrote for this key is the same chunk and stays. ``root``: the
+        chunk's namespace root (default: ``root_of(chunk)``; ``ValueError`` when unknown)."""
+        root = root if root is not None else root_of(chunk)
+        if root is None:
+            raise ValueError(f"chunk {chunk.key.hex()}: its namespace root is unknown, so it cannot be sealed")
         tensor = None if chunk.virtual or isinstance(payload, VirtualPayload) else payload
-        self.client.set_nx(self.name(chunk.key), encode_value(chunk, tensor), self.ttl_s)
+        self.client.set_nx(self.name(chunk.key), self.codec.encode(chunk, tensor, root), self.ttl_s)
         self._known.add(chunk.key)
 
     def learn(self, chunk: ChunkRef) -> None:
@@ -90,35 +109,39 @@ class RemoteTier:
         return None  # a value must be read (and verified) before use
 
     # ------------------------------------------------------------------ reads
-    def _bad(self, chunk: ChunkRef, exc: CorruptChunkError) -> CorruptChunkError:
-        self.client.count("corrupt")
-        self.client.delete(self.name(chunk.key))
-        log.warning("remote value of chunk %s failed verification (%s): deleted", chunk.key.hex(), exc)
+    def _bad(self, key: bytes, exc: CorruptChunkError) -> CorruptChunkError:
+        forged = isinstance(exc, ForgedChunkError)
+        self.client.count("forged" if forged else "corrupt")
+        self.client.delete(self.name(key))
+        log.warning("remote value of chunk %s %s (%s): deleted", key.hex(),
+                    "rejected as forged" if forged else "failed verification", exc)
         return exc
 
-    def _fetch(self, chunk: ChunkRef) -> tuple[ChunkHeader | None, torch.Tensor | None]:
+    def _fetch(self, chunk: ChunkRef) -> tuple[ChunkHeader | None, memoryview | None, bytes]:
+        root = root_of(chunk)
+        if root is None:
+            raise CorruptChunkError(f"chunk {chunk.key.hex()}: its namespace root is unknown (no tree node)")
         if chunk.virtual:
-            return None, None  # metadata-only: nothing to move (as on SSD)
+            return None, None, root  # metadata-only: nothing to move (as on SSD)
         raw = self.client.get_many([self.name(chunk.key)])[0]
         if raw is None:
             self.client.count("misses")
             raise RemoteMissError(f"the remote store no longer holds chunk {chunk.key.hex()} (evicted or expired)")
         try:
-            found = decode_value(raw, chunk.key, chunk)
+            header, stored = self.codec.decode(raw, chunk, root)
         except CorruptChunkError as exc:
-            raise self._bad(chunk, exc) from None
+            raise self._bad(chunk.key, exc) from None
         self.client.count("hits")
-        return found
+        return header, stored, root
 
     def read(self, chunk: ChunkRef) -> Payload:
-        header, payload = self._fetch(chunk)
-        if header is None or payload is None:
+        header, stored, root = self._fetch(chunk)
+        if header is None or stored is None:
             return VirtualPayload(chunk.nbytes, chunk.num_layers)
         try:
-            check_layers(header, byte_view(payload), chunk.key)
+            return self.codec.payload(header, stored, root)
         except CorruptChunkError as exc:
-            raise self._bad(chunk, exc) from None
-        return payload
+            raise self._bad(chunk.key, exc) from None
 
     def read_layer(self, chunk: ChunkRef, layer: int) -> torch.Tensor | VirtualPayload:
         """Fetches the whole value (one round trip), verifies and returns one layer."""
@@ -129,16 +152,19 @@ class RemoteTier:
             source.close()
 
     def open_layers(self, chunk: ChunkRef) -> PayloadLayers | _ValueLayers:
-        header, payload = self._fetch(chunk)
-        if header is None or payload is None:
+        header, stored, root = self._fetch(chunk)
+        if header is None or stored is None:
             return PayloadLayers(VirtualPayload(chunk.nbytes, chunk.num_layers))
-        return _ValueLayers(self, chunk, header, payload)
+        return _ValueLayers(self, chunk.key, header, stored, root)
 
-    def probe(self, keys: Sequence[bytes]) -> list[RemoteHeader | None]:
-        """What the store holds for each key (None: nothing, or a value that fails verification - deleted), from
-        the first bytes of each value in one pipelined round trip (a second one for headers of > ~100 layers).
-        Raises ``RemoteUnavailableError``."""
-        names = [self.name(k) for k in keys]
+    def probe(self, expected: Sequence[Expected], *, strict: bool = True) -> list[RemoteHeader | None]:
+        """What the store holds for each expected chunk (None: nothing, or a value that fails verification), from
+        the first bytes of each value in one pipelined round trip (a second one for headers of > ~30 layers).
+        ``strict``: a value that fails is deleted and counted; otherwise (the root was only a guess) it is left
+        alone. Nothing is learned without a KV layout to size chunks by. Raises ``RemoteUnavailableError``."""
+        if self.codec.layout is None:
+            return [None] * len(expected)
+        names = [self.name(e.key) for e in expected]
         raws = self.client.probe(names, PROBE_BYTES)
         longer = {i: n for i, raw in enumerate(raws) if raw is not None and (n := header_len_needed(raw))}
         if longer:
@@ -146,14 +172,15 @@ class RemoteTier:
             for i, raw in zip(longer, more, strict=True):
                 raws[i] = raw
         out: list[RemoteHeader | None] = []
-        for key, raw in zip(keys, raws, strict=True):
+        for exp, raw in zip(expected, raws, strict=True):
             if raw is None:
                 out.append(None)
                 continue
             try:
-                out.append(decode_probe(raw, key))
+                out.append(self.codec.probe(raw, exp))
             except CorruptChunkError as exc:
-                self._bad(_KeyOnly(key), exc)
+                if strict:
+                    self._bad(exp.key, exc)
                 out.append(None)
         return out
 
@@ -174,41 +201,42 @@ class RemoteTier:
         self.client.close()
 
 
-class _KeyOnly:
-    """A chunk reference by key alone (deleting a bad value found by a lookup)."""
-
-    def __init__(self, key: bytes) -> None:
-        self.key = key
-
-
 class _ValueLayers:
-    """A fetched value read layer by layer; each layer's checksum is verified the first time it is read."""
+    """A fetched value read layer by layer; each layer is verified (and decrypted) the first time it is read."""
 
-    def __init__(self, tier: RemoteTier, chunk: ChunkRef, header: ChunkHeader, payload: torch.Tensor) -> None:
+    def __init__(self, tier: RemoteTier, key: bytes, header: ChunkHeader, stored: memoryview, root: bytes) -> None:
         self._tier = tier
-        self._chunk = chunk
+        self._key = key
         self._header = header
-        self._payload = payload
-        self._verified: set[int] = set()
+        self._stored = stored
+        self._root = root
+        self._layers: dict[int, torch.Tensor] = {}
 
     def read_layer(self, layer: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Layer ``layer`` (a view of the fetched value; ``out`` is not needed and left untouched)."""
-        if layer not in self._verified:
+        """Layer ``layer`` (a view of the fetched value, or its decrypted copy; ``out`` is left untouched)."""
+        got = self._layers.get(layer)
+        if got is None:
             try:
-                check_layer(self._header, self._payload, layer, self._chunk.key)
+                got = self._tier.codec.layer(self._header, self._stored, layer, self._root)
             except CorruptChunkError as exc:
-                raise self._tier._bad(self._chunk, exc) from None
-            self._verified.add(layer)
-        return self._payload[layer]
+                raise self._tier._bad(self._key, exc) from None
+            self._layers[layer] = got
+        return got
 
     def close(self) -> None:
-        self._payload = None  # type: ignore[assignment]
+        self._stored = None  # type: ignore[assignment]
+        self._layers.clear()
 
 
 def open_remote_tier(config: RemoteConfig, *, store: RemoteStore | None = None,
                      breaker: CircuitBreaker | None = None) -> RemoteTier:
     """The remote tier of ``config`` (``store`` / ``breaker`` injectable). Opening does not touch the network:
-    an unreachable store only makes calls fail (and the breaker skip them)."""
+    an unreachable store only makes calls fail (and the breaker skip them). Without a secret (``insecure``) it
+    logs one warning."""
+    if config.secret is None:
+        log.warning("remote tier %s runs without a secret (remote_insecure=True): its values are checked by unkeyed "
+                    "checksums only, so anyone who can write to the store can change answers; set remote_secret",
+                    redacted_url(config.url))
     client = RemoteClient(
         store or open_store(config),
         breaker or CircuitBreaker(config.breaker_errors, config.breaker_backoff_s),

@@ -33,10 +33,11 @@ _EWMA = 0.2  # weight of the newest sample in the speed estimates
 
 #: Counters of a remote tier (all since start): lookups (round trips) and the chunks they found / missed; reads
 #: (``hits``: values read and verified); errors and calls skipped by the open breaker; values that failed
-#: verification (deleted from the store); bytes; writes done / already there (``SET NX``) / dropped (queue full or
+#: verification (deleted from the store): damaged (``corrupt``) or rejected as forged (``forged``: a MAC failed, or
+#: the authenticated header contradicts the reader's root, chunk plan or KV layout); bytes; writes done / already there (``SET NX``) / dropped (queue full or
 #: breaker open) / failed; chunks recomputed because that was cheaper than loading them.
 COUNTERS = (
-    "lookups", "lookup_found", "misses", "hits", "errors", "skipped", "corrupt", "bytes_read", "bytes_written",
+    "lookups", "lookup_found", "misses", "hits", "errors", "skipped", "corrupt", "forged", "bytes_read", "bytes_written",
     "writes", "writes_existing", "writes_dropped", "writes_failed", "recompute_chosen",
 )
 

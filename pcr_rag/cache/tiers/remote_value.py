@@ -1,26 +1,38 @@
 """The remote tier's values: one self-describing value per chunk, in the chunk file format (``chunk_file``).
 
 A value is the chunk file's header (magic, version, key, parent, root/partial flags, token count, tokens
-digest, dtype, shape, per-layer xxh3-64 checksums, header checksum; padded to its ``data_offset``) followed by the
-payload bytes, without the file's trailing padding. Its name is ``<namespace>:<chunk key hex>``: the chained
-blake2b chunk keys are the same in every process and on every machine, so replicas find each other's values.
+digest, dtype, shape, per-layer xxh3-64 checksums, the seal, header checksum; padded to its ``data_offset``)
+followed by the payload bytes, without the file's trailing padding. Its name is ``<namespace>:<chunk key hex>``:
+the chained blake2b chunk keys are the same in every process and on every machine, so replicas find each other's
+values.
 
-Everything needed to use a value is in the value, so no separate metadata key can drift from it after the store
-evicts something: a reader verifies the header (checksum, the key it asked for), the value's length, and the
-checksum of every layer it uses, and raises ``CorruptChunkError`` otherwise.
+Trust (the store is writable by others, so nothing in a value is believed on its own):
 
-Metadata-only chunks (the simulator) are stored as a short record of their sizes (``VIRTUAL_MAGIC``).
+- With a secret (``ValueCodec.sealer``) every value is sealed: a header MAC over the namespace root and every
+  header byte, and a tag per layer (HMAC, or AES-GCM when encrypted) that the header MAC covers. The root is
+  never stored: the first chunk of a chain stores a zero parent, and the reader supplies the root it expects.
+- A reader also checks the authenticated header against what it knows itself (``Expected``, or the chunk node):
+  the parent, the token count, the partial flag and tokens digest of its own chunk plan, and the engine's KV
+  layout (dtype and shape). Any contradiction raises ``ForgedChunkError``; structural damage (truncation, bad
+  magic, a checksum) ``CorruptChunkError``.
+- Sizes come from the reader's KV layout and the chunk's token count, never from the header.
+
+Metadata-only chunks (the simulator) are stored as a short record of their sizes (``VIRTUAL_MAGIC``), followed by
+a MAC when sealed.
 """
 
 from __future__ import annotations
 
+import hmac
 import struct
 from dataclasses import dataclass
 
 import torch
 import xxhash
 
+from pcr_rag.cache.config import KVLayout
 from pcr_rag.cache.errors import CorruptChunkError
+from pcr_rag.cache.seal import MAC_BYTES, ForgedChunkError, Sealer
 from pcr_rag.cache.tiers.base import ChunkRecord, ChunkRef
 from pcr_rag.cache.tiers.chunk_file import (
     NO_DIGEST,
@@ -32,25 +44,28 @@ from pcr_rag.cache.tiers.chunk_file import (
     decode_header,
     encode_header,
     header_bytes,
+    open_layer,
+    seal_chunk,
+    verify_seal,
 )
 
 __all__ = [
     "PROBE_BYTES",
+    "Expected",
     "RemoteHeader",
-    "decode_probe",
-    "decode_value",
-    "encode_value",
+    "ValueCodec",
     "header_len_needed",
     "value_bytes",
     "value_name",
 ]
 
-#: Bytes a lookup reads from the start of each value: the fixed header and the checksums of up to ~100 layers
+#: Bytes a lookup reads from the start of each value: the fixed header, checksums and seal of up to ~30 layers
 #: (a longer header is read again in full).
 PROBE_BYTES = 1024
 VIRTUAL_MAGIC = b"PCRKVVT\x00"
 _VIRTUAL = struct.Struct("<8s16s16s16sBIQI")  # magic, key, parent, digest, flags, tokens, nbytes, layers
-_FLAG_ROOT, _FLAG_PARTIAL = 1, 2
+_FLAG_ROOT, _FLAG_PARTIAL, _FLAG_SEALED = 1, 2, 4
+_ZERO_PARENT = NO_DIGEST  # the parent field of a chain's first chunk: the root is never stored
 
 
 def value_name(namespace: str, key: bytes) -> str:
@@ -58,34 +73,32 @@ def value_name(namespace: str, key: bytes) -> str:
     return f"{namespace}:{key.hex()}"
 
 
-def value_bytes(chunk: ChunkRef | ChunkRecord) -> int:
+def value_bytes(chunk: ChunkRef | ChunkRecord, sealed: bool = True) -> int:
     """Bytes a chunk's value occupies in the store (header padded to its data offset + payload)."""
-    return header_bytes(5, chunk.num_layers) + chunk.nbytes
+    return header_bytes(5, chunk.num_layers, sealed) + chunk.nbytes
 
 
 @dataclass(frozen=True)
 class RemoteHeader:
-    """What a lookup learns about a stored value: enough to add the chunk's node to the tree."""
+    """What a lookup learns about a stored value: enough to add the chunk's node to the tree (sizes from the
+    reader's KV layout)."""
 
     record: ChunkRecord
     value_bytes: int
 
 
+@dataclass(frozen=True)
+class Expected:
+    """What a reader knows of a chunk before reading its value: its key, its namespace root, its parent (None:
+    the chunk starts its chain, its parent is ``root``), and from its chunk plan, where known, its token count,
+    partial flag and tokens digest (None: unknown, e.g. a lookup by keys alone)."""
 
-
-def encode_value(chunk: ChunkRef | ChunkRecord, payload: torch.Tensor | None) -> bytes:
-    """The value of ``chunk`` (``payload`` None for a metadata-only chunk)."""
-    if payload is None or chunk.virtual:
-        flags = (_FLAG_ROOT if chunk.parent_is_root else 0) | (_FLAG_PARTIAL if chunk.partial else 0)
-        return _VIRTUAL.pack(VIRTUAL_MAGIC, chunk.key, chunk.parent_key, chunk.tokens_digest or NO_DIGEST,
-                             flags, chunk.num_tokens, chunk.nbytes, chunk.num_layers)
-    if payload.device.type != "cpu":
-        payload = payload.cpu()
-    payload = payload.contiguous()
-    data = byte_view(payload)
-    lb = data.nbytes // payload.shape[0]
-    checksums = [xxhash.xxh3_64_intdigest(data[i * lb : (i + 1) * lb]) for i in range(payload.shape[0])]
-    return b"".join((encode_header(ChunkMeta.of(chunk), payload, checksums), data))
+    key: bytes
+    root: bytes
+    parent: bytes | None
+    num_tokens: int | None = None
+    partial: bool | None = None
+    digest: bytes | None = None
 
 
 def header_len_needed(raw: bytes) -> int | None:
@@ -97,54 +110,162 @@ def header_len_needed(raw: bytes) -> int | None:
     return hlen if hlen is not None and hlen > len(raw) else None
 
 
-def _decode_virtual(raw: bytes, key: bytes) -> RemoteHeader:
-    if len(raw) < _VIRTUAL.size:
-        raise CorruptChunkError(f"metadata-only value truncated ({len(raw)} bytes)")
-    _, k, parent, digest, flags, tokens, nbytes, layers = _VIRTUAL.unpack_from(raw, 0)
-    if k != key:
-        raise CorruptChunkError(f"value holds key {k.hex()} but {key.hex()} was expected")
-    record = ChunkRecord(key, parent, bool(flags & _FLAG_ROOT), tokens, bool(flags & _FLAG_PARTIAL),
-                         digest if digest != NO_DIGEST else None, nbytes, layers, True)
-    return RemoteHeader(record, value_bytes(record))
+def _forged(key: bytes, what: str) -> ForgedChunkError:
+    return ForgedChunkError(f"value of chunk {key.hex()}: {what}")
 
 
-def _record(header: ChunkHeader) -> ChunkRecord:
-    m = header.meta
-    return ChunkRecord(m.key, m.parent, m.parent_is_root, m.num_tokens, m.partial,
-                       m.digest if m.digest != NO_DIGEST else None, header.payload_nbytes, header.shape[0])
+class ValueCodec:
+    """Encodes and verifies values for one remote tier: its ``sealer`` (None: insecure, checksums only) and the
+    engine's KV ``layout`` (None: sizes are checked against known chunks only, lookups learn nothing)."""
 
+    def __init__(self, sealer: Sealer | None, layout: KVLayout | None) -> None:
+        self.sealer = sealer
+        self.layout = layout
 
-def decode_probe(raw: bytes, key: bytes) -> RemoteHeader:
-    """The chunk a value's first bytes describe (header verified, key checked); ``CorruptChunkError`` otherwise."""
-    if raw[:8] == VIRTUAL_MAGIC:
-        return _decode_virtual(raw, key)
-    header = decode_header(raw, expected_key=key)
-    return RemoteHeader(_record(header), header.data_offset + header.payload_nbytes)
+    @property
+    def sealed(self) -> bool:
+        return self.sealer is not None
 
+    # ------------------------------------------------------------------ encode
+    def encode(self, chunk: ChunkRef | ChunkRecord, payload: torch.Tensor | None, root: bytes) -> bytes:
+        """The value of ``chunk`` under namespace root ``root`` (``payload`` None for a metadata-only chunk)."""
+        parent = _ZERO_PARENT if chunk.parent_is_root else chunk.parent_key
+        digest = chunk.tokens_digest or NO_DIGEST
+        if payload is None or chunk.virtual:
+            flags = ((_FLAG_ROOT if chunk.parent_is_root else 0) | (_FLAG_PARTIAL if chunk.partial else 0)
+                     | (_FLAG_SEALED if self.sealer is not None else 0))
+            body = _VIRTUAL.pack(VIRTUAL_MAGIC, chunk.key, parent, digest, flags, chunk.num_tokens, chunk.nbytes,
+                                 chunk.num_layers)
+            return body + (self.sealer.sign_header(root, body) if self.sealer is not None else b"")
+        if payload.device.type != "cpu":
+            payload = payload.cpu()
+        payload = payload.contiguous()
+        meta = ChunkMeta(chunk.key, parent, chunk.parent_is_root, chunk.num_tokens, chunk.partial, digest)
+        if self.sealer is not None:
+            head, stored = seal_chunk(meta, payload, self.sealer, root)
+            return b"".join((head, stored))
+        data = byte_view(payload)
+        lb = data.nbytes // payload.shape[0]
+        checksums = [xxhash.xxh3_64_intdigest(data[i * lb : (i + 1) * lb]) for i in range(payload.shape[0])]
+        return b"".join((encode_header(meta, payload, checksums), data))
 
-def decode_value(raw: bytes, key: bytes, chunk: ChunkRef) -> tuple[ChunkHeader | None, torch.Tensor | None]:
-    """A whole value as (header, payload view over ``raw``), header and length verified and checked against
-    ``chunk`` (sizes, parent); layers are verified by the caller (``check_layer``). (None, None) for a
-    metadata-only value. Raises ``CorruptChunkError``."""
-    if raw[:8] == VIRTUAL_MAGIC:
-        rec = _decode_virtual(raw, key).record
-        if rec.nbytes != chunk.nbytes or rec.num_layers != chunk.num_layers:
-            raise CorruptChunkError(f"metadata-only value of {key.hex()} does not match the chunk's sizes")
-        return None, None
-    header = decode_header(raw, expected_key=key)
-    if len(raw) != header.data_offset + header.payload_nbytes:
-        raise CorruptChunkError(
-            f"value is {len(raw)} bytes, its header says {header.data_offset + header.payload_nbytes} (truncated?)"
-        )
-    if header.payload_nbytes != chunk.nbytes or header.shape[0] != chunk.num_layers:
-        raise CorruptChunkError(f"value of {key.hex()} holds {header.payload_nbytes} bytes in {header.shape[0]} "
-                                f"layers, the chunk has {chunk.nbytes} in {chunk.num_layers}")
-    if header.meta.parent != chunk.parent_key or header.meta.num_tokens != chunk.num_tokens:
-        raise CorruptChunkError(f"value of {key.hex()} has another parent or token count than the chunk")
-    flat = torch.frombuffer(raw, dtype=torch.uint8, offset=header.data_offset, count=header.payload_nbytes)
-    return header, flat.view(header.dtype).view(header.shape)
+    # ------------------------------------------------------------------ lookups
+    def probe(self, raw: bytes, exp: Expected) -> RemoteHeader:
+        """The chunk a value's first bytes describe, verified and checked against ``exp`` (sized by the layout,
+        which is required); ``ForgedChunkError`` / ``CorruptChunkError`` otherwise."""
+        if self.layout is None:
+            raise CorruptChunkError("the remote tier has no KV layout to size chunks by")
+        if raw[:8] == VIRTUAL_MAGIC:
+            meta, nbytes, num_layers = self._virtual(raw, exp.key, exp.root)
+            if nbytes != self.layout.nbytes(meta.num_tokens) or num_layers != self.layout.num_layers:
+                raise _forged(exp.key, "metadata-only sizes differ from the engine's KV layout")
+        else:
+            header = self._header(raw, exp.key)
+            verify_seal(header, self.sealer, exp.root)
+            meta = header.meta
+            self._check_layout(header)
+        self._check_plan(meta, exp)
+        layout = self.layout
+        record = ChunkRecord(exp.key, exp.root if meta.parent_is_root else meta.parent, meta.parent_is_root,
+                             meta.num_tokens, meta.partial, meta.digest if meta.digest != NO_DIGEST else None,
+                             layout.nbytes(meta.num_tokens), layout.num_layers, raw[:8] == VIRTUAL_MAGIC)
+        return RemoteHeader(record, value_bytes(record, self.sealed))
 
+    @staticmethod
+    def _header(raw: bytes, key: bytes) -> ChunkHeader:
+        """The header of a value stored under ``key``; one naming another key was moved there (forged)."""
+        header = decode_header(raw)
+        if header.meta.key != key:
+            raise _forged(key, f"its header names chunk {header.meta.key.hex()} (moved from another key)")
+        return header
 
-def check_layer(header: ChunkHeader, payload: torch.Tensor, layer: int, key: bytes) -> None:
-    """Verify one layer of a decoded value; ``CorruptChunkError`` names it otherwise."""
-    check_layers(header, byte_view(payload[layer]), key, layer)
+    def _check_plan(self, meta: ChunkMeta, exp: Expected) -> None:
+        key = exp.key
+        if meta.parent_is_root != (exp.parent is None):
+            raise _forged(key, "starts a chain where the reader's plan does not, or the reverse")
+        if meta.parent_is_root and meta.parent != _ZERO_PARENT:
+            raise _forged(key, "names a namespace root (values never store one)")
+        if exp.parent is not None and meta.parent != exp.parent:
+            raise _forged(key, f"names parent {meta.parent.hex()}, the reader's chain has {exp.parent.hex()}")
+        if exp.num_tokens is not None and meta.num_tokens != exp.num_tokens:
+            raise _forged(key, f"claims {meta.num_tokens} tokens, the reader's plan has {exp.num_tokens}")
+        if exp.partial is not None and meta.partial != exp.partial:
+            raise _forged(key, "partial flag differs from the reader's plan")
+        if not meta.partial and meta.digest != NO_DIGEST:
+            raise _forged(key, "a full chunk carries a tokens digest")
+        if exp.digest is not None and meta.digest not in (NO_DIGEST, exp.digest):
+            raise _forged(key, "tokens digest differs from the reader's plan")
+
+    def _check_layout(self, header: ChunkHeader) -> None:
+        layout = self.layout
+        if layout is None:
+            return
+        want = layout.shape(header.meta.num_tokens)
+        if header.dtype != layout.dtype or header.shape != want:
+            raise _forged(header.meta.key, f"holds {header.dtype} {header.shape}, the engine's KV layout is "
+                                           f"{layout.dtype} {want}")
+
+    def _virtual(self, raw: bytes, key: bytes, root: bytes) -> tuple[ChunkMeta, int, int]:
+        if len(raw) < _VIRTUAL.size:
+            raise CorruptChunkError(f"metadata-only value truncated ({len(raw)} bytes)")
+        _, k, parent, digest, flags, tokens, nbytes, layers = _VIRTUAL.unpack_from(raw, 0)
+        if k != key:
+            raise _forged(key, f"its record names chunk {k.hex()} (moved from another key)")
+        if self.sealer is not None:
+            if not flags & _FLAG_SEALED or len(raw) < _VIRTUAL.size + MAC_BYTES:
+                raise _forged(key, "carries no MAC (written without the secret)")
+            mac = raw[_VIRTUAL.size : _VIRTUAL.size + MAC_BYTES]
+            if not hmac.compare_digest(self.sealer.sign_header(root, raw[: _VIRTUAL.size]), mac):
+                raise _forged(key, "MAC mismatch (forged, or written under another secret or namespace root)")
+        meta = ChunkMeta(key, parent, bool(flags & _FLAG_ROOT), tokens, bool(flags & _FLAG_PARTIAL), digest)
+        return meta, nbytes, layers
+
+    # ------------------------------------------------------------------ whole values
+    def decode(self, raw: bytes, chunk: ChunkRef, root: bytes) -> tuple[ChunkHeader | None, memoryview | None]:
+        """A whole value as (header, its stored payload bytes: a view over ``raw``), header and length verified
+        and checked against ``chunk`` (the engine's own node: parent, tokens, partial flag, digest, sizes, and
+        the KV layout); layers are verified by ``layer``. (None, None) for a metadata-only value."""
+        key = chunk.key
+        exp = Expected(key, root, None if chunk.parent_is_root else chunk.parent_key, chunk.num_tokens,
+                       chunk.partial, chunk.tokens_digest)
+        if raw[:8] == VIRTUAL_MAGIC:
+            meta, nbytes, layers = self._virtual(raw, key, root)
+            self._check_plan(meta, exp)
+            if nbytes != chunk.nbytes or layers != chunk.num_layers:
+                raise _forged(key, "metadata-only value does not match the chunk's sizes")
+            return None, None
+        header = self._header(raw, key)
+        if len(raw) != header.data_offset + header.payload_nbytes:
+            raise CorruptChunkError(
+                f"value is {len(raw)} bytes, its header says {header.data_offset + header.payload_nbytes} (truncated?)"
+            )
+        verify_seal(header, self.sealer, root)
+        self._check_plan(header.meta, exp)
+        self._check_layout(header)
+        if header.payload_nbytes != chunk.nbytes or header.shape[0] != chunk.num_layers:
+            raise _forged(key, f"holds {header.payload_nbytes} bytes in {header.shape[0]} layers, the chunk has "
+                               f"{chunk.nbytes} in {chunk.num_layers}")
+        return header, memoryview(raw)[header.data_offset :]
+
+    def layer(self, header: ChunkHeader, stored: memoryview, layer: int, root: bytes) -> torch.Tensor:
+        """Layer ``layer`` of a decoded value, verified (and decrypted): a view over the fetched bytes, or a new
+        tensor when encrypted. Raises ``ForgedChunkError`` / ``CorruptChunkError`` naming the layer."""
+        lb = header.layer_nbytes
+        plain = open_layer(header, layer, stored[layer * lb : (layer + 1) * lb], self.sealer, root)
+        return torch.frombuffer(plain, dtype=torch.uint8).view(header.dtype).view(header.shape[1:])
+
+    def payload(self, header: ChunkHeader, stored: memoryview, root: bytes) -> torch.Tensor:
+        """The whole payload of a decoded value, every layer verified (and decrypted)."""
+        if self.sealer is None or not header.sealed:
+            check_layers(header, stored, header.meta.key)
+            flat = torch.frombuffer(stored, dtype=torch.uint8, count=header.payload_nbytes)
+            return flat.view(header.dtype).view(header.shape)
+        if not header.encrypted:
+            for i in range(header.shape[0]):
+                self.layer(header, stored, i, root)
+            flat = torch.frombuffer(stored, dtype=torch.uint8, count=header.payload_nbytes)
+            return flat.view(header.dtype).view(header.shape)
+        out = torch.empty(header.shape, dtype=header.dtype)
+        for i in range(header.shape[0]):
+            out[i].copy_(self.layer(header, stored, i, root))  # same dtype and shape: a byte copy
+        return out

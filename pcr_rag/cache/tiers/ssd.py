@@ -3,7 +3,8 @@
 
 A copy costs ``chunk_file_bytes`` (header padded to 4096 + payload padded to 4096). Writes are atomic and leave
 nothing behind on failure; every read is verified (``CorruptChunkError`` otherwise). The directory survives
-restarts: ``recover`` lists the valid chunks, oldest write first, after deleting bad files. The backend's lock
+restarts: ``recover`` lists the valid chunks, oldest write first, after deleting bad files. With
+``CacheConfig.ssd_secret`` the files are sealed and encrypted (``SSDStore``). The backend's lock
 (a lock file for a directory) is held from ``open_ssd_tier`` until ``close``.
 """
 
@@ -16,6 +17,7 @@ import torch
 from pcr_rag.cache.config import CacheConfig
 from pcr_rag.cache.errors import CacheDirLockedError
 from pcr_rag.cache.payload import Payload, VirtualPayload
+from pcr_rag.cache.seal import Sealer
 from pcr_rag.cache.storage import LocalDirBackend, StorageBackend
 from pcr_rag.cache.tiers.base import (
     ChunkRecord,
@@ -50,7 +52,7 @@ class SsdTier:
         self.capacity_bytes = int(capacity_bytes)
 
     def charge(self, chunk: ChunkRef) -> int:
-        return chunk_file_bytes(chunk.nbytes, 5, chunk.num_layers)
+        return chunk_file_bytes(chunk.nbytes, 5, chunk.num_layers, self.files.sealer is not None)
 
     def place(self, payload: Payload) -> Payload:
         return payload  # the write makes its own contiguous CPU view
@@ -128,4 +130,5 @@ def open_ssd_tier(config: CacheConfig, storage: StorageBackend | None) -> SsdTie
     except OSError as exc:
         log.error("SSD tier disabled: cannot use %s (%s); serving from DRAM only", config.cache_dir, exc)
         return None
-    return SsdTier(SSDStore(backend, pin_memory=config.pin_dram), int(config.ssd_bytes))
+    sealer = Sealer(config.ssd_secret, "ssd", encrypt=True) if config.ssd_secret is not None else None
+    return SsdTier(SSDStore(backend, pin_memory=config.pin_dram, sealer=sealer), int(config.ssd_bytes))

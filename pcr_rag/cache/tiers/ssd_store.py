@@ -2,6 +2,11 @@
 
 Every read verifies what it returns (header, key, file size, the checksum of each layer returned) and raises
 ``CorruptChunkError`` otherwise; the caller drops the chunk and recomputes it.
+
+With a ``sealer`` (``CacheConfig.ssd_secret``) every file is sealed and encrypted (``chunk_file.seal_chunk``:
+one AES-GCM message per layer, so a layer is still read, verified and decrypted on its own); a file without a
+valid seal fails as forged (``ForgedChunkError``). SSD files are local, so they are sealed under one key for the
+directory (no namespace root).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch
 import xxhash
 
 from pcr_rag.cache.errors import CorruptChunkError
+from pcr_rag.cache.seal import Sealer
 from pcr_rag.cache.storage import BlobReader, DeferredHead, StorageBackend, aligned_scratch
 from pcr_rag.cache.tiers.chunk_file import (
     ALIGN,
@@ -27,12 +33,31 @@ from pcr_rag.cache.tiers.chunk_file import (
     encode_header,
     header_bytes,
     key_of_name,
+    open_layer,
+    seal_chunk,
     stored_header_len,
+    verify_seal,
 )
 
 __all__ = ["RecoveryReport", "SSDLayerReader", "SSDStore"]
 
 log = logging.getLogger(__name__)
+
+_ROOT = b""  # SSD files are sealed without a namespace root (see the module docstring)
+
+
+def _open_layers(header: ChunkHeader, stored: memoryview, sealer: Sealer | None, first_layer: int = 0) -> None:
+    """Verify the layers held back to back in ``stored`` (from ``first_layer``), decrypting them in place."""
+    if sealer is None or not header.sealed:
+        verify_seal(header, sealer, _ROOT)  # an encrypted file and no secret: CorruptChunkError
+        check_layers(header, stored, header.meta.key, first_layer)
+        return
+    lb = header.layer_nbytes
+    for i in range(stored.nbytes // lb):
+        part = stored[i * lb : (i + 1) * lb]
+        plain = open_layer(header, first_layer + i, part, sealer, _ROOT)
+        if plain is not part:
+            part[:] = plain
 
 
 @dataclass(frozen=True)
@@ -62,9 +87,10 @@ class SSDStore:
     Thread-safe: distinct keys may be written and read concurrently; the engine guarantees that one key is never
     written while it is read or deleted."""
 
-    def __init__(self, backend: StorageBackend, *, pin_memory: bool = False) -> None:
+    def __init__(self, backend: StorageBackend, *, pin_memory: bool = False, sealer: Sealer | None = None) -> None:
         self.backend = backend
         self.pin_memory = pin_memory
+        self.sealer = sealer
         self.index: dict[bytes, tuple[int, int]] = {}  # key -> (file bytes, data offset)
         self._mutex = threading.Lock()
 
@@ -77,15 +103,22 @@ class SSDStore:
         payload = payload.contiguous()
         data = byte_view(payload)
         layer_bytes = data.nbytes // payload.shape[0]
+        sealed = self.sealer is not None
+        if self.sealer is not None:
+            head, data = seal_chunk(meta, payload, self.sealer, _ROOT)
 
-        def header() -> bytes:  # checksums are computed while the payload is being written
-            checksums = [
-                xxhash.xxh3_64_intdigest(data[i * layer_bytes : (i + 1) * layer_bytes])
-                for i in range(payload.shape[0])
-            ]
-            return encode_header(meta, payload, checksums)
+            def header() -> bytes:
+                return head
+        else:
 
-        head_bytes = header_bytes(payload.dim(), payload.shape[0])
+            def header() -> bytes:  # checksums are computed while the payload is being written
+                checksums = [
+                    xxhash.xxh3_64_intdigest(data[i * layer_bytes : (i + 1) * layer_bytes])
+                    for i in range(payload.shape[0])
+                ]
+                return encode_header(meta, payload, checksums)
+
+        head_bytes = header_bytes(payload.dim(), payload.shape[0], sealed)
         pad = b"\x00" * (align(data.nbytes) - data.nbytes)
         self.backend.write_atomic(chunk_name(meta.key), [data, pad], DeferredHead(head_bytes, header))
         size = head_bytes + data.nbytes + len(pad)
@@ -113,6 +146,7 @@ class SSDStore:
             if hlen is not None:
                 raw = reader.read_at(0, hlen)
             header = decode_header(raw, expected_key=key)
+            verify_seal(header, self.sealer, _ROOT)
             if reader.size != header.file_bytes:
                 raise CorruptChunkError(
                     f"chunk file is {reader.size} bytes, header says {header.file_bytes} (truncated or padded)"
@@ -155,7 +189,7 @@ class SSDStore:
             reader.close()
         if got < header.payload_nbytes:
             raise CorruptChunkError(f"chunk payload short read ({got} of {header.payload_nbytes} bytes)")
-        check_layers(header, byte_view(out), key)
+        _open_layers(header, byte_view(out), self.sealer)
         return out
 
     def _read_whole(
@@ -192,11 +226,12 @@ class SSDStore:
         finally:
             reader.close()
         header = decode_header(bytes(head), expected_key=key)
+        verify_seal(header, self.sealer, _ROOT)
         if header.file_bytes != file_bytes or header.data_offset != data_offset or got != file_bytes:
             raise CorruptChunkError(f"chunk file read {got} bytes, header says {header.file_bytes}")
         if out is not None and (tuple(out.shape) != header.shape or out.dtype != header.dtype):
             raise ValueError(f"out must be a {header.dtype} tensor of shape {header.shape}")
-        check_layers(header, payload_bytes[: header.payload_nbytes], key)
+        _open_layers(header, payload_bytes[: header.payload_nbytes], self.sealer)
         if out is not None:
             return out
         if own is not None:
@@ -206,7 +241,7 @@ class SSDStore:
     def open_layers(self, key: bytes) -> SSDLayerReader:
         """Open a chunk once (header read and verified once) to read its layers one by one (layer-wise loads)."""
         reader, header = self._open_verified(key)
-        return SSDLayerReader(key, reader, header, self.pin_memory)
+        return SSDLayerReader(key, reader, header, self.pin_memory, self.sealer)
 
     def read_layer(self, key: bytes, layer: int) -> torch.Tensor:
         """One layer ``[2, kv_heads, tokens, head_dim]``, verified; reads only that layer's bytes."""
@@ -253,11 +288,13 @@ class SSDLayerReader:
     ``out`` (a contiguous tensor of the layer's shape and dtype, e.g. a reused staging buffer) avoids a fresh
     allocation per layer. Not thread-safe; close it (or use it as a context manager) when done."""
 
-    def __init__(self, key: bytes, reader: BlobReader, header: ChunkHeader, pin_memory: bool) -> None:
+    def __init__(self, key: bytes, reader: BlobReader, header: ChunkHeader, pin_memory: bool,
+                 sealer: Sealer | None = None) -> None:
         self.key = key
         self._reader = reader
         self.header = header
         self._pin = pin_memory
+        self._sealer = sealer
 
     @property
     def layer_shape(self) -> tuple[int, ...]:
@@ -276,7 +313,7 @@ class SSDLayerReader:
         got = self._reader.readinto_at(h.data_offset + layer * lb, view)
         if got != lb:
             raise CorruptChunkError(f"chunk {self.key.hex()} layer {layer} failed verification (short read)")
-        check_layers(h, view, self.key, layer)
+        _open_layers(h, view, self._sealer, layer)
         return out
 
     def close(self) -> None:

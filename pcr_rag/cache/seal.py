@@ -1,0 +1,147 @@
+"""Keys, MACs and authenticated encryption for chunks kept where others can write: the shared remote store and,
+optionally, the SSD directory.
+
+Why: an unkeyed checksum (xxh3) only catches accidents. Anyone who can write to the store can recompute it, so a
+value's bytes, sizes and chain links must be authenticated under a secret the store never sees.
+
+- A ``Sealer`` holds the keys of one *purpose* (``"remote"`` or ``"ssd"``), all derived from the replicas' shared
+  secret (HMAC-SHA256 as the derivation function, one label per key), so a tag made for one purpose never
+  verifies for another and the secret itself is used for nothing else.
+- ``sign_header``: HMAC-SHA256 over the namespace root and the header bytes (key, parent, flags, token count,
+  tokens digest, dtype, shape, per-layer tags...). The root is not stored in the value: the verifier supplies
+  the root it expects, so a value made under another root fails.
+- ``layer_tag``: 16 bytes of HMAC-SHA256 over the chunk key, the layer index and the layer's bytes, so each layer
+  can be verified when it is used (layer-wise loads) and the header MAC covers every payload byte through the
+  tags it holds.
+- With ``encrypt``: each layer is one AES-GCM message under a key derived per namespace root, nonce = the value's
+  random 96-bit base nonce with the layer index folded into its last 32 bits, AAD = the header's core (everything
+  the header says about the chunk) and the layer index; the GCM tag replaces the HMAC layer tag. AES-GCM comes
+  from the optional ``cryptography`` package (extra ``crypto``), imported only when encryption is on.
+
+Failures raise ``ForgedChunkError`` (a ``CorruptChunkError``: the caller drops the copy and recomputes).
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections import OrderedDict
+from typing import Any
+
+from pcr_rag.cache.errors import CorruptChunkError
+
+__all__ = [
+    "LAYER_TAG_BYTES",
+    "MAC_BYTES",
+    "NONCE_BYTES",
+    "SECRET_MIN_CHARS",
+    "ForgedChunkError",
+    "Sealer",
+    "check_secret",
+    "layer_nonce",
+]
+
+SECRET_MIN_CHARS = 16
+MAC_BYTES = 32
+LAYER_TAG_BYTES = 16
+NONCE_BYTES = 12
+_LABEL = b"pcr-rag/seal/v1/"
+_ROOT_KEYS = 256  # per-root AES keys kept (derivation is cheap; the cache only saves it per chunk)
+
+
+class ForgedChunkError(CorruptChunkError):
+    """A chunk's MAC (or AES-GCM tag) failed, or its authenticated header contradicts what the reader knows
+    (root, chunk plan, KV layout): someone without the secret wrote it, or it belongs elsewhere. Recompute it."""
+
+
+def check_secret(secret: object, what: str = "secret") -> str:
+    """``secret`` when it is a str of at least ``SECRET_MIN_CHARS`` characters; ``ValueError`` saying so otherwise."""
+    if not isinstance(secret, str):
+        raise ValueError(f"{what} must be a str, got {type(secret).__name__}")
+    if len(secret) < SECRET_MIN_CHARS:
+        raise ValueError(f"{what} must be at least {SECRET_MIN_CHARS} characters (got {len(secret)}); use a random "
+                         f"string, e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'")
+    return secret
+
+
+def _derive(key: bytes, label: bytes) -> bytes:
+    return hmac.digest(key, _LABEL + label, "sha256")
+
+
+def layer_nonce(base: bytes, layer: int) -> bytes:
+    """The AES-GCM nonce of layer ``layer``: ``base`` with the layer index XORed into its last 32 bits."""
+    tail = int.from_bytes(base[8:], "little") ^ layer
+    return base[:8] + tail.to_bytes(4, "little")
+
+
+class Sealer:
+    """The keys of one purpose derived from a secret (see the module docstring). Thread-safe."""
+
+    def __init__(self, secret: str, purpose: str, *, encrypt: bool = False) -> None:
+        check_secret(secret)
+        self.purpose = purpose
+        self.encrypt = encrypt
+        base = _derive(secret.encode("utf-8"), purpose.encode("ascii"))
+        self._header_key = _derive(base, b"header-mac")
+        self._layer_key = _derive(base, b"layer-mac")
+        self._aead_base = _derive(base, b"aead")
+        self._aeads: OrderedDict[bytes, Any] = OrderedDict()
+        if encrypt:
+            self._aead(b"")  # fail now, not at the first write, when ``cryptography`` is missing
+
+    def __repr__(self) -> str:
+        return f"Sealer(purpose={self.purpose!r}, encrypt={self.encrypt})"
+
+    # ------------------------------------------------------------------ MACs
+    def sign_header(self, root: bytes, signed: bytes) -> bytes:
+        """The MAC of a header's ``signed`` bytes under namespace root ``root``."""
+        return hmac.digest(self._header_key, len(root).to_bytes(1, "little") + root + signed, "sha256")
+
+    def check_header(self, root: bytes, signed: bytes, mac: bytes, key: bytes) -> None:
+        if not hmac.compare_digest(self.sign_header(root, signed), mac):
+            raise ForgedChunkError(f"chunk {key.hex()}: header MAC mismatch (forged, or written under another "
+                                   f"secret or namespace root)")
+
+    def layer_tag(self, key: bytes, layer: int, data: memoryview) -> bytes:
+        h = hmac.new(self._layer_key, key + layer.to_bytes(4, "little"), "sha256")
+        h.update(data)
+        return h.digest()[:LAYER_TAG_BYTES]
+
+    # ------------------------------------------------------------------ AES-GCM
+    def _aead(self, root: bytes) -> Any:
+        aead = self._aeads.get(root)
+        if aead is None:
+            try:
+                from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # optional extra "crypto"
+            except ImportError as exc:
+                raise RuntimeError("encryption needs the 'cryptography' package: pip install 'pcr-rag[crypto]'") \
+                    from exc
+            aead = AESGCM(_derive(self._aead_base, b"root:" + root))
+            self._aeads[root] = aead
+            while len(self._aeads) > _ROOT_KEYS:
+                self._aeads.popitem(last=False)
+        else:
+            self._aeads.move_to_end(root)
+        return aead
+
+    @staticmethod
+    def new_nonce() -> bytes:
+        return os.urandom(NONCE_BYTES)
+
+    def seal_layer(self, root: bytes, nonce: bytes, layer: int, aad: bytes, data: memoryview) -> tuple[bytes, bytes]:
+        """(ciphertext, GCM tag) of one layer."""
+        out = self._aead(root).encrypt(layer_nonce(nonce, layer), data, aad + layer.to_bytes(4, "little"))
+        return out[:-LAYER_TAG_BYTES], out[-LAYER_TAG_BYTES:]
+
+    def open_layer(self, root: bytes, nonce: bytes, layer: int, aad: bytes, stored: memoryview, tag: bytes,
+                   key: bytes) -> bytes:
+        """The plaintext of an encrypted layer; ``ForgedChunkError`` when its tag fails."""
+        from cryptography.exceptions import InvalidTag
+
+        try:
+            return self._aead(root).decrypt(layer_nonce(nonce, layer), bytes(stored) + tag,
+                                            aad + layer.to_bytes(4, "little"))
+        except InvalidTag:
+            raise ForgedChunkError(f"chunk {key.hex()} layer {layer}: AES-GCM tag mismatch (forged or "
+                                   f"tampered ciphertext)") from None
+
