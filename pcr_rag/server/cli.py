@@ -1,6 +1,41 @@
 """`pcr-rag serve`: the OpenAI-compatible server (see `pcr_rag.server`).
 
     pcr-rag serve --model smollm2-135m-instruct --cache-dir /var/cache/pcr --api-key "$KEY"
+    pcr-rag serve --config pcr.toml --port 8001      # the file's settings, its port overridden
+
+Every `EngineConfig` and `ServerSettings` field is a flag generated from the dataclass (`pcr_rag.server.flags`),
+named after the field (``max_active`` -> ``--max-active``, ``layerwise`` -> ``--layerwise/--no-layerwise``) and
+helped by its docstring, so a new field is a flag without anyone writing one. `ALIASES` keeps the older flags
+(``--dram``, ``--ssd``, ``--api-key``, ``--shutdown-timeout``, ``--no-cache``) and adds vLLM's names where vLLM has
+the same setting (``--max-num-seqs``, ``--quantization``, ``--enable-prefix-caching``, ``--download-dir``,
+``--uvicorn-log-level``; ``--max-model-len``, ``--served-model-name``, ``--host``, ``--port`` are the fields' own).
+The remote secret (``remote_secret``, declared ``repr=False``) has no value flag, since a value on the command line
+shows in ``ps``: ``--remote-secret-file PATH`` reads it from a file only its owner can read, else the engine reads
+``$PCR_RAG_REMOTE_SECRET``. API keys: ``--api-key`` (repeatable), else the config file, else ``$PCR_RAG_API_KEY``.
+
+Precedence, lowest first: the dataclass defaults, serve's own (`SERVE_ENGINE_DEFAULTS`: the server owns its
+process, so ``freeze_gc`` is on), the ``--config`` file, the command line.
+
+The config file is TOML: top-level keys are `ServeOptions` fields, the ``[engine]`` table holds `EngineConfig`
+fields and ``[server]`` holds `ServerSettings` fields, named as the fields (``-`` may stand for ``_``), values typed
+as TOML or written as on the command line (``"2GiB"``, ``"none"``). A secret is a path (``remote_secret_file``);
+keys (``api_keys``, ``metrics_key``: fields named ``*_key(s)``) are accepted only from a file only its owner can
+read. Unknown keys are an error naming the valid ones::
+
+    model = "smollm2-135m-instruct"
+
+    [engine]
+    cache_dir = "/var/cache/pcr"
+    dram_capacity = "8GiB"
+    remote_url = "redis://cache.internal:6379/0"
+    remote_secret_file = "/etc/pcr-rag/remote-secret"
+
+    [server]
+    host = "0.0.0.0"
+    shutdown_timeout_s = 60
+
+A bad value (a flag argparse cannot convert, a field its dataclass refuses, an unreadable or shared secret file)
+stops the command with status 2 and a message before the model loads.
 """
 
 from __future__ import annotations
@@ -8,74 +43,170 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Literal
 
 from pcr_rag.config import EngineConfig
-from pcr_rag.engine import PCREngine
-from pcr_rag.server.lifecycle import serve
-from pcr_rag.server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
-from pcr_rag.units import parse_bytes
+from pcr_rag.errors import ConfigError
+from pcr_rag.runtime.admission import SCHEDULES
+from pcr_rag.runtime.weights import WEIGHT_FORMATS
+from pcr_rag.server.flags import FlagSpec, add_flag, dataclass_flags, from_table, given, load_toml
+from pcr_rag.server.settings import ServerSettings
+
+__all__ = ["ALIASES", "API_KEY_ENV", "SERVE_ENGINE_DEFAULTS", "ServeConfig", "ServeOptions", "add_arguments",
+           "build_configs", "flag_specs", "run", "serve_config"]
 
 log = logging.getLogger(__name__)
 
 API_KEY_ENV = "PCR_RAG_API_KEY"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What `pcr-rag serve` needs besides the engine's and the server's settings.
+
+    model: model alias or local HF directory (None: the default model, smollm2-135m-instruct).
+    log_level: the server's (uvicorn's) log level.
+    """
+
+    model: str | None = None
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    def __post_init__(self) -> None:
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"log_level must be one of {list(LOG_LEVELS)}, got {self.log_level!r}")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything one ``pcr-rag serve`` command line (and its config file) asks for, validated."""
+
+    engine: EngineConfig
+    server: ServerSettings
+    options: ServeOptions
+
+
+SERVE_ENGINE_DEFAULTS: dict[str, Any] = {"freeze_gc": True}  # the server owns its process (see gc_pauses)
+
+# section -> field -> extra option strings: older flags of `pcr-rag serve`, and vLLM's names for the same setting
+ALIASES: dict[str, dict[str, tuple[str, ...]]] = {
+    "serve": {"log_level": ("--uvicorn-log-level",)},
+    "engine": {"dram_capacity": ("--dram",), "ssd_capacity": ("--ssd",), "max_active": ("--max-num-seqs",),
+               "weights": ("--quantization",), "enable_cache": ("--enable-prefix-caching",),
+               "model_cache_dir": ("--download-dir",)},
+    "server": {"api_keys": ("--api-key",), "shutdown_timeout_s": ("--shutdown-timeout",)},
+}
+_CHOICES: dict[str, dict[str, tuple[str, ...]]] = {"engine": {"schedule": SCHEDULES, "weights": WEIGHT_FORMATS}}
+_NOTES: dict[str, dict[str, str]] = {
+    "engine": {"extra": "Free-form KEY=VALUE settings kept with the config (repeatable; string values)."},
+    "server": {"api_keys": f"Repeatable; default: ${API_KEY_ENV} (comma-separated)."},
+}
+SECTIONS: dict[str, type] = {"serve": ServeOptions, "engine": EngineConfig, "server": ServerSettings}
+_GROUPS = {
+    "server": "how the server listens, authenticates, limits requests and shuts down (ServerSettings)",
+    "engine": "the engine: model, cache tiers, batching, scheduling (EngineConfig)",
+    "remote tier": "a Valkey/Redis tier below SSD shared by replicas, and the secret that authenticates its values "
+                   "(EngineConfig.remote_*)",
+}
+
+
+@lru_cache(maxsize=1)
+def flag_specs() -> dict[str, tuple[FlagSpec, ...]]:
+    """Section -> one `FlagSpec` per field of its dataclass (generated, never listed by hand)."""
+    return {section: dataclass_flags(cls, section=section, aliases=ALIASES.get(section),
+                                     choices=_CHOICES.get(section),
+                                     defaults=SERVE_ENGINE_DEFAULTS if section == "engine" else None,
+                                     notes=_NOTES.get(section))
+            for section, cls in SECTIONS.items()}
+
+
+def _group_of(spec: FlagSpec) -> str:
+    if spec.section == "engine" and spec.field.startswith("remote_"):
+        return "remote tier"
+    return {"serve": "server" if spec.field == "log_level" else "engine"}.get(spec.section, spec.section)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    net = parser.add_argument_group("server")
-    net.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    net.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
-    net.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                     help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (repeatable; default: "
-                          f"${API_KEY_ENV}, comma-separated)")
-    net.add_argument("--tenant-per-key", action="store_true",
-                     help="give each API key its own cache namespace (tenants never share KV)")
-    net.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's name)")
-    net.add_argument("--shutdown-timeout", type=float, default=30.0,
-                     help="seconds in-flight requests get to finish on SIGTERM before they are cancelled (default 30)")
-    net.add_argument("--max-body-bytes", default=str(DEFAULT_MAX_BODY_BYTES),
-                     help="larger request bodies get 413 (bytes or e.g. 16MiB; default 16MiB)")
-    net.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    eng = parser.add_argument_group("engine")
-    eng.add_argument("--model", default=None, help="alias or local HF dir (default: smollm2-135m-instruct)")
-    eng.add_argument("--cache-dir", default=None, help="SSD tier directory (default: ~/.cache/pcr-rag/kv)")
-    eng.add_argument("--chunk-size", type=int, default=256)
-    eng.add_argument("--dram", default="2GiB", help="DRAM tier capacity (e.g. 2GiB)")
-    eng.add_argument("--ssd", default="16GiB", help="SSD tier capacity (e.g. 16GiB; 0 disables)")
-    eng.add_argument("--max-new-tokens", type=int, default=128, help="default max_tokens of a request")
-    eng.add_argument("--max-active", type=int, default=8, help="requests running at once (KV rows)")
-    eng.add_argument("--max-model-len", type=int, default=4096, help="tokens per request (prompt + output)")
-    eng.add_argument("--max-queue", type=int, default=4096, help="waiting requests beyond which 429 is returned")
-    eng.add_argument("--device", default="auto")
-    eng.add_argument("--dtype", default="auto")
-    eng.add_argument("--weights", default="bf16", help="bf16, int8 or int4")
-    eng.add_argument("--no-cache", action="store_true", help="plain prefill, no reuse")
+    # exact flag names only: with flags generated from fields, an abbreviation that works today becomes ambiguous
+    # (or means another flag) when a field with the same prefix is added
+    parser.allow_abbrev = False
+    parser.add_argument("--config", metavar="FILE.toml", default=None,
+                        help="read settings from a TOML file ([engine] and [server] tables, model and log_level at "
+                             "the top); flags on the command line override it")
+    groups = {name: parser.add_argument_group(name, description) for name, description in _GROUPS.items()}
+    for specs in flag_specs().values():
+        for spec in specs:
+            action = add_flag(groups[_group_of(spec)], spec)
+            if spec.section == "engine" and spec.field == "enable_cache":
+                groups["engine"].add_argument("--no-cache", dest=action.dest, action="store_false",
+                                              default=argparse.SUPPRESS, help="same as --no-enable-cache")
 
 
-def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
-    """Keys from ``--api-key`` (repeatable), else from ``$PCR_RAG_API_KEY`` (comma-separated)."""
-    if args.api_key:
-        return tuple(k.strip() for k in args.api_key if k.strip())
-    return tuple(k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip())
+def _config_file(path: str) -> dict[str, dict[str, Any]]:
+    """Section -> field -> value from a TOML config file (ConfigError for an unknown or bad key)."""
+    table, exposure = load_toml(path)
+    specs = flag_specs()
+    tables = {section: table.pop(section) for section in ("engine", "server") if section in table}
+    for section, value in tables.items():
+        if not isinstance(value, dict):
+            raise ConfigError(f"config file {path}: {section} must be a table ([{section}]), got {value!r}")
+    for key in table:
+        home = [s for s in ("engine", "server") if key.replace("-", "_") in {spec.key for spec in specs[s]}]
+        if home:
+            raise ConfigError(f"config file {path}: {key} belongs in the [{home[0]}] table")
+    out = {"serve": from_table(table, specs["serve"], where=f"config file {path}"),
+           **{section: from_table(tables.get(section, {}), specs[section], where=f"config file {path} [{section}]")
+              for section in ("engine", "server")}}
+    keys = sorted(field for found in out.values() for field in found if field.endswith(("_key", "_keys")))
+    if keys and exposure:
+        raise ConfigError(f"config file {path} holds {', '.join(keys)}, so it must be private: {exposure}")
+    return out
+
+
+def _env_api_keys(environ: Mapping[str, str]) -> tuple[str, ...]:
+    return tuple(environ.get(API_KEY_ENV, "").split(","))
+
+
+def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServeConfig:
+    """The validated configuration of a parsed command line; loads no model. ConfigError / ValueError say what is
+    wrong (`EngineConfig` raises ConfigError, `ServerSettings` ValueError)."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, dict[str, Any]] = {"serve": {}, "engine": dict(SERVE_ENGINE_DEFAULTS), "server": {}}
+    if getattr(args, "config", None):
+        for section, found in _config_file(args.config).items():
+            values[section].update(found)
+    for section, specs in flag_specs().items():
+        values[section].update(given(args, specs))
+    server = values["server"]
+    keys = server.get("api_keys", _env_api_keys(environ))
+    server["api_keys"] = tuple(k.strip() for k in keys if k.strip())
+    return ServeConfig(engine=EngineConfig(**values["engine"]), server=ServerSettings(**server),
+                       options=ServeOptions(**values["serve"]))
+
+
+def build_configs(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
+                  ) -> tuple[EngineConfig, ServerSettings]:
+    """The engine's and the server's configuration of a parsed command line (see `serve_config`)."""
+    config = serve_config(args, environ)
+    return config.engine, config.server
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        settings = ServerSettings(
-            host=args.host, port=args.port, api_keys=api_keys(args), tenant_per_key=args.tenant_per_key,
-            served_model_name=args.served_model_name, shutdown_timeout_s=args.shutdown_timeout,
-            max_body_bytes=parse_bytes(args.max_body_bytes),
-        )
+        config = serve_config(args)
     except ValueError as exc:  # before the model loads: say what is wrong and stop
-        log.error("%s", exc)
+        log.error("pcr-rag serve: %s (see pcr-rag serve --help)", exc)
         return 2
-    config = EngineConfig(
-        cache_dir=args.cache_dir, chunk_size=args.chunk_size, dram_capacity=args.dram, ssd_capacity=args.ssd,
-        max_new_tokens=args.max_new_tokens, max_active=args.max_active, max_model_len=args.max_model_len,
-        max_queue=args.max_queue, device=args.device, dtype=args.dtype, weights=args.weights,
-        enable_cache=not args.no_cache, freeze_gc=True,  # the server owns its process (see gc_pauses)
-    )
-    engine = PCREngine(model=args.model, config=config)
-    log.info("serving %s (auth %s%s)", settings.served_model_name or engine.loaded.name,
-             "on" if settings.api_keys else "off", ", tenant per key" if settings.tenant_per_key else "")
-    serve(engine, settings, log_level=args.log_level)
+    from pcr_rag.engine import PCREngine
+    from pcr_rag.server.lifecycle import serve
+
+    engine = PCREngine(model=config.options.model, config=config.engine)
+    settings = config.server
+    log.info("serving %s (auth %s%s%s)", settings.served_model_name or engine.loaded.name,
+             "on" if settings.api_keys else "off", ", tenant per key" if settings.tenant_per_key else "",
+             ", remote tier on" if config.engine.remote_url else "")
+    serve(engine, settings, log_level=config.options.log_level)
     return 0
