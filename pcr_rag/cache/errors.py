@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pcr_rag.errors import ConfigError
+
 __all__ = [
     "CacheError",
     "CacheClosedError",
@@ -12,6 +14,7 @@ __all__ = [
     "RemoteMissError",
     "RemoteTimeoutError",
     "RemoteUnavailableError",
+    "UnsafeCacheDirError",
 ]
 
 
@@ -21,6 +24,13 @@ class CacheError(Exception):
 
 class CacheDirLockedError(CacheError):
     """Another engine (this or another process) holds the SSD cache directory's lock."""
+
+
+class UnsafeCacheDirError(CacheError, ConfigError):
+    """The SSD cache directory (or something in it) belongs to another user or others can write to it: whoever
+    can write there can plant chunks that are served as KV, whoever can read there reads every tenant's KV. Raised
+    when the engine starts, before anything is read; the message names the path and the command that fixes it
+    (``chmod 700`` / ``chown``). Also a ``ConfigError``: ``cache_dir`` is unusable as configured."""
 
 
 class CorruptChunkError(CacheError):

@@ -7,6 +7,13 @@
 - A deferred head (the chunk header, whose checksums are computed while the payload is written) is produced on a
   helper thread while the caller's thread is blocked in the payload write.
 - An ``fcntl.flock`` lock file (``.lock``) lets one engine at a time use the directory.
+- A private directory (``private_dir``): created ``0700`` with ``0600`` files whatever the umask, refused at start
+  when another user owns it or others can write to it (``UnsafeCacheDirError``), tightened when others can only
+  read it. Every file is reached through directory file descriptors with ``O_NOFOLLOW``: a planted symbolic link
+  (chunk file, subdirectory, lock file) fails with ``OSError`` instead of being read or written through.
+- With ``fsync``, the file is fdatasynced before its rename and the directory fsynced after it (and after creating
+  a subdirectory), so a completed write survives power loss. Deletes are not fsynced: a deleted file that comes
+  back after a crash is still a verified chunk, which recovery indexes or drops like any other.
 """
 
 from __future__ import annotations
@@ -16,7 +23,9 @@ import fcntl
 import logging
 import os
 import socket
+import stat
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,6 +33,7 @@ from pathlib import Path
 from pcr_rag.cache.errors import CacheDirLockedError
 from pcr_rag.cache.storage.aligned import BLOCK, aligned_scratch, is_aligned
 from pcr_rag.cache.storage.base import Buffer, DeferredHead, check_name
+from pcr_rag.cache.storage.private_dir import FILE_MODE, open_private_root, secure_tree, walk_to
 
 __all__ = ["LocalDirBackend"]
 
@@ -32,6 +42,9 @@ log = logging.getLogger(__name__)
 LOCK_NAME = ".lock"
 TMP_SUFFIX = ".tmp"
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+# O_NONBLOCK: opening a FIFO planted as a chunk file must not hang (no effect on regular files)
+_OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+_OPEN_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _helper: ThreadPoolExecutor | None = None
 _helper_lock = threading.Lock()
 
@@ -43,6 +56,26 @@ def _helper_pool() -> ThreadPoolExecutor:
         if _helper is None:
             _helper = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pcr-ssd-head")
         return _helper
+
+
+def _split(name: str) -> tuple[list[str], str]:
+    """A checked blob name as (its directory components, its file name)."""
+    check_name(name)
+    *dirs, leaf = name.split("/")
+    return dirs, leaf
+
+
+def _open_regular(leaf: str, flags: int, dir_fd: int, mode: int = FILE_MODE) -> int:
+    """``os.open`` of ``leaf`` in ``dir_fd`` (never through a link); raises OSError unless it is a regular file."""
+    fd = os.open(leaf, flags, mode, dir_fd=dir_fd)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno_mod.ENXIO, "not a regular file", leaf)  # not EINVAL: no O_DIRECT retry
+    return fd
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
 
 
 def _skip(views: list[memoryview], nbytes: int) -> list[memoryview]:
@@ -61,18 +94,18 @@ class _FileReader:
     """pread-based reader. With ``direct`` the file is opened O_DIRECT: aligned requests go straight from the
     disk into the caller's buffer, others through an aligned bounce buffer; the page cache is bypassed."""
 
-    def __init__(self, path: Path, drop_page_cache: bool, direct: bool) -> None:
+    def __init__(self, dir_fd: int, leaf: str, drop_page_cache: bool, direct: bool) -> None:
         self._direct = False
         if direct and _O_DIRECT:
             try:
-                self._fd = os.open(path, os.O_RDONLY | _O_DIRECT)
+                self._fd = _open_regular(leaf, _OPEN_READ | _O_DIRECT, dir_fd)
                 self._direct = True
             except OSError as exc:
                 if exc.errno != errno_mod.EINVAL:
                     raise
-                self._fd = os.open(path, os.O_RDONLY)
+                self._fd = _open_regular(leaf, _OPEN_READ, dir_fd)
         else:
-            self._fd = os.open(path, os.O_RDONLY)
+            self._fd = _open_regular(leaf, _OPEN_READ, dir_fd)
         self._drop = drop_page_cache
         self.size = os.fstat(self._fd).st_size
 
@@ -153,7 +186,10 @@ class _FileReader:
 
 
 class LocalDirBackend:
-    """Blobs as files under ``root`` (created when missing). See the module docstring for the guarantees."""
+    """Blobs as files under ``root`` (created when missing). See the module docstring for the guarantees.
+
+    Construction is the start check: it raises ``UnsafeCacheDirError`` for a directory that is not private, and
+    holds the directory open (every path is resolved from that descriptor) until the backend is collected."""
 
     def __init__(
         self,
@@ -168,36 +204,39 @@ class LocalDirBackend:
         self.drop_page_cache = drop_page_cache
         self.direct_io = direct_io and bool(_O_DIRECT)
         self._lock_fd = -1
-        self._dirs: set[Path] = set()
         self._counter = 0
         self._counter_lock = threading.Lock()
-        self.root.mkdir(parents=True, exist_ok=True)
+        fd = open_private_root(self.root)
+        try:
+            secure_tree(fd, self.root)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._root_fd = fd
+        weakref.finalize(self, os.close, fd)
 
     def describe(self) -> str:
         return f"directory {self.root}"
 
-    def _path(self, name: str) -> Path:
-        check_name(name)
-        return self.root / name
-
     def write_atomic(self, name: str, parts: Sequence[Buffer], head: DeferredHead | None = None) -> int:
-        path = self._path(name)
-        parent = path.parent
-        if parent not in self._dirs:
-            parent.mkdir(parents=True, exist_ok=True)
-            self._dirs.add(parent)
+        dirs, leaf = _split(name)
+        with walk_to(self._root_fd, dirs, create=True, fsync=self.fsync) as dir_fd:
+            return self._write_in(dir_fd, leaf, parts, head)
+
+    def _write_in(self, dir_fd: int, leaf: str, parts: Sequence[Buffer], head: DeferredHead | None) -> int:
+        """``write_atomic`` of ``leaf`` in the open directory ``dir_fd``."""
         with self._counter_lock:
             self._counter += 1
             seq = self._counter
-        tmp = parent / f".{path.name}.{os.getpid()}.{seq}{TMP_SUFFIX}"
+        tmp = f".{leaf}.{os.getpid()}.{seq}{TMP_SUFFIX}"
         views = [memoryview(p).cast("B") for p in parts if memoryview(p).nbytes]
         head_n = 0 if head is None else head.nbytes
         total = head_n + sum(v.nbytes for v in views)
         direct = self.direct_io and head_n % BLOCK == 0
-        fd = self._open_tmp(tmp, direct)
+        fd = self._open_tmp(dir_fd, tmp, direct)
         if fd < 0:
             direct = False
-            fd = self._open_tmp(tmp, False)
+            fd = self._open_tmp(dir_fd, tmp, False)
         # the head is produced on a helper thread while the body is written (the write releases the GIL)
         pending = None if head is None else _helper_pool().submit(head.resolve)
         try:
@@ -209,7 +248,7 @@ class LocalDirBackend:
                 head_view = pending.result()
                 pending = None
                 if direct:  # a few KiB: through the page cache (no extra device round trip), then dropped
-                    hfd = os.open(tmp, os.O_WRONLY)
+                    hfd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
                     try:
                         self._write_buffered(hfd, [head_view], 0)
                         if self.fsync:
@@ -233,33 +272,43 @@ class LocalDirBackend:
                     pass
             os.close(fd)
             try:
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=dir_fd)
             except OSError:
                 pass
             raise
         os.close(fd)
         try:
-            os.replace(tmp, path)
+            os.replace(tmp, leaf, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)  # replaces a planted link, not its target
         except BaseException:
             try:
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=dir_fd)
             except OSError:
                 pass
             raise
+        if self.fsync:
+            os.fsync(dir_fd)  # the rename itself survives power loss
         return total
 
-    def _open_tmp(self, tmp: Path, direct: bool) -> int:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    def _open_tmp(self, dir_fd: int, tmp: str, direct: bool) -> int:
+        """A new temp file ``tmp`` in ``dir_fd``, mode 0600 whatever the umask; -1 when O_DIRECT is refused."""
         if not direct:
-            return os.open(tmp, flags, 0o644)
+            fd = os.open(tmp, _OPEN_NEW, FILE_MODE, dir_fd=dir_fd)
+        else:
+            try:
+                fd = os.open(tmp, _OPEN_NEW | _O_DIRECT, FILE_MODE, dir_fd=dir_fd)
+            except OSError as exc:
+                if exc.errno != errno_mod.EINVAL:
+                    raise
+                log.info("%s does not support O_DIRECT; using buffered I/O with page-cache drops", self.root)
+                self.direct_io = False
+                return -1
         try:
-            return os.open(tmp, flags | _O_DIRECT, 0o644)
-        except OSError as exc:
-            if exc.errno != errno_mod.EINVAL:
-                raise
-            log.info("%s does not support O_DIRECT; using buffered I/O with page-cache drops", self.root)
-            self.direct_io = False
-            return -1
+            os.fchmod(fd, FILE_MODE)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp, dir_fd=dir_fd)
+            raise
+        return fd
 
     @staticmethod
     def _write_buffered(fd: int, views: list[memoryview], offset: int) -> None:
@@ -304,34 +353,46 @@ class LocalDirBackend:
             os.ftruncate(fd, total)
 
     def open(self, name: str) -> _FileReader:
-        return _FileReader(self._path(name), self.drop_page_cache, self.direct_io)
+        dirs, leaf = _split(name)
+        with walk_to(self._root_fd, dirs, create=False, fsync=False) as dir_fd:
+            return _FileReader(dir_fd, leaf, self.drop_page_cache, self.direct_io)
 
     def delete(self, name: str) -> bool:
+        """Unlink blob ``name`` (a link planted there is removed, its target untouched); False when absent, also
+        when a component of its directory is a link (nothing is reached through it)."""
+        dirs, leaf = _split(name)
         try:
-            os.unlink(self._path(name))
+            with walk_to(self._root_fd, dirs, create=False, fsync=False) as dir_fd:
+                os.unlink(leaf, dir_fd=dir_fd)
             return True
         except FileNotFoundError:
             return False
+        except OSError as exc:
+            if exc.errno in (errno_mod.ENOTDIR, errno_mod.ELOOP):
+                return False
+            raise
+
+    def _walk(self) -> Iterator[tuple[str, list[str], int]]:
+        """(directory relative to the root, "" for the root; its file names; its descriptor) for the root and its
+        subdirectories, skipping reserved ("." names) and linked subdirectories."""
+        for dirpath, dirnames, filenames, dir_fd in os.fwalk(".", dir_fd=self._root_fd):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".") and not _is_link(d, dir_fd)]
+            yield os.path.normpath(dirpath).removeprefix("."), filenames, dir_fd
 
     def names(self) -> Iterator[str]:
-        root = self.root
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-            rel = Path(dirpath).relative_to(root)
+        for rel, filenames, _ in self._walk():
             for fname in filenames:
-                if fname.startswith("."):
-                    continue
-                yield fname if rel == Path(".") else (rel / fname).as_posix()
+                if not fname.startswith("."):
+                    yield f"{rel}/{fname}" if rel else fname
 
     def remove_temp_files(self) -> int:
         """Delete leftovers of writes interrupted by a crash; returns how many."""
         removed = 0
-        for dirpath, dirnames, filenames in os.walk(self.root):
-            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for _, filenames, dir_fd in self._walk():
             for fname in filenames:
                 if fname.startswith(".") and fname.endswith(TMP_SUFFIX):
                     try:
-                        os.unlink(os.path.join(dirpath, fname))
+                        os.unlink(fname, dir_fd=dir_fd)
                         removed += 1
                     except OSError:
                         pass
@@ -340,9 +401,10 @@ class LocalDirBackend:
     def lock(self) -> None:
         if self._lock_fd >= 0:
             return
-        path = self.root / LOCK_NAME
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_regular(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                           self._root_fd)
         try:
+            os.fchmod(fd, FILE_MODE)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             try:
@@ -353,6 +415,9 @@ class LocalDirBackend:
                 f"cache directory {self.root} is in use by another cache engine ({holder}); close that engine "
                 f"(CacheEngine.close()) or give this one a different cache_dir"
             ) from None
+        except BaseException:
+            os.close(fd)
+            raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         self._lock_fd = fd
