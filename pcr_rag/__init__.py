@@ -4,6 +4,7 @@ Public API::
 
     from pcr_rag import PCREngine, EngineConfig
     from pcr_rag import RagPrompt, FlatPrompt, ChatPrompt, SamplingParams   # engine.submit(prompt, params)
+    from pcr_rag import Doc            # a document with its sharing scope: Doc(text, scope="shared" | "private")
 
 Names are imported lazily, so light modules (``pcr_rag.corpus``, ``pcr_rag.bench.report``, the simulator) do not
 pull in torch and transformers.
@@ -28,6 +29,7 @@ _EXPORTS = {
     "RequestCancelledError": "pcr_rag.errors",
     "QueueFullError": "pcr_rag.errors",
     "RequestMetrics": "pcr_rag.metrics",
+    "Doc": "pcr_rag.prompt",
     "ChatPrompt": "pcr_rag.requests",
     "FlatPrompt": "pcr_rag.requests",
     "GenerationResult": "pcr_rag.requests",
@@ -44,6 +46,7 @@ __all__ = [
     "CacheDirLockedError",
     "ChatPrompt",
     "ConfigError",
+    "Doc",
     "EngineClosedError",
     "EngineConfig",
     "EngineStats",
@@ -78,6 +81,7 @@ if TYPE_CHECKING:
         RequestCancelledError,
     )
     from pcr_rag.metrics import RequestMetrics
+    from pcr_rag.prompt import Doc
     from pcr_rag.requests import (
         ChatPrompt,
         FlatPrompt,

@@ -20,16 +20,17 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pcr_rag.cache import CacheConfig, CacheEngine, CacheStats, ChunkSpec, Tier, namespace_key, plan_chunks
 from pcr_rag.cache.config import remote_with_layout
+from pcr_rag.cache.keys import scope_key
 from pcr_rag.config import EngineConfig
 from pcr_rag.errors import EngineClosedError, InvalidRequestError, PromptTooLongError, RequestCancelledError
 from pcr_rag.metrics import MetricsRecorder, prometheus_text
-from pcr_rag.prompt import Doc, PromptBuilder, PromptContext, SegmentedPrompt, split_documents
+from pcr_rag.prompt import Doc, DocumentPieces, PromptBuilder, PromptContext, SegmentedPrompt, split_documents
 from pcr_rag.reorder import reuse_order
 from pcr_rag.requests import (
     PROMPT_KINDS,
@@ -272,103 +273,119 @@ class PCREngine:
     # handle (iterate it for `StreamChunk`s, ``.result()`` afterwards), agenerate* await it, astream* are stream*
     # for ``async for``. Sampling keywords (``response_format`` too): see `SamplingParams`; ``timeout`` as for
     # `submit`.
-    def generate(self, query: str, documents: Sequence[str] = (), *, system: str | None = None,
+    def generate(self, query: str, documents: Sequence[str | Doc] = (), *, system: str | None = None,
                  max_new_tokens: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
                  stop: Sequence[str] | str | None = None, seed: int | None = None,
-                 response_format: Any = None, timeout: float | None = None) -> GenerationResult:
-        """Answer ``query`` over ``documents`` (in order, each cached as its own token run)."""
-        return self.submit(RagPrompt(query, documents, system),
+                 response_format: Any = None, timeout: float | None = None, namespace: str | None = None,
+                 scopes: Sequence[str | None] | None = None) -> GenerationResult:
+        """Answer ``query`` over ``documents`` (in order, each cached as its own token run; a str or a `Doc` with
+        its sharing scope each, or ``scopes`` alongside; ``namespace`` as for `submit`)."""
+        return self.submit(RagPrompt(query, documents, system, scopes),
                            SamplingParams(max_new_tokens, temperature, top_p, stop, seed, response_format),
-                           timeout=timeout).result()
+                           timeout=timeout, namespace=namespace).result()
 
-    def generate_prompt(self, prompt: str, documents: Sequence[str] = (), *, chat: bool = True,
+    def generate_prompt(self, prompt: str, documents: Sequence[str | Doc] = (), *, chat: bool = True,
                         system: str | None = None, max_new_tokens: int | None = None, temperature: float = 0.0,
                         top_p: float = 1.0, stop: Sequence[str] | str | None = None, seed: int | None = None,
-                        response_format: Any = None, timeout: float | None = None) -> GenerationResult:
+                        response_format: Any = None, timeout: float | None = None, namespace: str | None = None,
+                        scopes: Sequence[str | None] | None = None) -> GenerationResult:
         """A flat prompt that contains ``documents`` verbatim, in order (a framework's rendered template); see
         `FlatPrompt`. ``chat=True`` wraps the prompt as one user turn of the model's chat template."""
-        return self.submit(FlatPrompt(prompt, documents, chat, system),
+        return self.submit(FlatPrompt(prompt, documents, chat, system, scopes),
                            SamplingParams(max_new_tokens, temperature, top_p, stop, seed, response_format),
-                           timeout=timeout).result()
+                           timeout=timeout, namespace=namespace).result()
 
-    def generate_messages(self, messages: Sequence[Mapping[str, Any]], documents: Sequence[str] = (), *,
+    def generate_messages(self, messages: Sequence[Mapping[str, Any]], documents: Sequence[str | Doc] = (), *,
                           max_new_tokens: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
                           stop: Sequence[str] | str | None = None, seed: int | None = None,
-                          response_format: Any = None, timeout: float | None = None) -> GenerationResult:
+                          response_format: Any = None, timeout: float | None = None, namespace: str | None = None,
+                          scopes: Sequence[str | None] | None = None) -> GenerationResult:
         """A chat conversation ([{"role", "content"}]) rendered with the chat template; ``documents`` found in
         the rendered text get their own token runs."""
-        return self.submit(ChatPrompt(messages, documents),
+        return self.submit(ChatPrompt(messages, documents, scopes),
                            SamplingParams(max_new_tokens, temperature, top_p, stop, seed, response_format),
-                           timeout=timeout).result()
+                           timeout=timeout, namespace=namespace).result()
 
-    def stream(self, query: str, documents: Sequence[str] = (), *, system: str | None = None,
-               timeout: float | None = None, **sampling: Any) -> RequestHandle:
+    def stream(self, query: str, documents: Sequence[str | Doc] = (), *, system: str | None = None,
+               timeout: float | None = None, namespace: str | None = None,
+               scopes: Sequence[str | None] | None = None, **sampling: Any) -> RequestHandle:
         """Like `generate`; iterate the handle for `StreamChunk`s as tokens come, ``.result()`` afterwards."""
-        return self.submit(RagPrompt(query, documents, system), SamplingParams.from_kwargs(**sampling),
-                           timeout=timeout)
+        return self.submit(RagPrompt(query, documents, system, scopes), SamplingParams.from_kwargs(**sampling),
+                           timeout=timeout, namespace=namespace)
 
-    def stream_prompt(self, prompt: str, documents: Sequence[str] = (), *, chat: bool = True,
-                      system: str | None = None, timeout: float | None = None, **sampling: Any) -> RequestHandle:
-        return self.submit(FlatPrompt(prompt, documents, chat, system), SamplingParams.from_kwargs(**sampling),
-                           timeout=timeout)
+    def stream_prompt(self, prompt: str, documents: Sequence[str | Doc] = (), *, chat: bool = True,
+                      system: str | None = None, timeout: float | None = None, namespace: str | None = None,
+                      scopes: Sequence[str | None] | None = None, **sampling: Any) -> RequestHandle:
+        return self.submit(FlatPrompt(prompt, documents, chat, system, scopes),
+                           SamplingParams.from_kwargs(**sampling), timeout=timeout, namespace=namespace)
 
-    def stream_messages(self, messages: Sequence[Mapping[str, Any]], documents: Sequence[str] = (), *,
-                        timeout: float | None = None, **sampling: Any) -> RequestHandle:
-        return self.submit(ChatPrompt(messages, documents), SamplingParams.from_kwargs(**sampling), timeout=timeout)
+    def stream_messages(self, messages: Sequence[Mapping[str, Any]], documents: Sequence[str | Doc] = (), *,
+                        timeout: float | None = None, namespace: str | None = None,
+                        scopes: Sequence[str | None] | None = None, **sampling: Any) -> RequestHandle:
+        return self.submit(ChatPrompt(messages, documents, scopes), SamplingParams.from_kwargs(**sampling),
+                           timeout=timeout, namespace=namespace)
 
-    async def agenerate(self, query: str, documents: Sequence[str] = (), **kwargs: Any) -> GenerationResult:
+    async def agenerate(self, query: str, documents: Sequence[str | Doc] = (), **kwargs: Any) -> GenerationResult:
         """`generate` without blocking the event loop; cancelling the task cancels the request."""
         return await self.stream(query, documents, **kwargs)
 
-    async def agenerate_prompt(self, prompt: str, documents: Sequence[str] = (), *, chat: bool = True,
+    async def agenerate_prompt(self, prompt: str, documents: Sequence[str | Doc] = (), *, chat: bool = True,
                                **kwargs: Any) -> GenerationResult:
         return await self.stream_prompt(prompt, documents, chat=chat, **kwargs)
 
-    async def agenerate_messages(self, messages: Sequence[Mapping[str, Any]], documents: Sequence[str] = (),
+    async def agenerate_messages(self, messages: Sequence[Mapping[str, Any]], documents: Sequence[str | Doc] = (),
                                  **kwargs: Any) -> GenerationResult:
         return await self.stream_messages(messages, documents, **kwargs)
 
-    def astream(self, query: str, documents: Sequence[str] = (), **kwargs: Any) -> RequestHandle:
+    def astream(self, query: str, documents: Sequence[str | Doc] = (), **kwargs: Any) -> RequestHandle:
         """`stream` for ``async for``; cancelling the consumer (or ``aclose()``) cancels the request."""
         return self.stream(query, documents, **kwargs)
 
-    def astream_prompt(self, prompt: str, documents: Sequence[str] = (), *, chat: bool = True,
+    def astream_prompt(self, prompt: str, documents: Sequence[str | Doc] = (), *, chat: bool = True,
                        **kwargs: Any) -> RequestHandle:
         return self.stream_prompt(prompt, documents, chat=chat, **kwargs)
 
-    def astream_messages(self, messages: Sequence[Mapping[str, Any]], documents: Sequence[str] = (),
+    def astream_messages(self, messages: Sequence[Mapping[str, Any]], documents: Sequence[str | Doc] = (),
                          **kwargs: Any) -> RequestHandle:
         return self.stream_messages(messages, documents, **kwargs)
 
     # ------------------------------------------------------------------------------------------ announcements
-    def announce(self, documents: Sequence[str], query: str | None = None, *, system: str | None = None,
+    def announce(self, documents: Sequence[str | Doc], query: str | None = None, *, system: str | None = None,
                  prefix: str | None = None, separator: str | None = None, layout: str = "auto",
-                 namespace: str | None = None) -> Ticket:
+                 namespace: str | None = None, scopes: Sequence[str | None] | None = None) -> Ticket:
         """Retrieval finished: put the coming request into the prefetch window before the LLM call exists.
 
         The prefix's chunk keys are predicted: ``layout="rag"`` uses the engine's own layout (as `generate`),
-        ``"flat"`` the ``prefix``/``separator`` given or learned from the last flat prompt (as
-        `generate_prompt`), ``"auto"`` picks flat once a flat prompt has been seen. A later request with the same
-        documents and ``namespace`` (as for `submit`) claims the ticket; an unclaimed one expires after
-        ``announce_ttl_s``."""
+        ``"flat"`` the ``prefix``/``separator`` given or learned from the namespace's last flat prompt (as
+        `generate_prompt`), ``"auto"`` picks flat once a flat prompt of the namespace has been seen. Documents and
+        their scopes as for `generate`. A later request with the same documents and ``namespace`` (as for
+        `submit`) claims the ticket; an unclaimed one expires after ``announce_ttl_s``. Documents too long for
+        any request raise `PromptTooLongError` before they are tokenized."""
         self._check_open()
         root = self.root_for(namespace)
-        docs = validate_documents(documents)
+        docs, doc_scopes = split_documents(documents, scopes)
         if not docs:
             raise InvalidRequestError("announce() needs at least one document")
-        flat = self._flat_layout(layout)
+        flat = self._flat_layout(layout, namespace)
+        limit = ("the model's context window" if self.max_model_len == self.loaded.context_window
+                 else "the engine's max_model_len")
+        context = PromptContext(namespace or "", self.max_model_len, 0, self.max_model_len, limit)
+        scoped = [Doc(text, scope) for text, scope in zip(docs, doc_scopes)]
         if query is not None and not flat:
-            seg = self.builder.build_rag(query, docs, system)
+            seg = self.builder.build_rag(query, scoped, system, context=context)
         else:
-            seg = self.builder.predict_prefix(docs, system=system, prefix=prefix, separator=separator, flat=flat)
-        keys = [c.key for c in plan_chunks(root, seg.segments, self.config.chunk_size)]
+            seg = self.builder.predict_prefix(scoped, system=system, prefix=prefix, separator=separator, flat=flat,
+                                              context=context)
+        keys = [c.key for c in self._plan(seg, root)]
         ticket = self.board.add(docs, keys, self._ssd_keys(keys), namespace or "")
+        self.builder.accept(context)
         self._queue_changed()
         return ticket
 
-    def order_for_reuse(self, documents: Sequence[str], *, system: str | None = None, layout: str = "auto",
+    def order_for_reuse(self, documents: Sequence[str | Doc], *, system: str | None = None, layout: str = "auto",
                         prefix: str | None = None, separator: str | None = None,
-                        exclude: Iterable[Ticket | None] = ()) -> list[str]:
+                        exclude: Iterable[Ticket | None] = (), namespace: str | None = None,
+                        scopes: Sequence[str | None] | None = None) -> list[Any]:
         """``documents`` in the order whose chunk chain matches the longest cached prefix (`pcr_rag.reorder`).
 
         Cached chunks (any tier) and the chunks of live announcements count; relevance order (the given order)
@@ -378,15 +395,26 @@ class PCREngine:
         replacing). No compute and no side effects besides the prompt builder's token cache; a greedy walk over at
         most ``k (k + 1) / 2`` document runs.
 
+        The given objects come back (str or `Doc`). ``namespace`` and the scopes (as for `generate`) pick the keys
+        walked, those the request will have: every document shared, or every one private; documents of mixed
+        scopes come back in the given order (the order would also move where the private part starts).
+
         A different order is a different prompt: reuse stays exact for it, but the answer can differ from the
         answer to the relevance-ordered prompt.
         """
         self._check_open()
-        docs = validate_documents(documents)
-        flat = self._flat_layout(layout)
+        root = self.root_for(namespace)
+        docs, doc_scopes = split_documents(documents, scopes)
+        items = list(documents)
+        flat = self._flat_layout(layout, namespace)
         if len(docs) < 2:
-            return list(docs)
-        lay = self.builder.layout(system=system, prefix=prefix, separator=separator, flat=flat)
+            return items
+        ns = namespace or ""
+        private = {(scope != "shared") if ns else (scope == "private") for scope in doc_scopes}
+        if len(private) > 1:
+            return items
+        context = PromptContext(ns)
+        lay = self.builder.layout(system=system, prefix=prefix, separator=separator, flat=flat, namespace=ns)
         announced = Counter(k for keys in self.board.keys(len(self.board)) for k in keys)
         for ticket in exclude:
             if ticket is not None and not ticket.claimed and not ticket.expired:
@@ -396,15 +424,47 @@ class PCREngine:
         def known(key: bytes) -> bool:
             return announced[key] > 0 or (cache is not None and key in cache)
 
-        pieces = self.builder.document_pieces(lay)
-        head = (self.builder.tokenize_piece(pieces.head, first=True),) if pieces.head else ()
+        pieces = self.builder.document_pieces(lay, context=context)
+        head = (self.builder.tokenize_piece(pieces.head, first=True, context=context),) if pieces.head else ()
+        start = self._walk_start(head, private.pop(), pieces, root, known)
+        if start is None:
+            return items
+        walk_root, walk_head = start
 
         def run_of(i: int, previous: int | None) -> tuple[int, ...]:
             text = pieces.piece(docs[i], None if previous is None else docs[previous])
-            return self.builder.tokenize_piece(text, first=previous is None and not head)
+            return self.builder.tokenize_piece(text, first=previous is None and not head, context=context)
 
-        walk = reuse_order(len(docs), head, run_of, self.root_key, self.config.chunk_size, known)
-        return [docs[i] for i in walk.order]
+        walk = reuse_order(len(docs), walk_head, run_of, walk_root, self.config.chunk_size, known)
+        self.builder.accept(context)
+        return [items[i] for i in walk.order]
+
+    def _walk_start(self, head: tuple[tuple[int, ...], ...], private: bool, pieces: DocumentPieces, root: bytes,
+                    known: Callable[[bytes], bool]) -> tuple[bytes, tuple[tuple[int, ...], ...]] | None:
+        """Where `order_for_reuse`'s walk starts for documents all ``private`` (or all shared) in a request whose
+        namespace has ``root``: (the key the first document chains from, the head segments still to walk), as
+        `_plan` keys that request; None when the head is not cached (nothing after it can be) or the layout puts
+        non-whitespace text between shared documents (it is private in a namespaced request)."""
+        shared_root = self.root_key
+        namespaced = root != shared_root
+        shared_head = not namespaced or self.builder.system_prompt_scope == "shared"
+        if not private:
+            if namespaced and not shared_head:
+                return root, head  # private from the head on: the tenant's own chain
+            between = pieces.first_lead + pieces.lead + pieces.trail
+            if namespaced and between and not between.isspace():
+                return None
+            return shared_root, head
+        if not head:
+            return (root, ()) if namespaced else (scope_key(shared_root, shared_root), ())
+        if not shared_head:
+            return root, head
+        parent = shared_root
+        for spec in plan_chunks(shared_root, head, self.config.chunk_size):
+            if not known(spec.key):
+                return None
+            parent = spec.key
+        return scope_key(root, parent), ()
 
     def cancel_announcement(self, ticket: Ticket) -> bool:
         """Withdraw an announcement nobody will claim (e.g. the framework dropped the retrieval); True if it was
@@ -449,11 +509,20 @@ class PCREngine:
             self._roots[ns] = root
         return root
 
-    def plan_for(self, query: str, documents: Sequence[str] = (), *, system: str | None = None,
-                 namespace: str | None = None) -> list[ChunkSpec]:
+    def plan_for(self, query: str, documents: Sequence[str | Doc] = (), *, system: str | None = None,
+                 namespace: str | None = None, scopes: Sequence[str | None] | None = None) -> list[ChunkSpec]:
         """The chunk plan `generate` would use for this request (no compute, no side effects)."""
-        seg = RagPrompt(query, documents, system).segment(self.builder)
-        return plan_chunks(self.root_for(namespace), seg.segments, self.config.chunk_size)
+        root = self.root_for(namespace)
+        seg = RagPrompt(query, documents, system, scopes).segment(self.builder, PromptContext(namespace or ""))
+        return self._plan(seg, root)
+
+    def _plan(self, seg: SegmentedPrompt, root: bytes) -> list[ChunkSpec]:
+        """The chunk plan of ``seg`` in the namespace whose root is ``root``: its shared segments key from the
+        engine-wide root (`root_key`), so every namespace shares them, and from its first private segment on
+        the keys switch to ``root`` (`pcr_rag.cache.keys.plan_chunks`). Without a private segment, or in the
+        engine's own namespace without a document marked private, these are the plain chain's keys."""
+        return plan_chunks(self.root_key, seg.segments, self.config.chunk_size, private_root=root,
+                           private_from=seg.private_from)
 
     def window_snapshot(self) -> list[tuple[bytes, ...]]:
         """Chunk keys of the requests currently in the prefetch window (waiting queue first, then announced)."""
@@ -497,12 +566,13 @@ class PCREngine:
         if self._closed:
             raise EngineClosedError("the engine is closed; create a new PCREngine")
 
-    def _flat_layout(self, layout: str) -> bool:
+    def _flat_layout(self, layout: str, namespace: str | None) -> bool:
         """Whether a request announced or ordered with ``layout`` ("rag", "flat", "auto") has a framework's flat
-        layout ("auto": once a flat prompt has been seen)."""
+        layout ("auto": once a flat prompt of ``namespace`` has been seen; one tenant's prompts never change how
+        another's announcements are keyed)."""
         if layout not in ("auto", "rag", "flat"):
             raise InvalidRequestError(f"layout must be 'auto', 'rag' or 'flat', got {layout!r}")
-        return layout == "flat" or (layout == "auto" and self.builder.learned_flat_layout)
+        return layout == "flat" or (layout == "auto" and self.builder.learned_flat_layout(namespace or ""))
 
     def _ssd_keys(self, keys: Sequence[bytes]) -> frozenset[bytes]:
         if self.cache is None:

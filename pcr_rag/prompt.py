@@ -21,23 +21,64 @@ Invariants:
   the whitespace before it, and in later positions the separator) whenever its cuts need no adjustment (the
   default layouts of the engine, LlamaIndex and LangChain; see docs/DESIGN.md): the same in every position with
   the same lead, and independent of the text after it.
+- Sharing scopes (`Doc`): ``SegmentedPrompt.private_from`` is the first segment that holds anything private. In a
+  request with a namespace, a segment is shared only when every character of it is a shared document, the head
+  (the text before the first document, when ``system_prompt_scope`` is "shared") or whitespace; so the query, the
+  text between documents and unmarked documents are private. In a request without one (the engine-wide
+  namespace, the shared pool) only a segment that touches a document marked "private" is private.
+- Per-request state is per namespace (`PromptContext`): pieces are tokenized through a byte-bounded cache keyed by
+  namespace and text, and the flat layout is learned per namespace; a request's new entries and layout are kept
+  only once the engine accepted it (`PromptBuilder.accept`), so a rejected request leaves nothing behind and one
+  tenant's texts never make another tenant's requests faster.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-from pcr_rag.errors import InvalidRequestError
+from pcr_rag.errors import InvalidRequestError, PromptTooLongError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_INSTRUCTION = "Answer the question using the documents below."
 DEFAULT_SEPARATOR = "\n\n"
 _PROBE_DOCUMENT = "a"  # a one-letter document: how a layout's cuts fit around text that starts and ends a word
+SCOPES = ("shared", "private")
+DEFAULT_TOKEN_CACHE_BYTES = 64 * 1024 * 1024
+#: Bytes an entry of the token cache costs besides its text and ids (the LRU's link, the key tuple); an upper
+#: estimate, so the budget bounds the memory held.
+_ENTRY_OVERHEAD = 200
+_INT_BYTES = 32  # a token id above 256 is its own int object (28 bytes, in a 32-byte block)
+
+
+@dataclass(frozen=True)
+class Doc:
+    """A retrieved document and its sharing scope; accepted wherever a document string is.
+
+    ``scope``: "shared" (a public corpus document: its KV may be reused by requests of every namespace, as long as
+    everything before it is shared too), "private" (its KV, and everything after it in a prompt, is reused only
+    within the request's namespace), or None (the request's default: private in a request with a namespace,
+    shared in one without, i.e. today's behaviour either way)."""
+
+    text: str
+    scope: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.text, str):
+            raise InvalidRequestError(f"Doc.text must be a str, got {type(self.text).__name__}")
+        _check_scope(self.scope, "Doc.scope")
+
+
+def _check_scope(scope: object, what: str) -> None:
+    if scope is not None and scope not in SCOPES:
+        raise InvalidRequestError(f"{what} must be 'shared', 'private' or None, got {scope!r}")
 
 
 @dataclass(frozen=True)
@@ -52,12 +93,15 @@ class SegmentedPrompt:
         cuts_adjusted: document cuts that could not stay at their canonical place (the start of the whitespace
             run before them) because the tokenizer merges text across it: moved, or dropped (two segments merged).
             0 on the default layouts.
+        private_from: the first segment that holds anything private (see the module docstring); the chunk plan
+            switches to the tenant's root there (`pcr_rag.cache.keys.plan_chunks`). None: every segment is shared.
     """
 
     text: str
     segments: tuple[tuple[int, ...], ...]
     documents_found: int
     cuts_adjusted: int = 0
+    private_from: int | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -98,11 +142,13 @@ class DocumentPieces:
         return lead + core + self.trail
 
 
-def validate_documents(documents: object) -> tuple[str, ...]:
-    """Documents must be a sequence of strings (a single string is rejected, not split into characters)."""
+def split_documents(documents: object, scopes: object = None) -> tuple[tuple[str, ...], tuple[str | None, ...]]:
+    """(texts, scopes) of a request's documents: each one a str or a `Doc`; ``scopes`` (optional) a parallel
+    sequence of "shared" / "private" / None. A single string is rejected, not split into characters; a `Doc`
+    whose scope disagrees with its ``scopes`` entry is rejected."""
     if documents is None:
-        return ()
-    if isinstance(documents, (str, bytes)):
+        documents = ()
+    if isinstance(documents, (str, bytes, Doc)):
         raise InvalidRequestError("documents must be a sequence of strings, not a single string; wrap it: [doc]")
     try:
         docs = tuple(documents)  # type: ignore[arg-type]
@@ -110,34 +156,185 @@ def validate_documents(documents: object) -> tuple[str, ...]:
         raise InvalidRequestError(
             f"documents must be a sequence of strings, got {type(documents).__name__}"
         ) from None
+    given: tuple[object, ...] = ()
+    if scopes is not None:
+        if isinstance(scopes, (str, bytes)):
+            raise InvalidRequestError("scopes must be a sequence with one scope per document, not a single string")
+        try:
+            given = tuple(scopes)  # type: ignore[arg-type]
+        except TypeError:
+            raise InvalidRequestError(f"scopes must be a sequence, got {type(scopes).__name__}") from None
+        if len(given) != len(docs):
+            raise InvalidRequestError(f"scopes has {len(given)} entries for {len(docs)} documents; pass one scope "
+                                      f"per document ('shared', 'private' or None)")
+    texts: list[str] = []
+    out: list[str | None] = []
     for i, doc in enumerate(docs):
-        if not isinstance(doc, str):
+        scope = given[i] if given else None
+        _check_scope(scope, f"scopes[{i}]")
+        if isinstance(doc, Doc):
+            if scope is not None and doc.scope is not None and scope != doc.scope:
+                raise InvalidRequestError(f"document #{i} is a Doc with scope {doc.scope!r} but scopes[{i}] is "
+                                          f"{scope!r}; give one of them")
+            texts.append(doc.text)
+            out.append(doc.scope if doc.scope is not None else scope)  # type: ignore[arg-type]
+        elif isinstance(doc, str):
+            texts.append(doc)
+            out.append(scope)  # type: ignore[arg-type]
+        else:
             raise InvalidRequestError(
-                f"document #{i} is a {type(doc).__name__}, not a str; pass the document text "
+                f"document #{i} is a {type(doc).__name__}, not a str or Doc; pass the document text "
                 f"(e.g. node.get_content() or doc.page_content)"
             )
-    return docs
+    return tuple(texts), tuple(out)
+
+
+def validate_documents(documents: object) -> tuple[str, ...]:
+    """The texts of a request's documents (each a str or a `Doc`; see `split_documents`)."""
+    return split_documents(documents)[0]
+
+
+def max_token_chars(tokenizer: Any) -> int | None:
+    """The most characters of input text one token can stand for, or None when it cannot be bounded.
+
+    The longest token string of the vocabulary (added tokens included) bounds it when the tokenizer never shrinks
+    text before matching tokens: no normalizer, or only ones that keep or grow every character (replacing a
+    string by one at least as long, prepending, lowercasing, NFD); pre-tokenizers that keep every character
+    (byte-level, metaspace, splits that do not remove); a BPE model with no fused unknown token. A byte-level
+    token string has one character per byte, so it is never shorter than the text it stands for. Anything else
+    (NFC/NFKC, strip accents, whitespace-removing pre-tokenizers, slow tokenizers) gets None: no bound, rather
+    than one that could reject a prompt that fits."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    try:
+        spec = json.loads(backend.to_str())
+        vocab = tokenizer.get_vocab()
+    except Exception:  # noqa: BLE001 - an unusual tokenizer: no bound
+        log.debug("max_token_chars: the tokenizer cannot be inspected; no character bound", exc_info=True)
+        return None
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or (model.get("unk_token") is not None and model.get("fuse_unk")
+                                      and not model.get("byte_fallback")):
+        return None
+    if not (_keeps_characters(spec.get("normalizer"), _SAFE_NORMALIZERS)
+            and _keeps_characters(spec.get("pre_tokenizer"), _SAFE_PRE_TOKENIZERS)):
+        return None
+    longest = max((len(token) for token in vocab), default=0)
+    return longest or None
+
+
+_SAFE_NORMALIZERS = frozenset({"Prepend", "Replace", "Lowercase", "NFD"})
+_SAFE_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Split", "Digits", "Punctuation"})
+
+
+def _keeps_characters(part: Any, safe: frozenset[str]) -> bool:
+    """Whether a tokenizer's normalizer or pre-tokenizer (its JSON spec) never drops or merges input characters."""
+    if part is None:
+        return True
+    kind = part.get("type")
+    if kind == "Sequence":
+        inner = part.get("normalizers") or part.get("pretokenizers") or []
+        return all(_keeps_characters(p, safe) for p in inner)
+    if kind not in safe:
+        return False
+    if kind == "Replace":
+        pattern = part.get("pattern") or {}
+        return "String" in pattern and len(part.get("content", "")) >= len(pattern["String"])
+    if kind == "Split":
+        return part.get("behavior") != "Removed"
+    return True
+
+
+@dataclass(eq=False)
+class PromptContext:
+    """One request's view of a `PromptBuilder`: its namespace and its prompt bound.
+
+    ``namespace``: the tenant ("" = the engine-wide namespace); pieces are looked up in that namespace's part of
+    the token cache only, and the flat layout learned is that namespace's. ``max_prompt_tokens`` (None = no
+    bound): the prompt tokens the request may have; a rendered text longer than
+    `PromptBuilder.max_prompt_chars` of it raises `PromptTooLongError` before it is tokenized
+    (``max_new_tokens``, ``max_model_len`` and ``limit`` word the error). New token-cache entries and the layout
+    a request teaches wait in the context until `PromptBuilder.accept` keeps them."""
+
+    namespace: str = ""
+    max_prompt_tokens: int | None = None
+    max_new_tokens: int = 0
+    max_model_len: int = 0
+    limit: str = "the model's context window"
+    pending: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
+    layout: DocumentLayout | None = None
+
+
+class _ByteLRU:
+    """An LRU of values whose cost in bytes the caller states; holds at most ``max_bytes`` (an entry larger than
+    that is not kept). Not thread-safe (the builder's lock guards it)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._items: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
+
+    def get(self, key: Hashable) -> Any:
+        hit = self._items.get(key)
+        if hit is None:
+            return None
+        self._items.move_to_end(key)
+        return hit[0]
+
+    def put(self, key: Hashable, value: Any, nbytes: int) -> None:
+        old = self._items.pop(key, None)
+        if old is not None:
+            self.bytes -= old[1]
+        if nbytes > self.max_bytes:
+            return
+        self._items[key] = (value, nbytes)
+        self.bytes += nbytes
+        while self.bytes > self.max_bytes:
+            _, (_, freed) = self._items.popitem(last=False)
+            self.bytes -= freed
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def _tokens_bytes(text: str, ids: tuple[int, ...]) -> int:
+    return sys.getsizeof(text) + sys.getsizeof(ids) + _INT_BYTES * len(ids) + _ENTRY_OVERHEAD
+
+
+def _layout_bytes(layout: DocumentLayout) -> int:
+    return sys.getsizeof(layout.head) + sys.getsizeof(layout.separator) + _ENTRY_OVERHEAD
 
 
 class PromptBuilder:
     """Renders requests with the tokenizer's chat template (when it has one) and segments them.
 
-    Thread-safe. Keeps a small LRU of tokenized segments, since popular documents come back again and again.
+    Thread-safe. Keeps a byte-bounded LRU (``token_cache_bytes``, counting texts, ids and bookkeeping) of
+    tokenized pieces per namespace, since popular documents come back again and again, and the flat layout each
+    namespace's prompts taught it. ``system_prompt_scope`` ("shared" or "private") is the scope of a namespaced
+    request's head, the text before its first document (system prompt, instruction, template).
     """
 
-    def __init__(self, tokenizer, *, instruction: str = DEFAULT_INSTRUCTION, token_cache_size: int = 4096) -> None:
+    def __init__(self, tokenizer, *, instruction: str = DEFAULT_INSTRUCTION,
+                 token_cache_bytes: int = DEFAULT_TOKEN_CACHE_BYTES, system_prompt_scope: str = "shared") -> None:
+        if system_prompt_scope not in SCOPES:
+            raise ValueError(f"system_prompt_scope must be 'shared' or 'private', got {system_prompt_scope!r}")
+        if isinstance(token_cache_bytes, bool) or not isinstance(token_cache_bytes, int) or token_cache_bytes < 0:
+            raise ValueError(f"token_cache_bytes must be an int >= 0, got {token_cache_bytes!r}")
         self.tokenizer = tokenizer
         self.instruction = instruction
+        self.system_prompt_scope = system_prompt_scope
         self._has_template = bool(getattr(tokenizer, "chat_template", None))
         self._bos_id = self._leading_bos(tokenizer)
         self._bos_text = tokenizer.bos_token if getattr(tokenizer, "bos_token", None) else None
         self._lock = threading.Lock()
-        self._token_cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
-        self._token_cache_size = token_cache_size
-        self._pieces: OrderedDict[DocumentLayout, DocumentPieces] = OrderedDict()
-        # Layout learned from the last flat prompt that contained documents: (text before doc 1, separator).
-        self._learned_prefix: str | None = None
-        self._learned_separator: str = DEFAULT_SEPARATOR
+        # ("tok", namespace, text) -> ids; ("layout", namespace) -> the learned flat DocumentLayout;
+        # ("pieces", namespace, layout) -> DocumentPieces: one byte budget for all of them
+        self._cache = _ByteLRU(token_cache_bytes)
+        self._chars_per_token: int | None | bool = False  # False: not computed yet
 
     @staticmethod
     def _leading_bos(tokenizer) -> int | None:
@@ -151,6 +348,61 @@ class PromptBuilder:
     @property
     def has_chat_template(self) -> bool:
         return self._has_template
+
+    # ----------------------------------------------------------------------------------------- bounds, cache
+    @property
+    def chars_per_token(self) -> int | None:
+        """`max_token_chars` of the tokenizer (computed once): the most input characters one token covers."""
+        if self._chars_per_token is False:
+            self._chars_per_token = max_token_chars(self.tokenizer)
+        return self._chars_per_token  # type: ignore[return-value]
+
+    def max_prompt_chars(self, max_tokens: int) -> int | None:
+        """The longest text (characters) that can tokenize to at most ``max_tokens`` tokens: ``max_tokens`` times
+        the longest token (`chars_per_token`); None when the tokenizer gives no such bound. A longer text cannot
+        fit, so it is rejected before tokenizing (the engine's request path; the server may call it too); a text
+        within it may still be too long, which its token count then tells."""
+        per_token = self.chars_per_token
+        return None if per_token is None else max(0, max_tokens) * per_token
+
+    def check_chars(self, text: str, context: PromptContext | None) -> None:
+        """Raise `PromptTooLongError` when ``text`` is longer than ``context``'s prompt bound allows
+        (`max_prompt_chars`), before anything tokenizes it."""
+        if context is None or context.max_prompt_tokens is None:
+            return
+        bound = self.max_prompt_chars(context.max_prompt_tokens)
+        if bound is not None and len(text) > bound:
+            per_token = self.chars_per_token or 1
+            at_least = -(-len(text) // per_token)
+            error = PromptTooLongError(at_least, context.max_new_tokens, context.max_model_len, context.limit)
+            # the count is a lower bound (no token covers more than per_token characters): say so
+            error.args = (str(error).replace(
+                f"prompt has {at_least} tokens",
+                f"prompt has {len(text)} characters, so at least {at_least} tokens (no token of this tokenizer "
+                f"covers more than {per_token} characters),", 1),)
+            raise error
+
+    def accept(self, context: PromptContext) -> None:
+        """Keep what an accepted request's `PromptContext` gathered: its new token-cache entries and the flat
+        layout it taught, in its namespace. A rejected request's context is dropped instead."""
+        with self._lock:
+            for text, ids in context.pending.items():
+                self._cache.put(("tok", context.namespace, text), ids, _tokens_bytes(text, ids))
+            if context.layout is not None:
+                self._cache.put(("layout", context.namespace), context.layout, _layout_bytes(context.layout))
+        context.pending.clear()
+        context.layout = None
+
+    @property
+    def token_cache_bytes(self) -> int:
+        """Bytes the cache holds now (texts, ids, layouts, bookkeeping; at most the budget)."""
+        with self._lock:
+            return self._cache.bytes
+
+    def is_cached(self, text: str, namespace: str = "") -> bool:
+        """Whether ``text``'s ids are in ``namespace``'s part of the token cache."""
+        with self._lock:
+            return ("tok", namespace, text) in self._cache
 
     # ----------------------------------------------------------------------------------------------- rendering
     def render_chat(self, user: str, system: str | None = None) -> str:
@@ -171,80 +423,87 @@ class PromptBuilder:
             text = text[0]
         return text
 
-    def rag_user_text(self, query: str, documents: Sequence[str]) -> str:
+    def rag_user_text(self, query: str, documents: Sequence[str | Doc]) -> str:
         if not documents:
             return query
-        body = DEFAULT_SEPARATOR.join(documents)
+        body = DEFAULT_SEPARATOR.join(validate_documents(documents))
         return f"{self.instruction}{DEFAULT_SEPARATOR}{body}{DEFAULT_SEPARATOR}Question: {query}"
 
     # ---------------------------------------------------------------------------------------------- segmenting
-    def build_rag(self, query: str, documents: Sequence[str], system: str | None = None) -> SegmentedPrompt:
+    def build_rag(self, query: str, documents: Sequence[str | Doc], system: str | None = None, *,
+                  context: PromptContext | None = None) -> SegmentedPrompt:
         """[system + instruction][doc 1]..[doc k][question], rendered as one user turn."""
         text = self.render_chat(self.rag_user_text(query, documents), system)
-        return self.segment(text, documents)
+        return self.segment(text, documents, context=context)
 
-    def build_flat(self, prompt: str, documents: Sequence[str], *, chat: bool = True,
-                   system: str | None = None) -> SegmentedPrompt:
+    def build_flat(self, prompt: str, documents: Sequence[str | Doc], *, chat: bool = True,
+                   system: str | None = None, context: PromptContext | None = None) -> SegmentedPrompt:
         """A prompt that contains the documents verbatim, in order (e.g. rendered by a framework's template)."""
         text = self.render_chat(prompt, system) if chat else prompt
-        seg = self.segment(text, documents)
+        seg = self.segment(text, documents, context=context)
         if seg.documents_found:
-            self._learn_layout(text, documents)
+            self._learn_layout(text, validate_documents(documents), context)
         return seg
 
-    def build_chat(self, messages: Sequence[dict[str, str]], documents: Sequence[str]) -> SegmentedPrompt:
+    def build_chat(self, messages: Sequence[dict[str, str]], documents: Sequence[str | Doc], *,
+                   context: PromptContext | None = None) -> SegmentedPrompt:
         """A conversation rendered with the chat template; the documents found in it get their own runs (and
         teach the builder the framework's layout, as `build_flat`)."""
         text = self.render_messages(messages)
-        seg = self.segment(text, documents)
+        seg = self.segment(text, documents, context=context)
         if seg.documents_found:
-            self._learn_layout(text, documents)
+            self._learn_layout(text, validate_documents(documents), context)
         return seg
 
-    def predict_prefix(self, documents: Sequence[str], *, system: str | None = None,
+    def predict_prefix(self, documents: Sequence[str | Doc], *, system: str | None = None,
                        prefix: str | None = None, separator: str | None = None,
-                       flat: bool = False) -> SegmentedPrompt:
+                       flat: bool = False, context: PromptContext | None = None) -> SegmentedPrompt:
         """The segments up to the end of the last document, before the query is known (for `announce`).
 
         With ``flat=True`` (a framework renders the prompt) it uses the explicit ``prefix``/``separator`` or the
-        layout learned from the last flat prompt; otherwise the engine's own RAG layout (see `layout`).
+        layout learned from the last flat prompt of ``context``'s namespace; otherwise the engine's own RAG
+        layout (see `layout`).
         """
-        lay = self.layout(system=system, prefix=prefix, separator=separator, flat=flat)
+        namespace = context.namespace if context is not None else ""
+        lay = self.layout(system=system, prefix=prefix, separator=separator, flat=flat, namespace=namespace)
+        texts, scopes = split_documents(documents)
         # the last document's trailing whitespace goes with the text after it (the canonical cut), unknown here
-        docs = [*documents[:-1], documents[-1].rstrip()] if documents else []
-        return self.segment(lay.head + lay.separator.join(docs), docs)
+        docs = [*texts[:-1], texts[-1].rstrip()] if texts else []
+        return self.segment(lay.head + lay.separator.join(docs), [Doc(t, sc) for t, sc in zip(docs, scopes)],
+                            context=context)
 
     def layout(self, *, system: str | None = None, prefix: str | None = None, separator: str | None = None,
-               flat: bool = False) -> DocumentLayout:
+               flat: bool = False, namespace: str = "") -> DocumentLayout:
         """The document layout a request will have: with ``flat=True`` the explicit ``prefix``/``separator`` or
-        the layout learned from the last flat prompt that held documents (the engine's own head until one was
-        seen); otherwise the engine's own RAG layout (`build_rag`)."""
+        the layout learned from ``namespace``'s last flat prompt that held documents (the engine's own head until
+        one was seen); otherwise the engine's own RAG layout (`build_rag`)."""
         if not flat:
             return DocumentLayout(self._own_prefix_text(system), DEFAULT_SEPARATOR)
         with self._lock:
-            learned_head, learned_sep = self._learned_prefix, self._learned_separator
-        head = prefix if prefix is not None else learned_head
+            learned = self._cache.get(("layout", namespace))
+        head = prefix if prefix is not None else (learned.head if learned is not None else None)
         if head is None:  # nothing learned yet: assume the engine's own layout
             head = self._own_prefix_text(system)
+        learned_sep = learned.separator if learned is not None else DEFAULT_SEPARATOR
         return DocumentLayout(head, separator if separator is not None else learned_sep)
 
-    def document_pieces(self, layout: DocumentLayout) -> DocumentPieces:
-        """How `segment` cuts documents in ``layout``, learned once per layout by segmenting a probe (three
-        one-letter documents). Exact for documents that start and end with non-whitespace (the cut fitting looks
-        only at the characters around a cut); for others the pieces are a prediction (`pcr_rag.reorder` uses
-        them to walk the cache; the request itself is always segmented from its real text)."""
+    def document_pieces(self, layout: DocumentLayout, *, context: PromptContext | None = None) -> DocumentPieces:
+        """How `segment` cuts documents in ``layout``, learned once per layout (and namespace) by segmenting a
+        probe (three one-letter documents). Exact for documents that start and end with non-whitespace (the cut
+        fitting looks only at the characters around a cut); for others the pieces are a prediction
+        (`pcr_rag.reorder` uses them to walk the cache; the request itself is always segmented from its real
+        text)."""
+        key = ("pieces", context.namespace if context is not None else "", layout)
         with self._lock:
-            hit = self._pieces.get(layout)
+            hit = self._cache.get(key)
             if hit is not None:
                 return hit
-        pieces = self._probe_pieces(layout)
+        pieces = self._probe_pieces(layout, context)
         with self._lock:
-            self._pieces[layout] = pieces
-            if len(self._pieces) > 64:
-                self._pieces.popitem(last=False)
+            self._cache.put(key, pieces, _layout_bytes(layout) + sys.getsizeof(pieces.head))
         return pieces
 
-    def _probe_pieces(self, layout: DocumentLayout) -> DocumentPieces:
+    def _probe_pieces(self, layout: DocumentLayout, context: PromptContext | None) -> DocumentPieces:
         head, sep = layout.head, layout.separator
         naive = DocumentPieces(head, "", sep, "")
         probe = _PROBE_DOCUMENT
@@ -252,7 +511,7 @@ class PromptBuilder:
         starts = [len(head) + i * (len(probe) + len(sep)) for i in range(3)]
         ends = [start + len(probe) for start in starts]
         cuts = ([starts[0]] if starts[0] > 0 else []) + ends[:2]
-        fitted, _ = self._fit_cuts(text, cuts)
+        fitted, _ = self._fit_cuts(text, cuts, context)
         if len(fitted) != len(cuts):  # a cut was dropped: documents get no runs of their own in this layout
             return naive
         first_cut = fitted[0] if starts[0] > 0 else 0
@@ -262,63 +521,111 @@ class PromptBuilder:
         trail = sep[: trails.pop()]
         return DocumentPieces(head[:first_cut], head[first_cut:], sep[len(trail):], trail)
 
-    @property
-    def learned_flat_layout(self) -> bool:
-        """True once a flat prompt with documents taught the builder a framework's layout."""
+    def learned_flat_layout(self, namespace: str = "") -> bool:
+        """True once a flat prompt with documents taught the builder a framework's layout in ``namespace``."""
         with self._lock:
-            return self._learned_prefix is not None
+            return ("layout", namespace) in self._cache
 
     def _own_prefix_text(self, system: str | None) -> str:
         marker = "\x00PCR_DOCS\x00"
         rendered = self.render_chat(self.rag_user_text("q", [marker]), system)
         return rendered[: rendered.index(marker)]
 
-    def _learn_layout(self, text: str, documents: Sequence[str]) -> None:
+    def _learn_layout(self, text: str, documents: Sequence[str], context: PromptContext | None) -> None:
         spans = _locate(text, documents)
         found = [s for s in spans if s is not None]
         if not found:
             return
+        namespace = context.namespace if context is not None else ""
         prefix = text[: found[0][0]]
-        sep = text[found[0][1]: found[1][0]] if len(found) > 1 else self._learned_separator
+        if len(found) > 1:
+            sep = text[found[0][1]: found[1][0]]
+        else:
+            with self._lock:
+                known = self._cache.get(("layout", namespace))
+            sep = known.separator if known is not None else DEFAULT_SEPARATOR
+        layout = DocumentLayout(prefix, sep)
+        if context is not None:
+            context.layout = layout  # kept by `accept`
+            return
         with self._lock:
-            self._learned_prefix, self._learned_separator = prefix, sep
+            self._cache.put(("layout", namespace), layout, _layout_bytes(layout))
 
-    def segment(self, text: str, documents: Sequence[str]) -> SegmentedPrompt:
+    def segment(self, text: str, documents: Sequence[str | Doc], *,
+                context: PromptContext | None = None) -> SegmentedPrompt:
         """Cut ``text`` around the documents (searched in order from a cursor): ``[prefix][doc 1][sep + doc 2]
         ...[rest]``. Each piece is tokenized on its own; cuts the tokenizer would merge across are moved or
-        dropped until the pieces' ids are exactly the whole text's ids (see the module docstring)."""
-        spans = [s for s in _locate(text, documents) if s is not None]
+        dropped until the pieces' ids are exactly the whole text's ids (see the module docstring).
+
+        ``context`` (None: the engine-wide namespace, no bound, cache entries kept at once): its namespace decides
+        the sharing scopes (``private_from``) and the token cache used; a text over its bound raises
+        `PromptTooLongError` before anything is tokenized."""
+        self.check_chars(text, context)
+        texts, scopes = split_documents(documents)
+        located = [(span, scope) for span, scope in zip(_locate(text, texts), scopes) if span is not None]
+        spans = [span for span, _ in located]
         cuts: list[int] = []
         for i, (start, end) in enumerate(spans):
             # doc 1 starts a piece; every document ends one (the next piece starts with the separator)
             for c in ((start, end) if i == 0 else (end,)):
                 if 0 < c < len(text) and (not cuts or c > cuts[-1]):
                     cuts.append(c)
-        segments, adjusted = self._fit(text, cuts)
+        bounds, adjusted = self._fit(text, cuts, context)
+        segments = tuple(ids for ids, _ in bounds)
         if not segments:
             raise InvalidRequestError("the prompt is empty after tokenization; pass a query or documents")
         if adjusted:
             log.debug("segment: %d of %d document cuts adjusted to keep the whole prompt's tokenization",
                       adjusted, len(cuts))
-        return SegmentedPrompt(text=text, segments=segments, documents_found=len(spans), cuts_adjusted=adjusted)
+        namespace = context.namespace if context is not None else ""
+        private = self._private_test(text, located, bool(namespace))
+        private_from = next((i for i, (_, (a, b)) in enumerate(bounds) if private(a, b)), None)
+        return SegmentedPrompt(text=text, segments=segments, documents_found=len(spans), cuts_adjusted=adjusted,
+                               private_from=private_from)
 
-    def tokenize_piece(self, text: str, *, first: bool) -> tuple[int, ...]:
-        """The ids of one piece of a prompt, tokenized on its own (cached); the prompt's first piece gets the BOS
-        the tokenizer adds by default unless it already starts with the BOS text."""
-        ids = self._tokenize(text)
+    def _private_test(self, text: str, located: Sequence[tuple[tuple[int, int], str | None]], namespaced: bool):
+        """``private(a, b)``: whether the text span [a, b) of a segment holds anything private (module docstring)."""
+        if not namespaced:
+            marked = [span for span, scope in located if scope == "private"]
+            return lambda a, b: any(s < b and a < e for s, e in marked)
+        shared = [span for span, scope in located if scope == "shared"]
+        if located and self.system_prompt_scope == "shared":
+            shared.insert(0, (0, located[0][0][0]))
+
+        def private(a: int, b: int) -> bool:
+            pos = a
+            for s, e in shared:  # in text order: the head, then the documents
+                if e <= pos or s >= b:
+                    continue
+                if s > pos and not text[pos:s].isspace():
+                    return True
+                pos = max(pos, e)
+                if pos >= b:
+                    return False
+            return pos < b and not text[pos:b].isspace()
+
+        return private
+
+    def tokenize_piece(self, text: str, *, first: bool, context: PromptContext | None = None) -> tuple[int, ...]:
+        """The ids of one piece of a prompt, tokenized on its own (cached in ``context``'s namespace); the prompt's
+        first piece gets the BOS the tokenizer adds by default unless it already starts with the BOS text."""
+        ids = self._tokenize(text, context)
         if first and self._bos_id is not None and not (self._bos_text and text.startswith(self._bos_text)):
             ids = (self._bos_id, *ids)
         return ids
 
-    def _fit(self, text: str, cuts: list[int]) -> tuple[tuple[tuple[int, ...], ...], int]:
-        """Segments of ``text`` cut at ``cuts`` (strictly increasing, inside the text) whose concatenation is the
-        whole text's ids, and how many cuts had to move or go (see `_fit_cuts`)."""
-        fitted, adjusted = self._fit_cuts(text, cuts)
+    def _fit(self, text: str, cuts: list[int], context: PromptContext | None
+             ) -> tuple[list[tuple[tuple[int, ...], tuple[int, int]]], int]:
+        """The non-empty segments of ``text`` cut at ``cuts`` (strictly increasing, inside the text) whose
+        concatenation is the whole text's ids, each with its span [start, end) of the text, and how many cuts had
+        to move or go (see `_fit_cuts`)."""
+        fitted, adjusted = self._fit_cuts(text, cuts, context)
         bounds = [0, *fitted, len(text)]
-        pieces = (self.tokenize_piece(text[a:b], first=(i == 0)) for i, (a, b) in enumerate(zip(bounds, bounds[1:])))
-        return tuple(p for p in pieces if p), adjusted
+        pieces = [(self.tokenize_piece(text[a:b], first=(i == 0), context=context), (a, b))
+                  for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+        return [(ids, span) for ids, span in pieces if ids], adjusted
 
-    def _fit_cuts(self, text: str, cuts: list[int]) -> tuple[list[int], int]:
+    def _fit_cuts(self, text: str, cuts: list[int], context: PromptContext | None) -> tuple[list[int], int]:
         """Where to cut ``text`` near the intended ``cuts`` (document edges; strictly increasing, inside the text)
         so that the pieces' ids are exactly the whole text's ids; and how many cuts had to leave their canonical
         place (moved or dropped).
@@ -349,11 +656,12 @@ class PromptBuilder:
         adjusted = [False] * len(placed)
         for _ in range(sum(len(o) for o in options) + len(placed) + 1):
             bounds = [0, *placed, len(text)]
-            pieces = [self.tokenize_piece(text[a:b], first=(i == 0)) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+            pieces = [self.tokenize_piece(text[a:b], first=(i == 0), context=context)
+                      for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
             diverged = _first_divergence(pieces, whole)
             if diverged is None:
                 return placed, dropped + sum(adjusted)
-            fault = self._faulty_cut(text, bounds, *diverged)
+            fault = self._faulty_cut(text, bounds, *diverged, context)
             lo, hi = bounds[fault], bounds[fault + 2]
             while options[fault] and not lo < options[fault][0] < hi:
                 options[fault].pop(0)
@@ -365,7 +673,8 @@ class PromptBuilder:
                 dropped += 1
         raise AssertionError("unreachable: with every cut dropped the prompt is one piece")  # pragma: no cover
 
-    def _faulty_cut(self, text: str, bounds: Sequence[int], piece: int, at_start: bool) -> int:
+    def _faulty_cut(self, text: str, bounds: Sequence[int], piece: int, at_start: bool,
+                    context: PromptContext | None) -> int:
         """The cut to blame for a divergence in piece ``piece`` (``at_start``: at its first token): of the cuts
         around the piece (the one before first when ``at_start``), the first whose two neighbouring pieces tokenize
         differently apart than together; when both are fine alone (an interaction of three pieces), the nearer."""
@@ -373,8 +682,9 @@ class PromptBuilder:
         for k in around:
             left, right = text[bounds[k]:bounds[k + 1]], text[bounds[k + 1]:bounds[k + 2]]
             first = k == 0
-            if (self.tokenize_piece(left, first=first) + self.tokenize_piece(right, first=False)
-                    != self.tokenize_piece(left + right, first=first)):
+            if (self.tokenize_piece(left, first=first, context=context)
+                    + self.tokenize_piece(right, first=False, context=context)
+                    != self.tokenize_piece(left + right, first=first, context=context)):
                 return k
         return around[0]
 
@@ -385,19 +695,26 @@ class PromptBuilder:
             ids = (self._bos_id, *ids)
         return ids
 
-    def _tokenize(self, text: str) -> tuple[int, ...]:
+    def _tokenize(self, text: str, context: PromptContext | None) -> tuple[int, ...]:
+        """``text``'s ids from the cache of ``context``'s namespace, else tokenized; a new entry waits in the
+        context until the request is accepted (`accept`), or is kept at once without a context."""
         if not text:
             return ()
-        with self._lock:
-            hit = self._token_cache.get(text)
+        namespace = context.namespace if context is not None else ""
+        if context is not None:
+            hit = context.pending.get(text)
             if hit is not None:
-                self._token_cache.move_to_end(text)
                 return hit
-        ids = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         with self._lock:
-            self._token_cache[text] = ids
-            if len(self._token_cache) > self._token_cache_size:
-                self._token_cache.popitem(last=False)
+            hit = self._cache.get(("tok", namespace, text))
+        if hit is not None:
+            return hit
+        ids = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if context is not None:
+            context.pending[text] = ids
+        else:
+            with self._lock:
+                self._cache.put(("tok", namespace, text), ids, _tokens_bytes(text, ids))
         return ids
 
 

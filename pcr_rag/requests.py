@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from pcr_rag.errors import InvalidRequestError
 from pcr_rag.metrics import RequestMetrics
-from pcr_rag.prompt import PromptBuilder, SegmentedPrompt, validate_documents
+from pcr_rag.prompt import Doc, PromptBuilder, PromptContext, SegmentedPrompt, split_documents
 from pcr_rag.runtime.grammar import ResponseFormat
 
 if TYPE_CHECKING:
@@ -62,26 +62,47 @@ def _check_system(system: object) -> None:
         raise InvalidRequestError(f"system must be a str or None, got {type(system).__name__}")
 
 
+def _set_documents(prompt: Any) -> tuple[str, ...]:
+    """Normalize a prompt's ``documents`` (str or `Doc` each) and ``scopes`` (a parallel sequence of "shared" /
+    "private" / None, or empty) in place: ``documents`` becomes the texts and ``scopes`` one entry per document
+    (all None when no document has a scope: the request's default, see `Doc`)."""
+    docs, scopes = split_documents(prompt.documents, prompt.scopes or None)
+    object.__setattr__(prompt, "documents", docs)
+    object.__setattr__(prompt, "scopes", scopes if any(sc is not None for sc in scopes) else ())
+    return docs
+
+
+def _docs(prompt: Any) -> tuple[Doc, ...]:
+    scopes = prompt.scopes or (None,) * len(prompt.documents)
+    return tuple(Doc(text, scope) for text, scope in zip(prompt.documents, scopes))
+
+
 @dataclass(frozen=True)
 class RagPrompt:
     """A question over documents, laid out by the engine: ``[system][doc 1]...[doc k][question]``; each document
-    is cached as its own token run. ``documents`` may be any sequence of str (stored as a tuple)."""
+    is cached as its own token run. ``documents`` may be any sequence of str or `Doc` (stored as a tuple of str;
+    the scopes go to ``scopes``, see `_set_documents`)."""
 
     query: str
     documents: tuple[str, ...] = ()
     system: str | None = None
+    scopes: tuple[str | None, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.query, str):
             raise InvalidRequestError(f"query must be a str, got {type(self.query).__name__}")
-        docs = validate_documents(self.documents)
-        object.__setattr__(self, "documents", docs)
+        docs = _set_documents(self)
         if not self.query.strip() and not any(d.strip() for d in docs):
             raise InvalidRequestError("empty request: pass a non-empty query or at least one document")
         _check_system(self.system)
 
-    def segment(self, builder: PromptBuilder) -> SegmentedPrompt:
-        return builder.build_rag(self.query, self.documents, self.system)
+    @property
+    def docs(self) -> tuple[Doc, ...]:
+        """The documents with their scopes."""
+        return _docs(self)
+
+    def segment(self, builder: PromptBuilder, context: PromptContext | None = None) -> SegmentedPrompt:
+        return builder.build_rag(self.query, self.docs, self.system, context=context)
 
 
 @dataclass(frozen=True)
@@ -90,32 +111,39 @@ class FlatPrompt:
 
     Documents are located from a moving cursor; one that is not found is computed as part of the surrounding
     text. ``chat=True`` wraps the text as one user turn of the model's chat template (``system`` as the system
-    turn); ``chat=False`` continues the raw text."""
+    turn); ``chat=False`` continues the raw text. Documents and scopes as for `RagPrompt`."""
 
     text: str
     documents: tuple[str, ...] = ()
     chat: bool = True
     system: str | None = None
+    scopes: tuple[str | None, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.text, str):
             raise InvalidRequestError(f"prompt must be a str, got {type(self.text).__name__}")
         if not self.text.strip():
             raise InvalidRequestError("empty prompt: pass the rendered prompt text")
-        object.__setattr__(self, "documents", validate_documents(self.documents))
+        _set_documents(self)
         _check_system(self.system)
 
-    def segment(self, builder: PromptBuilder) -> SegmentedPrompt:
-        return builder.build_flat(self.text, self.documents, chat=self.chat, system=self.system)
+    @property
+    def docs(self) -> tuple[Doc, ...]:
+        """The documents with their scopes."""
+        return _docs(self)
+
+    def segment(self, builder: PromptBuilder, context: PromptContext | None = None) -> SegmentedPrompt:
+        return builder.build_flat(self.text, self.docs, chat=self.chat, system=self.system, context=context)
 
 
 @dataclass(frozen=True)
 class ChatPrompt:
     """A conversation (``[{"role": ..., "content": str}, ...]``, copied) rendered with the chat template;
-    ``documents`` found in the rendered text get their own token runs."""
+    ``documents`` found in the rendered text get their own token runs. Documents and scopes as for `RagPrompt`."""
 
     messages: tuple[Mapping[str, Any], ...]
     documents: tuple[str, ...] = ()
+    scopes: tuple[str | None, ...] = ()
 
     def __post_init__(self) -> None:
         messages = self.messages
@@ -127,10 +155,15 @@ class ChatPrompt:
         if not any(m["content"].strip() for m in messages):
             raise InvalidRequestError("all messages are empty")
         object.__setattr__(self, "messages", tuple(dict(m) for m in messages))
-        object.__setattr__(self, "documents", validate_documents(self.documents))
+        _set_documents(self)
 
-    def segment(self, builder: PromptBuilder) -> SegmentedPrompt:
-        return builder.build_chat(self.messages, self.documents)
+    @property
+    def docs(self) -> tuple[Doc, ...]:
+        """The documents with their scopes."""
+        return _docs(self)
+
+    def segment(self, builder: PromptBuilder, context: PromptContext | None = None) -> SegmentedPrompt:
+        return builder.build_chat(self.messages, self.docs, context=context)
 
 
 Prompt = RagPrompt | FlatPrompt | ChatPrompt

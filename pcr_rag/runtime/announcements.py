@@ -2,21 +2,29 @@
 
 The announcement joins the prefetch window behind the waiting queue (its chunks are protected and prefetched);
 a later request with the same documents claims it. Unclaimed announcements expire after a TTL. Thread-safe.
+
+Ticket ids are random (positive, below 2**53, unique among pending tickets), not a sequence: an id tells its
+holder nothing about how many announcements others made. 53 bits keep them exact as JSON numbers in clients that
+read numbers as doubles (JavaScript), and the server's routes take them as ints.
 """
 
 from __future__ import annotations
 
 import itertools
+import secrets
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+TICKET_ID_BITS = 53
+
 
 @dataclass
 class Ticket:
-    """An announced request: its documents, the chunk keys its prefix is predicted to have, and its deadline."""
+    """An announced request: its documents, the chunk keys its prefix is predicted to have, and its deadline.
+    ``ticket_id``: a random int in [1, 2**53), unique among the board's pending tickets."""
 
     ticket_id: int
     documents: tuple[str, ...]
@@ -37,7 +45,6 @@ class AnnouncementBoard:
         self.clock = clock
         self._lock = threading.Lock()
         self._tickets: deque[Ticket] = deque()
-        self._ids = itertools.count(1)
         self.announced = 0
         self.claimed = 0
         self.expired = 0
@@ -45,8 +52,12 @@ class AnnouncementBoard:
     def add(self, documents: tuple[str, ...], keys: Sequence[bytes],
             ssd_keys: frozenset[bytes] = frozenset(), namespace: str = "") -> Ticket:
         now = self.clock()
-        t = Ticket(next(self._ids), documents, tuple(keys), now, now + self.ttl_s, ssd_keys, namespace)
         with self._lock:
+            pending = {t.ticket_id for t in self._tickets}
+            ticket_id = 0
+            while ticket_id == 0 or ticket_id in pending:
+                ticket_id = secrets.randbits(TICKET_ID_BITS)
+            t = Ticket(ticket_id, documents, tuple(keys), now, now + self.ttl_s, ssd_keys, namespace)
             self._tickets.append(t)
             self.announced += 1
         return t
