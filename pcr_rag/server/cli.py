@@ -197,7 +197,7 @@ def build_configs(args: argparse.Namespace, environ: Mapping[str, str] | None = 
 def run(args: argparse.Namespace) -> int:
     try:
         config = serve_config(args)
-    except ValueError as exc:  # before the model loads: say what is wrong and stop
+    except (ValueError, OSError) as exc:  # before the model loads: say what is wrong and stop
         log.error("pcr-rag serve: %s (see pcr-rag serve --help)", exc)
         return 2
     from pcr_rag.engine import PCREngine

@@ -138,7 +138,8 @@ class FlagSpec:
         if self.kind == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
             return _finite(float(value))
         expected = {"bool": "true or false", "int": "an integer", "float": "a number",
-                    "bytes": "an integer of bytes or a string like '2GiB'"}.get(self.kind, "a string")
+                    "bytes": "an integer of bytes or a string like '2GiB'",
+                    "choice": f"one of {', '.join(self.choices)}"}.get(self.kind, "a string")
         raise ValueError(f"expected {expected}, got {value!r}")
 
     @property

@@ -26,6 +26,12 @@ from pcr_rag.server.settings import ServerSettings
 SECRET = "0123456789abcdef-shared-by-replicas"
 
 
+@pytest.fixture(autouse=True)
+def _no_secrets_in_the_environment(monkeypatch):
+    monkeypatch.delenv("PCR_RAG_REMOTE_SECRET", raising=False)
+    monkeypatch.delenv(cli.API_KEY_ENV, raising=False)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pcr-rag serve")
     cli.add_arguments(p)
@@ -183,13 +189,16 @@ class _NoModel:
     (["--port", "70000"], "port must be in [0, 65535]"),
     (["--tenant-per-key"], "tenant_per_key needs at least one API key"),
     (["--max-body-bytes", "10"], "max_body_bytes must be"),
-    (["--remote-url", "ftp://cache"], "remote tier"),
+    (["--remote-url", "ftp://cache", "--remote-insecure"], "remote tier"),
+    (["--remote-url", "redis://cache:6379/0"], "a remote tier needs a secret"),
+    (["--remote-url", "redis://cache:6379/0", "--remote-secret-file", "{short}"], "at least 16 characters"),
 ])
-def test_a_value_its_dataclass_refuses_exits_2_before_the_model_loads(argv, message, monkeypatch, caplog):
+def test_a_value_its_dataclass_refuses_exits_2_before_the_model_loads(argv, message, monkeypatch, caplog, tmp_path):
     monkeypatch.setattr(pcr_rag.engine, "PCREngine", _NoModel)
-    monkeypatch.delenv(cli.API_KEY_ENV, raising=False)
-    assert top_cli.main(["serve", *argv]) == 2
+    short = private_file(tmp_path / "short", "too-short\n")
+    assert top_cli.main(["serve", *(a.format(short=short) for a in argv)]) == 2
     assert message in caplog.text
+    assert "too-short" not in caplog.text
 
 
 def test_remote_url_and_secret_file_configure_the_remote_tier(tmp_path):
@@ -198,8 +207,14 @@ def test_remote_url_and_secret_file_configure_the_remote_tier(tmp_path):
     assert config.engine.remote_url == "valkey://cache:6379/0"
     assert config.engine.remote_secret == SECRET  # the trailing newline dropped
     assert config.engine.remote_config is not None
-    # without the file the engine reads $PCR_RAG_REMOTE_SECRET itself
-    assert configs(["--remote-url", "valkey://cache:6379/0"]).engine.remote_secret is None
+
+
+def test_without_a_secret_file_the_engine_reads_the_environment(monkeypatch):
+    with pytest.raises(ConfigError, match="needs a secret"):
+        configs(["--remote-url", "valkey://cache:6379/0"])
+    monkeypatch.setenv("PCR_RAG_REMOTE_SECRET", SECRET)
+    engine = configs(["--remote-url", "valkey://cache:6379/0"]).engine
+    assert (engine.remote_secret, engine.secret) == (None, SECRET)
 
 
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o620])
@@ -286,6 +301,7 @@ shutdown_timeout_s = 12
     ("[engine]\nremote_secret = 'abc'\n", "remote_secret cannot be written in a config file"),
     ("[engine]\nchunk_size = '16x'\n", "chunk_size: expected an integer, got '16x'"),
     ("[engine]\nlayerwise = 'no'\n", "layerwise: expected true or false"),
+    ("[engine]\nschedule = 1\n", "schedule: expected one of fcfs, cache-aware, got 1"),
     ("[engine]\nchunk_size = true\n", "chunk_size: expected an integer, got True"),
     ("[engine]\nannounce_ttl_s = nan\n", "announce_ttl_s: expected a finite number"),
     ("[server]\napi_keys = 'k'\n", "api_keys: expected a list of strings"),
