@@ -18,9 +18,9 @@ process, so ``freeze_gc`` is on), the ``--config`` file, the command line.
 
 The config file is TOML: top-level keys are `ServeOptions` fields, the ``[engine]`` table holds `EngineConfig`
 fields and ``[server]`` holds `ServerSettings` fields, named as the fields (``-`` may stand for ``_``), values typed
-as TOML or written as on the command line (``"2GiB"``, ``"none"``). A secret is a path (``remote_secret_file``);
-keys (``api_keys``, ``metrics_key``: fields named ``*_key(s)``) are accepted only from a file only its owner can
-read. Unknown keys are an error naming the valid ones::
+as TOML or written as on the command line (``"2GiB"``, ``"none"``; paths relative to the working directory). A
+secret is a path (``remote_secret_file``); keys (``api_keys``, ``metrics_key``: fields named ``*_key(s)``) are
+accepted only from a file only its owner can read. Unknown keys are an error naming the valid ones::
 
     model = "smollm2-135m-instruct"
 
@@ -35,7 +35,8 @@ read. Unknown keys are an error naming the valid ones::
     shutdown_timeout_s = 60
 
 A bad value (a flag argparse cannot convert, a field its dataclass refuses, an unreadable or shared secret file)
-stops the command with status 2 and a message before the model loads.
+stops the command with status 2 and a message before the model loads. Flags are never abbreviated: with flags
+generated from fields, an abbreviation that works today would change meaning when a field is added.
 """
 
 from __future__ import annotations

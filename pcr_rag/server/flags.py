@@ -28,7 +28,6 @@ import math
 import os
 import re
 import stat
-import sys
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -220,7 +219,7 @@ def _kind(name: str, hint: Any) -> tuple[Kind, bool, tuple[str, ...]]:
     """(kind, optional, Literal choices) of an annotation; TypeError for one no flag can carry."""
     origin = typing.get_origin(hint)
     members: tuple[Any, ...] = (hint,)
-    if origin is typing.Union or (sys.version_info >= (3, 10) and origin is types.UnionType):
+    if origin in (typing.Union, types.UnionType):
         members = typing.get_args(hint)
     optional = type(None) in members
     rest = frozenset(m for m in members if m is not type(None))
@@ -261,14 +260,14 @@ def _kind(name: str, hint: Any) -> tuple[Kind, bool, tuple[str, ...]]:
 def dataclass_flags(cls: type, *, section: str, aliases: Mapping[str, tuple[str, ...]] | None = None,
                     choices: Mapping[str, Iterable[str]] | None = None, defaults: Mapping[str, Any] | None = None,
                     notes: Mapping[str, str] | None = None) -> tuple[FlagSpec, ...]:
-    """One `FlagSpec` per field of the dataclass ``cls``, in field order.
+    """One `FlagSpec` per field of the dataclass ``cls`` that its constructor takes (``init``), in field order.
 
     ``aliases`` / ``choices`` / ``defaults`` / ``notes`` are keyed by field name: extra option strings, allowed
     strings, the default a caller applies instead of the dataclass's (shown in ``--help``), and text added to the
     docstring's. A key that is not a field raises KeyError (a renamed field must not leave an alias behind).
     """
     aliases, choices, defaults, notes = aliases or {}, choices or {}, defaults or {}, notes or {}
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for extra in (aliases, choices, defaults, notes):
         unknown = sorted(set(extra) - set(fields))
         if unknown:

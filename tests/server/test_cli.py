@@ -52,7 +52,7 @@ def test_every_engine_and_server_field_has_a_flag():
     """Fails when a field is added to a dataclass the command line does not cover (fields are introspected)."""
     actions = {a.dest: a for a in parser()._actions}
     for section, cls in (("engine", EngineConfig), ("server", ServerSettings), ("serve", cli.ServeOptions)):
-        for f in dataclasses.fields(cls):
+        for f in (f for f in dataclasses.fields(cls) if f.init):  # what the constructor takes
             action = actions.get(f"{section}.{f.name}")
             assert action is not None, f"{cls.__name__}.{f.name} has no pcr-rag serve flag"
             assert action.option_strings, f.name
