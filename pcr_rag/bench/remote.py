@@ -52,7 +52,8 @@ from pcr_rag.bench.targets import REMOTE_TARGETS, RatioTarget
 from pcr_rag.bench.traces import build_traces
 from pcr_rag.bench.workload import tier_capacities
 from pcr_rag.cache import CacheConfig, CacheEngine, ChunkSpec, chunk_key, namespace_key
-from pcr_rag.cache.config import RemoteConfig
+from pcr_rag.cache.config import KVLayout, RemoteConfig
+from pcr_rag.cache.seal import run_secret
 from pcr_rag.config import EngineConfig
 from pcr_rag.engine import PCREngine
 from pcr_rag.runtime.model import load_model
@@ -116,7 +117,8 @@ def measure_reads(url: str, *, chunk_shape: Sequence[int], dtype: torch.dtype, v
         key = chunk_key(parent, [i] * tokens)
         specs.append(ChunkSpec(key, parent, i * tokens, (i + 1) * tokens, 0, False))
         parent = key
-    remote = RemoteConfig(url, namespace="pcr-read-check", timeout_s=30.0)
+    layout = KVLayout(int(chunk_shape[0]), int(chunk_shape[2]), int(chunk_shape[4]), dtype)
+    remote = RemoteConfig(url, namespace="pcr-read-check", timeout_s=30.0, secret=run_secret(), kv_layout=layout)
     big = 1 << 40
 
     def cache() -> CacheEngine:
@@ -252,7 +254,7 @@ def _closed_loop(url: str, loaded: Any, cfg: Any, repeats: int, work: Path, serv
         config = EngineConfig(cache_dir=work / f"{name}-{time.monotonic_ns()}", chunk_size=cfg.chunk_size,
                               dram_capacity=dram, ssd_capacity=ssd, device=cfg.device, dtype=cfg.dtype,
                               max_new_tokens=cfg.max_new_tokens, namespace="remote-check",
-                              remote_url=remote_url)
+                              remote_url=remote_url, remote_secret=run_secret())
         return PCREngine(model=loaded.model, tokenizer=loaded.tokenizer, config=config)
 
     def answer(eng: PCREngine, reqs) -> list[float]:

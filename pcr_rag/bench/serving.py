@@ -75,6 +75,7 @@ from pcr_rag.bench.targets import LIMIT_RATIO_TARGETS, RETRIEVAL_TARGETS, SERVIN
 from pcr_rag.bench.traces import BenchTraces, build_traces
 from pcr_rag.bench.workload import Request, tier_capacities, with_rate
 from pcr_rag.cache import CacheStats, CountingBackend, LocalDirBackend
+from pcr_rag.cache.seal import run_secret
 from pcr_rag.cache.tiers.remote_client import COUNTERS as REMOTE_COUNTERS
 from pcr_rag.config import EngineConfig
 from pcr_rag.engine import GenerationResult, PCREngine
@@ -282,6 +283,7 @@ class BenchRunner:
         }
         if spec.remote:
             base["remote_url"] = self._remote_url(spec.remote)
+            base["remote_secret"] = run_secret()  # $PCR_RAG_REMOTE_SECRET, or this run's own
         return spec.config_kwargs(base)
 
     def _order(self, spec: SystemSpec) -> str | None:

@@ -39,6 +39,7 @@ __all__ = [
     "Sealer",
     "check_secret",
     "layer_nonce",
+    "run_secret",
 ]
 
 SECRET_MIN_CHARS = 16
@@ -145,3 +146,19 @@ class Sealer:
             raise ForgedChunkError(f"chunk {key.hex()} layer {layer}: AES-GCM tag mismatch (forged or "
                                    f"tampered ciphertext)") from None
 
+
+
+_RUN_SECRET: list[str] = []
+
+
+def run_secret() -> str:
+    """``$PCR_RAG_REMOTE_SECRET`` when set, else a random secret made once per process: for benches whose replicas
+    all run in this process and share a store they started themselves."""
+    env = os.environ.get("PCR_RAG_REMOTE_SECRET")
+    if env:
+        return env
+    if not _RUN_SECRET:
+        import secrets
+
+        _RUN_SECRET.append(secrets.token_urlsafe(32))
+    return _RUN_SECRET[0]

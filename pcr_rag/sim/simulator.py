@@ -49,6 +49,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from pcr_rag.cache import (
     CacheConfig,
     CacheEngine,
@@ -59,6 +61,7 @@ from pcr_rag.cache import (
     Tier,
     VirtualPayload,
 )
+from pcr_rag.cache.config import KVLayout
 from pcr_rag.runtime.admission import PrefillOutlook, prefill_candidates, queue_order, rank
 from pcr_rag.runtime.forward import ATTENTION_BLOCK
 from pcr_rag.runtime.prefetcher import plan_prefetch
@@ -71,6 +74,19 @@ from pcr_rag.sim.systems import SimSystem, engine_default
 from pcr_rag.sim.trace import SimRequest
 
 log = logging.getLogger(__name__)
+
+#: The simulated replicas' shared secret: their store is in-process (``memory://``), so the secret guards against
+#: nothing there, but values are sealed and checked exactly as a real replica's are.
+SIM_SECRET = "pcr-rag-simulator-shared-secret"
+
+
+def _virtual_layout(num_layers: int, kv_bytes_per_token: int) -> KVLayout:
+    """A KV layout whose chunk sizes are the simulated model's (``kv_bytes_per_token`` per token over
+    ``num_layers``): the simulator's chunks are metadata-only, so only their sizes are checked."""
+    per_layer, rest = divmod(kv_bytes_per_token, 2 * num_layers)
+    if rest or per_layer < 1:
+        raise ValueError(f"kv_bytes_per_token {kv_bytes_per_token} is not K and V over {num_layers} layers")
+    return KVLayout(num_layers, 1, per_layer, torch.uint8)
 
 _PREFILL_DONE, _EXEC_READY, _PREFETCH_DONE = range(3)  # event kinds
 EXECUTORS = ("serial", "prefill-first", "engine-steps")
@@ -277,7 +293,8 @@ class Simulator:
         storage = MemoryBackend() if ssd > 0 else None
         link = cfg.remote
         if link is not None and not sysm.device_cache:
-            cache_cfg.remote = RemoteConfig(f"memory://{cfg.remote_store}", capacity_bytes=1 << 50)
+            cache_cfg.remote = RemoteConfig(f"memory://{cfg.remote_store}", capacity_bytes=1 << 50, secret=SIM_SECRET,
+                                            kv_layout=_virtual_layout(self.num_layers, self.kv_bytes_per_token))
         engine = CacheEngine(cache_cfg, clock=self.clock, storage=storage)
         if engine.remote is not None and link is not None:  # the decision sees the link's and the model's speeds
             engine.remote.client.observe(rtt_s=link.rtt_s, read_bytes_per_s=link.bytes_per_s)

@@ -21,7 +21,6 @@ from pcr_rag.cache.tiers.remote_value import PROBE_BYTES, Expected, value_name
 
 from .conftest import Chunks
 
-
 SECRET = "unit-test-remote-secret"  # the replicas' shared secret in these tests
 LAYOUT = KVLayout(2, 1, 4, torch.float32)  # the layout of conftest's payload_for
 

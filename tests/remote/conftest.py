@@ -15,6 +15,14 @@ from pathlib import Path
 import pytest
 
 REQUIRE = os.environ.get("PCR_RAG_REQUIRE_VALKEY") == "1"
+SECRET = "remote-tests-shared-secret"  # the replicas' secret in these tests (subprocess replicas inherit it)
+
+
+@pytest.fixture(autouse=True)
+def remote_secret(monkeypatch):
+    """Every engine of these tests (and the replica processes they start) authenticates remote values."""
+    monkeypatch.setenv("PCR_RAG_REMOTE_SECRET", SECRET)
+    return SECRET
 
 
 class Valkey:
