@@ -145,16 +145,18 @@ def open_private_root(path: Path) -> int:
 def secure_tree(root_fd: int, root: Path) -> None:
     """Check everything under the open cache directory ``root_fd`` (``root`` names it in messages): raise
     ``UnsafeCacheDirError`` for an entry of another user or one others can write, tighten what others can only
-    read. Links are not followed (a warning names them; reading through them fails later); other kinds of file
-    (sockets, FIFOs) are left alone and never opened."""
+    read (one warning for all of them). Links are not followed (one warning; reading through them fails later);
+    other kinds of file (sockets, FIFOs) are left alone and never opened."""
+    tightened: list[tuple[Path, int]] = []
+    links: list[Path] = []
     for dirpath, dirnames, filenames, dir_fd in os.fwalk(".", dir_fd=root_fd):
-        links: set[str] = set()
+        linked: set[str] = set()
         for name in [*dirnames, *filenames]:
             path = Path(os.path.normpath(root / dirpath / name))
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
             if stat.S_ISLNK(st.st_mode):
-                log.warning("%s in the cache directory is a symbolic link: it is never followed", path)
-                links.add(name)
+                links.append(path)
+                linked.add(name)
                 continue
             if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
                 continue
@@ -162,8 +164,21 @@ def secure_tree(root_fd: int, root: Path) -> None:
             if tighten is not None:
                 # not a link (lstat above) in a directory only this user can write, so chmod reaches the entry
                 os.chmod(name, tighten, dir_fd=dir_fd)
-                _warn_tightened(path, stat.S_IMODE(st.st_mode), tighten)
-        dirnames[:] = [d for d in dirnames if d not in links]  # fwalk would open a linked directory's target
+                tightened.append((path, stat.S_IMODE(st.st_mode)))
+        dirnames[:] = [d for d in dirnames if d not in linked]  # fwalk would open a linked directory's target
+    if tightened:
+        path, mode = tightened[0]
+        log.warning(
+            "%d entries under the cache directory %s were readable by other users (e.g. %s, mode %04o): "
+            "tightened to %04o (directories) and %04o (files)",
+            len(tightened), root, path, mode, DIR_MODE, FILE_MODE,
+        )
+    if links:
+        log.warning(
+            "%d symbolic links in the cache directory %s (e.g. %s) are never followed: what they name is not read "
+            "or written, and chunk names among them are dropped as unreadable",
+            len(links), root, links[0],
+        )
 
 
 @contextlib.contextmanager
