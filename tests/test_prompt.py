@@ -8,7 +8,15 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from pcr_rag.cache import namespace_key, plan_chunks
-from pcr_rag.prompt import DEFAULT_SEPARATOR, DocumentLayout, PromptBuilder
+from pcr_rag.errors import PromptTooLongError
+from pcr_rag.prompt import (
+    DEFAULT_SEPARATOR,
+    Doc,
+    DocumentLayout,
+    PromptBuilder,
+    PromptContext,
+    max_token_chars,
+)
 from pcr_rag.requests import ChatPrompt, FlatPrompt, RagPrompt
 from pcr_rag.runtime.model import ModelPackageMissingError
 from pcr_rag.testing import default_tokenizer, tiny_tokenizer
@@ -193,3 +201,131 @@ def test_the_announce_prediction_matches_documents_with_trailing_whitespace(buil
     real = builder.build_rag("q?", docs)
     assert predicted.segments == real.segments[:len(predicted.segments)]
     assert len(predicted.segments) == 1 + len(docs)
+
+
+# ----------------------------------------------------------------------------------------- sharing scopes
+def _private_from(builder: PromptBuilder, docs, namespace: str, text: str | None = None) -> tuple[int | None, int]:
+    """(private_from, index of the first document's segment) of a RAG prompt (or ``text``) over ``docs``."""
+    context = PromptContext(namespace)
+    seg = builder.build_rag("q?", docs, context=context) if text is None else builder.segment(text, docs,
+                                                                                              context=context)
+    return seg.private_from, len(seg.segments) - len(docs) - 1
+
+
+def test_scopes_decide_where_the_private_part_starts(builder) -> None:
+    a, b = DOCS[:2]
+    pf, first = _private_from(builder, [a, b], "t")
+    assert first == 1 and pf == 1  # unmarked documents are private in a namespace; the head is shared
+    assert _private_from(builder, [Doc(a, "shared"), b], "t")[0] == 2
+    assert _private_from(builder, [Doc(a, "shared"), Doc(b, "shared")], "t")[0] == 3  # the query is private
+    assert _private_from(builder, [b, Doc(a, "shared")], "t")[0] == 1  # nothing after a private one is shared
+    private_head = PromptBuilder(builder.tokenizer, system_prompt_scope="private")
+    assert _private_from(private_head, [Doc(a, "shared")], "t")[0] == 0
+    # the engine-wide namespace: shared unless marked private, and nothing private without a document marked so
+    assert _private_from(builder, [a, b], "")[0] is None
+    assert _private_from(builder, [a, Doc(b, "private")], "")[0] == 2
+    assert builder.build_rag("q?", []).private_from is None
+    assert builder.build_rag("q?", [], context=PromptContext("t")).private_from == 0
+
+
+def test_text_between_shared_documents_is_private(builder) -> None:
+    """A template that puts a question (or anything but whitespace) between two shared documents makes the piece
+    that carries it private: a shared piece holds shared documents, the shared head and whitespace only."""
+    a, b = DOCS[:2]
+    docs = [Doc(a, "shared"), Doc(b, "shared")]
+    assert _private_from(builder, docs, "t", f"Context:\n{a}\n\n{b}\nQuestion: q?")[0] == 3
+    assert _private_from(builder, docs, "t", f"Context:\n{a}\nQuestion: q?\n{b}\nAnswer:")[0] == 2
+
+
+def _counting(tokenizer):
+    calls: list[str] = []
+
+    class Counting:
+        def __call__(self, text, *args, **kwargs):
+            calls.append(text)
+            return tokenizer(text, *args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+    return Counting(), calls
+
+
+def test_token_cache_is_per_namespace_and_kept_only_when_accepted() -> None:
+    """A text tokenized for tenant A is no hit for tenant B (B gets no speed-up from A's text), and a request's
+    pieces enter the cache only when the engine accepts it."""
+    tokenizer, calls = _counting(tiny_tokenizer())
+    builder = PromptBuilder(tokenizer)
+    text = f"Context: {DOCS[0]}\nQ?"
+    a = PromptContext("a")
+    builder.segment(text, [DOCS[0]], context=a)
+    assert not builder.is_cached(" " + DOCS[0], "a")  # not accepted yet
+    builder.accept(a)
+    assert builder.is_cached(" " + DOCS[0], "a") and not builder.is_cached(" " + DOCS[0], "b")
+    calls.clear()
+    builder.segment(text, [DOCS[0]], context=PromptContext("a"))
+    hits_a = [c for c in calls if c == " " + DOCS[0]]
+    calls.clear()
+    builder.segment(text, [DOCS[0]], context=PromptContext("b"))
+    assert hits_a == [] and " " + DOCS[0] in calls  # A: cached; B: tokenized afresh
+    rejected = PromptContext("a")
+    builder.segment(f"Context: {DOCS[1]}\nQ?", [DOCS[1]], context=rejected)
+    assert not builder.is_cached(" " + DOCS[1], "a")  # dropped with its context
+
+
+def test_token_cache_is_bounded_in_bytes() -> None:
+    budget = 64 * 1024
+    builder = PromptBuilder(tiny_tokenizer(), token_cache_bytes=budget)
+    for i in range(200):
+        builder.segment(f"Context: document number {i}. " + DOCS[i % 4] * 3 + "\nQ?", [DOCS[i % 4] * 3])
+    assert 0 < builder.token_cache_bytes <= budget
+    huge = "word " * 40_000  # larger than the whole budget: not kept, and nothing else is evicted for it
+    before = builder.token_cache_bytes
+    builder.segment("Context: " + huge + "\nQ?", [huge])
+    assert not builder.is_cached(" " + huge.rstrip()) and builder.token_cache_bytes <= budget
+    assert builder.token_cache_bytes >= before // 2
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_the_character_bound_never_rejects_a_prompt_that_fits(builder, data) -> None:
+    """``max_prompt_chars(n)`` is at least the length of every text of n tokens, including the densest ones (long
+    whitespace runs, special tokens typed in the text)."""
+    alphabet = st.sampled_from(list("ab .\n\t-0é🐍") + [" " * 40, "\n" * 30, "<|im_start|>", "<s>", "the", " the"])
+    text = data.draw(st.lists(alphabet, min_size=1, max_size=40).map("".join))
+    n = len(builder.segment(text, []).token_ids)
+    bound = builder.max_prompt_chars(n)
+    assert bound is not None and len(text) <= bound
+    dense = " " * 5000 + "\n" * 5000
+    assert len(dense) <= builder.max_prompt_chars(len(builder.segment(dense, []).token_ids))
+
+
+def test_the_character_bound_rejects_before_tokenizing() -> None:
+    tokenizer, calls = _counting(tiny_tokenizer())
+    builder = PromptBuilder(tokenizer)
+    context = PromptContext("a", max_prompt_tokens=100, max_new_tokens=8, max_model_len=108)
+    text = "x" * (builder.max_prompt_chars(100) + 1)
+    calls.clear()
+    with pytest.raises(PromptTooLongError, match="characters, so at least"):
+        builder.segment(text, [], context=context)
+    assert calls == []
+
+
+def test_tokenizers_that_shrink_text_get_no_character_bound() -> None:
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    def fast(normalizer=None, pre_tokenizer=None):
+        tok = Tokenizer(models.BPE(vocab={"a": 0, "b": 1, "ab": 2}, merges=[("a", "b")]))
+        if normalizer is not None:
+            tok.normalizer = normalizer
+        if pre_tokenizer is not None:
+            tok.pre_tokenizer = pre_tokenizer
+        return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+    assert max_token_chars(fast()) == 2
+    assert max_token_chars(fast(normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Lowercase()]))) == 2
+    assert max_token_chars(fast(normalizers.NFKC())) is None
+    assert max_token_chars(fast(normalizers.StripAccents())) is None
+    assert max_token_chars(fast(pre_tokenizer=pre_tokenizers.Whitespace())) is None
+    assert max_token_chars(object()) is None
