@@ -27,6 +27,7 @@ from typing import Any
 from pcr_rag.cache import CacheConfig, CacheEngine, CacheStats, ChunkSpec, Tier, namespace_key, plan_chunks
 from pcr_rag.cache.config import remote_with_layout
 from pcr_rag.cache.keys import scope_key
+from pcr_rag.cache.storage.private_dir import refuse_unsafe
 from pcr_rag.config import EngineConfig
 from pcr_rag.errors import EngineClosedError, InvalidRequestError, PromptTooLongError, RequestCancelledError
 from pcr_rag.metrics import MetricsRecorder, prometheus_text
@@ -127,6 +128,8 @@ class PCREngine:
         elif overrides:
             config = config.with_overrides(**overrides)
         self.config = config
+        if config.enable_cache and config.ssd_capacity > 0 and storage is None:
+            refuse_unsafe(config.cache_dir)  # an unsafe cache_dir fails before the model loads
         self.loaded: LoadedModel = load_model(model, tokenizer, dtype=config.dtype, device=config.device,
                                               model_cache_dir=config.model_cache_dir)
         self.device = self.loaded.device

@@ -232,9 +232,10 @@ def test_fsync_syncs_the_directory_after_each_rename(tmp_path, monkeypatch, fsyn
     assert backend.open("ab/blob").read_at(0, 6) == b"second"
 
 
-def test_engine_refuses_an_unsafe_cache_dir_and_ignores_planted_links(tmp_path):
-    """End to end: a world-writable cache_dir stops PCREngine before compute; chunk files swapped for links to
-    poisoned copies are recomputed at restart, the answer and its logits unchanged."""
+def test_engine_refuses_an_unsafe_cache_dir_and_ignores_planted_links(tmp_path, monkeypatch):
+    """End to end: a world-writable cache_dir stops PCREngine before its model loads; chunk files swapped for
+    links to poisoned copies are recomputed at restart, the answer and its logits unchanged."""
+    import pcr_rag.engine
     from pcr_rag import EngineConfig, PCREngine
     from pcr_rag.testing import tiny_model
 
@@ -249,7 +250,8 @@ def test_engine_refuses_an_unsafe_cache_dir_and_ignores_planted_links(tmp_path):
     open_dir = tmp_path / "open"
     open_dir.mkdir()
     open_dir.chmod(0o777)
-    with pytest.raises(UnsafeCacheDirError):
+    with monkeypatch.context() as patch, pytest.raises(UnsafeCacheDirError):
+        patch.setattr(pcr_rag.engine, "load_model", lambda *a, **kw: pytest.fail("the model loaded first"))
         engine(open_dir)
     kv, outside = tmp_path / "kv", tmp_path / "outside"
     with engine(kv) as eng:

@@ -35,6 +35,7 @@ __all__ = [
     "OPEN_DIR",
     "check_entry",
     "open_private_root",
+    "refuse_unsafe",
     "secure_tree",
     "walk_to",
 ]
@@ -121,6 +122,19 @@ def _warn_open_ancestors(path: Path) -> None:
                 parent, path, _user(st.st_uid), stat.S_IMODE(st.st_mode),
             )
             return
+
+
+def refuse_unsafe(path: str | os.PathLike[str]) -> None:
+    """Raise ``UnsafeCacheDirError`` now when the directory ``path`` exists and another user owns it or others can
+    write to it; nothing is created or changed. An engine calls it before loading its model, so an unsafe
+    ``cache_dir`` fails before any compute; the full check (and the tightening) runs when the SSD tier opens it."""
+    resolved = Path(path).expanduser().resolve()
+    try:
+        st = os.stat(resolved)
+    except OSError:
+        return  # missing (created private) or unusable (the SSD tier reports it and stays off)
+    if stat.S_ISDIR(st.st_mode):
+        check_entry(st, resolved, resolved)
 
 
 def open_private_root(path: Path) -> int:
