@@ -47,7 +47,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pcr_rag.config import EngineConfig
 from pcr_rag.errors import ConfigError
@@ -62,7 +62,8 @@ __all__ = ["ALIASES", "API_KEY_ENV", "SERVE_ENGINE_DEFAULTS", "ServeConfig", "Se
 log = logging.getLogger(__name__)
 
 API_KEY_ENV = "PCR_RAG_API_KEY"
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+LogLevel = Literal["critical", "error", "warning", "info", "debug"]
+LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ class ServeOptions:
     """
 
     model: str | None = None
-    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    log_level: LogLevel = "info"
 
     def __post_init__(self) -> None:
         if self.log_level not in LOG_LEVELS:
