@@ -17,11 +17,11 @@ import torch
 
 from pcr_rag import EngineConfig, PCREngine, RagPrompt
 from pcr_rag.cache import CacheConfig, CacheEngine, ChunkSpec, chunk_key, namespace_key
-from pcr_rag.cache.config import RemoteConfig
+from pcr_rag.cache.config import KVLayout, RemoteConfig
 from pcr_rag.cache.tiers.remote_value import value_name
 from pcr_rag.testing import tiny_model
 
-from .conftest import start_valkey
+from .conftest import SECRET, start_valkey
 
 CHUNK = 16
 TOPICS = ["rivers", "glaciers", "volcanoes", "deserts", "forests", "oceans", "islands", "caves"]
@@ -163,9 +163,10 @@ def _chain(n: int, tokens: int = 4, layers: int = 2, heads: int = 2, head_dim: i
 def test_values_the_store_evicts_are_misses(tmp_path):
     server = start_valkey(tmp_path, maxmemory="4mb")  # allkeys-lru: old values go as new ones come
     try:
-        def cache() -> CacheEngine:
+        def cache(head_dim: int = 64) -> CacheEngine:  # the KV layout of _chain's payloads
+            layout = KVLayout(2, 2, head_dim, torch.float32)
             return CacheEngine(CacheConfig(chunk_size=4, dram_bytes=1 << 30, sync_io=True,
-                                           remote=RemoteConfig(server.url)))
+                                           remote=RemoteConfig(server.url, secret=SECRET, kv_layout=layout)))
 
         specs, payloads = _chain(160)  # 160 values of ~12 KiB each, then 300 x 32 KiB more: over 4 MiB
         with cache() as a, cache() as b:
@@ -181,9 +182,9 @@ def test_values_the_store_evicts_are_misses(tmp_path):
             for s, p in zip(big, big_payloads, strict=True):
                 a.insert(s, p)
             assert server.client().info("stats")["evicted_keys"] > 0
-        with cache() as c:
+        with cache(head_dim=256) as c, cache() as d:
             found = c.acquire(big).num_chunks
-            assert 0 < found < 300 or c.acquire(specs).num_chunks < 100  # the store evicted: fewer chunks match
+            assert 0 < found < 300 or d.acquire(specs).num_chunks < 100  # the store evicted: fewer chunks match
             c.load([s.key for s in big[:found]])
             for s, p in zip(big[:found], big_payloads, strict=False):
                 got = c.get_payload(s.key)
@@ -210,7 +211,7 @@ def test_rediss_urls_use_tls_and_the_password(tmp_path):
     pytest.importorskip("redis")
     from pcr_rag.cache.tiers.remote_store import RedisStore, redacted_url
 
-    store = RedisStore(RemoteConfig("valkeys://user:pw@127.0.0.1:6390/0"))
+    store = RedisStore(RemoteConfig("valkeys://user:pw@127.0.0.1:6390/0", secret=SECRET))
     assert store._pool.connection_class.__name__ == "SSLConnection"  # noqa: SLF001
     assert store._pool.connection_kwargs["password"] == "pw" and store._pool.connection_kwargs["username"] == "user"
     assert "pw" not in store.describe() and redacted_url("rediss://:pw@h:1/0") == "rediss://:***@h:1/0"
@@ -237,8 +238,10 @@ def test_engine_config_validates_the_remote_fields(tmp_path):
     assert EngineConfig(cache_dir=tmp_path).remote_config is None
     for bad in ({"remote_url": "http://store:6379"}, {"remote_url": "redis://s", "remote_timeout_s": 0},
                 {"remote_url": "redis://s", "remote_namespace": "a:b"}, {"remote_url": "redis://s", "remote_ttl_s": -1}):
-        with pytest.raises(ConfigError, match="remote tier"):
+        with pytest.raises(ConfigError, match="remote tier|remote_timeout_s|remote_ttl_s"):
             EngineConfig(cache_dir=tmp_path, **bad)
+    with pytest.raises(ConfigError, match="at least 16 characters"):
+        EngineConfig(cache_dir=tmp_path, remote_url="redis://s", remote_secret="too-short")
 
 
 def test_a_remote_chunk_is_fetched_once_per_replica(tiny, tmp_path, reference):

@@ -265,7 +265,9 @@ class ValueCodec:
                 self.layer(header, stored, i, root)
             flat = torch.frombuffer(stored, dtype=torch.uint8, count=header.payload_nbytes)
             return flat.view(header.dtype).view(header.shape)
-        out = torch.empty(header.shape, dtype=header.dtype)
+        out = torch.empty(header.payload_nbytes, dtype=torch.uint8)
+        view = memoryview(out.numpy())
+        lb = header.layer_nbytes
         for i in range(header.shape[0]):
-            out[i].copy_(self.layer(header, stored, i, root))  # same dtype and shape: a byte copy
-        return out
+            view[i * lb : (i + 1) * lb] = open_layer(header, i, stored[i * lb : (i + 1) * lb], self.sealer, root)
+        return out.view(header.dtype).view(header.shape)
