@@ -15,11 +15,12 @@ Two sources, one registry per app (never the process-global one, so several apps
   ``pcr:announcements_pending``; counters ``pcr:prompt_tokens_total``,
   ``pcr:prompt_tokens_by_source_total{source=computed|device|dram|ssd|remote}``, ``pcr:prefix_cache_queries_total`` and
   ``pcr:prefix_cache_hits_total`` (tokens, as vLLM counts them), ``pcr:cache_evictions_total{tier}``,
-  ``pcr:cache_load_failures_total``, ``pcr:prefetch_loads_total``, ``pcr:prefetch_hit_chunks_total``,
-  ``pcr:prefetch_cycles_total``, ``pcr:announcements_total``, ``pcr:announcements_claimed_total``,
-  ``pcr:announcements_expired_total``, ``pcr:requests_failed_total``, ``pcr:requests_cancelled_total``; the garbage
-  collector's ``pcr:gc_collections_total{generation}``, ``pcr:gc_pause_seconds_total{generation}``,
-  ``pcr:gc_max_pause_seconds{generation}`` and ``pcr:gc_frozen_objects`` (process-wide, `runtime.gc_pauses`).
+  ``pcr:cache_load_failures_total``, ``pcr:remote_values_forged_total``, ``pcr:prefetch_loads_total``,
+  ``pcr:prefetch_hit_chunks_total``, ``pcr:prefetch_cycles_total``, ``pcr:announcements_total``,
+  ``pcr:announcements_claimed_total``, ``pcr:announcements_expired_total``, ``pcr:requests_failed_total``,
+  ``pcr:requests_cancelled_total``; the garbage collector's ``pcr:gc_collections_total{generation}``,
+  ``pcr:gc_pause_seconds_total{generation}``, ``pcr:gc_max_pause_seconds{generation}`` and
+  ``pcr:gc_frozen_objects`` (process-wide, `runtime.gc_pauses`).
 
 Every series carries a ``model_name`` label, as vLLM's do. The process collector adds
 ``process_resident_memory_bytes`` and friends (the load test reads the server's RSS there).
@@ -176,6 +177,8 @@ class _EngineCollector(Collector):
         yield gauge("cache_pinned_chunks", "Chunks pinned now by running requests and loads (0 when idle).",
                     cache.pinned_chunks)
         yield counter("cache_load_failures", "Cached chunks that failed to load (recomputed).", cache.load_failures)
+        yield counter("remote_values_forged", "Remote values rejected as forged (MAC, root, plan or layout), deleted.",
+                      cache.remote_io.get("forged", 0))
         yield counter("prefetch_loads", "SSD -> DRAM loads started by the prefetcher.", pf["loads_started"])
         yield counter("prefetch_hit_chunks", "Chunks on SSD at entry and in memory when their request ran.",
                       pf["prefetch_hit_chunks"])

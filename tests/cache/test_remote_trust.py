@@ -36,6 +36,7 @@ from pcr_rag.cache.tiers.remote import open_remote_tier
 from pcr_rag.cache.tiers.remote_store import MemoryRemoteStore
 from pcr_rag.cache.tiers.remote_value import Expected, value_name
 from pcr_rag.errors import ConfigError
+from pcr_rag.server.metrics import ServerMetrics
 from pcr_rag.testing import tiny_model
 
 from .conftest import Chunks
@@ -132,12 +133,14 @@ def test_forged_values_change_an_insecure_replica_but_are_rejected_under_a_secre
             with replica(tiny, tmp_path, f"r{secure}", f"memory://{name}", **trust) as fresh:
                 got = answer(fresh)
                 io = fresh.stats().cache.remote_io
+                scraped = ServerMetrics("tiny", fresh.stats).render().decode()  # what /metrics serves
             if not secure:
                 assert got.metrics.reused_by_tier["remote"] > 0 and not same(got, ref)  # the attack works
                 assert io["forged"] == 0 and io["corrupt"] == 0
             else:
                 assert got.metrics.reused_by_tier["remote"] == 0 and same(got, ref)
                 assert io["forged"] >= 1 and io["hits"] == 0
+                assert f'pcr:remote_values_forged_total{{model_name="tiny"}} {float(io["forged"])}' in scraped
                 left = MemoryRemoteStore.named(name).values
                 assert all(not _is_forged(raw) for raw in left.values())  # forged ones deleted, fresh ones sealed
         finally:
