@@ -137,8 +137,11 @@ class Sealer:
     def open_layer(self, root: bytes, nonce: bytes, layer: int, aad: bytes, stored: memoryview, tag: bytes,
                    key: bytes) -> bytes:
         """The plaintext of an encrypted layer; ``ForgedChunkError`` when its tag fails."""
-        from cryptography.exceptions import InvalidTag
-
+        try:
+            from cryptography.exceptions import InvalidTag
+        except ImportError:  # a replica without the "crypto" extra: a miss for it, never a crash
+            raise CorruptChunkError(f"chunk {key.hex()} is encrypted and the 'cryptography' package is missing: "
+                                    f"pip install 'pcr-rag[crypto]'") from None
         try:
             return self._aead(root).decrypt(layer_nonce(nonce, layer), bytes(stored) + tag,
                                             aad + layer.to_bytes(4, "little"))
