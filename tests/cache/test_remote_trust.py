@@ -101,8 +101,9 @@ def tiny():
 
 def replica(tiny, tmp_path, name: str, url: str | None, **kw) -> PCREngine:
     model, tok = tiny
-    cfg = EngineConfig(cache_dir=tmp_path / name, chunk_size=16, dram_capacity="64MiB", ssd_capacity=0,
-                       max_new_tokens=6, device="cpu", dtype="float32", prefetch=False, remote_url=url, **kw)
+    kw.setdefault("ssd_capacity", 0)
+    cfg = EngineConfig(cache_dir=tmp_path / name, chunk_size=16, dram_capacity="64MiB", max_new_tokens=6,
+                       device="cpu", dtype="float32", prefetch=False, remote_url=url, **kw)
     return PCREngine(model=model, tokenizer=tok, config=cfg)
 
 
@@ -394,3 +395,17 @@ def test_layout_of_the_tests_matches_their_payloads(chunks, make_payload):
     spec = chunks.child(None, [1] * 4)
     assert LAYOUT.nbytes(4) == make_payload(spec).nbytes and LAYOUT.shape(4) == tuple(make_payload(spec).shape)
     assert KVLayout(30, 3, 64, torch.bfloat16).nbytes(256) == 5_898_240  # SmolLM2-135M's 256-token chunk
+
+
+def test_an_engine_with_ssd_encrypt_writes_sealed_files_and_reuses_them_exactly(tiny, tmp_path):
+    with replica(tiny, tmp_path, "off", None, enable_cache=False) as off:
+        ref = answer(off)
+    kw = {"ssd_capacity": "64MiB", "ssd_encrypt": True, "remote_secret": SECRET}
+    with replica(tiny, tmp_path, "ssd", None, **kw) as first:
+        assert same(answer(first), ref)
+        first.flush(timeout=30)
+    files = list((tmp_path / "ssd").rglob("*.kv"))
+    assert files and all(decode_header(p.read_bytes()).encrypted for p in files)
+    with replica(tiny, tmp_path, "ssd", None, **kw) as again:  # restarted: the chunks come from the SSD
+        got = answer(again)
+        assert got.metrics.reused_by_tier["ssd"] > 0 and same(got, ref)
