@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -205,6 +206,41 @@ def test_a_symlinked_lock_file_is_not_written_through(tmp_path):
     with pytest.raises(OSError):
         backend.lock()
     assert victim.read_bytes() == b"precious bytes"
+
+
+def test_a_fifo_planted_as_a_chunk_file_fails_the_read_without_hanging(tmp_path):
+    backend = LocalDirBackend(tmp_path / "kv")
+    (tmp_path / "kv" / "ab").mkdir(mode=0o700)
+    os.mkfifo(tmp_path / "kv" / "ab" / "blob", 0o600)
+    outcome: list[BaseException | object] = []
+
+    def read() -> None:
+        try:
+            outcome.append(backend.open("ab/blob"))
+        except OSError as exc:
+            outcome.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    if reader.is_alive():  # release the blocked open before failing
+        os.close(os.open(tmp_path / "kv" / "ab" / "blob", os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("opening a FIFO planted as a chunk file hung")
+    assert len(outcome) == 1 and isinstance(outcome[0], OSError)
+
+
+def test_a_parent_others_can_rename_in_is_warned_about(tmp_path, caplog):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # no sticky bit: anyone could rename the cache directory away
+    with caplog.at_level(logging.WARNING, logger="pcr_rag.cache.storage"):
+        LocalDirBackend(shared / "kv")
+    assert any(m.startswith(f"{shared}, a parent of the cache directory") for m in caplog.messages)
+    caplog.clear()
+    shared.chmod(0o1777)  # sticky, as /tmp: only the owner may rename its entries
+    with caplog.at_level(logging.WARNING, logger="pcr_rag.cache.storage"):
+        LocalDirBackend(shared / "kv")
+    assert not any("a parent of the cache directory" in m for m in caplog.messages)
 
 
 @pytest.mark.parametrize("fsync", [True, False])
