@@ -10,21 +10,53 @@ ticket is released explicitly (its prefetch has already happened; it must not li
 `Announcement` is what both framework hooks keep per retrieval: the documents, the run or span it came from, and
 the ticket each engine returned. An engine here is anything with ``announce`` and ``cancel_announcement`` (a
 `PCREngine`, or a client of a remote one).
+
+Sharing scopes: a framework document's metadata may carry its scope under ``SCOPE_METADATA_KEY`` ("pcr_scope",
+configurable in both integrations): "shared" or "private" (`pcr_rag.Doc`). `scope_of` reads it; the
+announcement keeps the scopes (``Announcement.scopes``) and `Announcement.with_scopes` turns the documents passed to
+an engine into `Doc`s, so the announcement and the model call key them alike. Documents without a scope go as
+plain strings (the engine's default; an engine or client that predates scopes sees no change).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pcr_rag.errors import InvalidRequestError
+from pcr_rag.prompt import SCOPES, Doc
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Announcement", "cache_aware_order", "documents_in_prompt", "release_ticket", "request_documents"]
+__all__ = [
+    "SCOPE_METADATA_KEY",
+    "Announcement",
+    "cache_aware_order",
+    "documents_in_prompt",
+    "release_ticket",
+    "request_documents",
+    "scope_of",
+]
+
+SCOPE_METADATA_KEY = "pcr_scope"
+
+
+def scope_of(metadata: Mapping[str, Any] | None, key: str = SCOPE_METADATA_KEY) -> str | None:
+    """A framework document's sharing scope from its ``metadata[key]``: "shared", "private" (any case, spaces
+    trimmed) or None when absent. Any other value counts as "private" (logged): a typo must not share a
+    document."""
+    if not metadata or key not in metadata or metadata[key] is None:
+        return None
+    value = metadata[key]
+    scope = value.strip().lower() if isinstance(value, str) else None
+    if scope in SCOPES:
+        return scope
+    logger.warning("document metadata %r=%r is not 'shared' or 'private'; treating the document as private", key,
+                   value)
+    return "private"
 
 
 def documents_in_prompt(prompt: str, documents: Sequence[str]) -> tuple[str, ...]:
@@ -93,6 +125,7 @@ class Announcement:
         ancestors: the runs or spans above the retrieval, nearest first; a model call below one of them uses it.
         tickets: ``id(engine) -> (engine, ticket)``; each ticket is claimed by the first model call on its engine.
         created_s: ``time.monotonic()`` when announced.
+        scopes: document text -> "shared" / "private", for the documents whose metadata gave a scope (`scope_of`).
     """
 
     documents: tuple[str, ...]
@@ -102,12 +135,18 @@ class Announcement:
     tickets: dict[int, tuple[Any, Any]] = field(default_factory=dict)
     claimed: set[int] = field(default_factory=set)
     created_s: float = field(default_factory=time.monotonic)
+    scopes: dict[str, str] = field(default_factory=dict)
+
+    def with_scopes(self, documents: Sequence[str]) -> tuple[str | Doc, ...]:
+        """``documents`` as an engine takes them: a `Doc` with its scope where ``scopes`` has one, else the str."""
+        return tuple(Doc(d, self.scopes[d]) if d in self.scopes else d for d in documents)
 
     def announce_to(self, engines: Iterable[Any]) -> None:
         """Announce the documents to each engine and keep its ticket; a failed announce only costs the prefetch."""
         for engine in engines:
             try:
-                self.tickets[id(engine)] = (engine, engine.announce(list(self.documents), query=self.query or None))
+                ticket = engine.announce(list(self.with_scopes(self.documents)), query=self.query or None)
+                self.tickets[id(engine)] = (engine, ticket)
             except Exception:  # noqa: BLE001 - never fail the retrieval for a prefetch
                 logger.exception("announcing retrieved documents to the PCR engine failed")
 

@@ -13,7 +13,9 @@ from pcr_rag.handoff import (
     documents_in_prompt,
     release_ticket,
     request_documents,
+    scope_of,
 )
+from pcr_rag.prompt import Doc
 
 
 def test_documents_are_returned_in_prompt_order() -> None:
@@ -123,3 +125,25 @@ def test_cache_aware_order_excludes_the_retrievals_own_ticket_and_never_raises(c
     with caplog.at_level("ERROR"):
         assert cache_aware_order(broken, ["D1", "D2"], ann) == ("D1", "D2")  # a failed reorder keeps the order
     assert "cache-aware ordering failed" in caplog.text
+
+
+def test_scope_of_reads_the_metadata_key_and_a_typo_is_private(caplog) -> None:
+    assert scope_of({"pcr_scope": "shared"}) == "shared"
+    assert scope_of({"pcr_scope": " Private "}) == "private"
+    assert scope_of({"visibility": "shared"}, "visibility") == "shared"
+    assert scope_of({"visibility": "shared"}) is None and scope_of(None) is None and scope_of({"pcr_scope": None}) is None
+    with caplog.at_level("WARNING"):
+        assert scope_of({"pcr_scope": "public"}) == "private"  # never share by mistake
+        assert scope_of({"pcr_scope": 1}) == "private"
+    assert "treating the document as private" in caplog.text
+
+
+def test_announcement_passes_scoped_documents_as_docs() -> None:
+    engine = _RecordingEngine()
+    ann = Announcement(documents=("D1", "D2"), query="q?", origin="run", ancestors=(), scopes={"D2": "shared"})
+    ann.announce_to([engine])
+    assert engine.announced == [(["D1", Doc("D2", "shared")], "q?")]
+    assert ann.with_scopes(ann.documents_for(engine, "ctx D1 D2")) == ("D1", Doc("D2", "shared"))
+    plain = _RecordingEngine()
+    Announcement(documents=("D1",), query="q?", origin="run", ancestors=()).announce_to([plain])
+    assert plain.announced == [(["D1"], "q?")]  # no scope: plain strings, as before

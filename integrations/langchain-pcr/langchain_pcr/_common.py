@@ -101,9 +101,10 @@ def announce_targets(target: Any) -> list[PCREngine]:
 
 @dataclass(frozen=True)
 class RequestDocuments:
-    """The documents to pass with a request, and whether they came from an announcement."""
+    """The documents to pass with a request (str, or `pcr_rag.Doc` with a sharing scope), and whether they came
+    from an announcement."""
 
-    documents: tuple[str, ...]
+    documents: tuple[Any, ...]
     announced: bool
 
 

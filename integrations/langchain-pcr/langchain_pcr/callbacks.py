@@ -12,6 +12,10 @@ Memory: only open runs are tracked (a run is dropped when it ends or errors), an
 root run ends, and both maps are bounded (oldest dropped first), so nothing accumulates across runs even when
 end events never come (an abandoned stream).
 
+Sharing scopes: a retrieved `Document` whose ``metadata[scope_metadata_key]`` (default ``"pcr_scope"``) is
+"shared" or "private" is announced and passed to the engine as a `pcr_rag.Doc` with that scope
+(`pcr_rag.handoff.scope_of`; anything else counts as private).
+
 Attach it per call (``config={"callbacks": [handler]}``) or globally (`install_global_retrieval_hook`).
 """
 
@@ -29,7 +33,8 @@ from langchain_core.documents import Document
 from langchain_core.tracers.context import register_configure_hook
 
 from langchain_pcr._common import RequestDocuments, announce_targets
-from pcr_rag.handoff import Announcement
+from pcr_rag.handoff import SCOPE_METADATA_KEY, Announcement, scope_of
+from pcr_rag.prompt import Doc
 
 logger = logging.getLogger(__name__)
 
@@ -50,15 +55,19 @@ class PCRRetrievalCallback(BaseCallbackHandler):
             of every `ChatPCR` / `PCRLLM` of this process whose engine is already loaded.
         max_open_runs: bound on tracked open runs (oldest dropped first).
         max_trees: bound on run trees holding announcements (oldest dropped first).
+        scope_metadata_key: the `Document` metadata key holding a document's sharing scope ("shared" or
+            "private", see `pcr_rag.Doc`); documents without it get the engine's default.
     """
 
     raise_error: bool = False
 
-    def __init__(self, target: Any = None, *, max_open_runs: int = 10_000, max_trees: int = 1_024) -> None:
+    def __init__(self, target: Any = None, *, max_open_runs: int = 10_000, max_trees: int = 1_024,
+                 scope_metadata_key: str = SCOPE_METADATA_KEY) -> None:
         super().__init__()
         if max_open_runs < 1 or max_trees < 1:
             raise ValueError("max_open_runs and max_trees must be >= 1")
         self.target = target
+        self.scope_metadata_key = scope_metadata_key
         self.max_open_runs = max_open_runs
         self.max_trees = max_trees
         self._lock = threading.Lock()
@@ -146,20 +155,24 @@ class PCRRetrievalCallback(BaseCallbackHandler):
 
     def on_retriever_end(self, documents: Sequence[Document], *, run_id: UUID, parent_run_id: UUID | None = None,
                          **kwargs: Any) -> None:
-        texts = tuple(d.page_content for d in documents if isinstance(d, Document) and d.page_content)
+        kept = [d for d in documents if isinstance(d, Document) and d.page_content]
+        texts = tuple(d.page_content for d in kept)
+        scopes = {d.page_content: scope for d in kept
+                  if (scope := scope_of(d.metadata, self.scope_metadata_key)) is not None}
         with self._lock:
             query = self._queries.get(run_id)
             ancestors = tuple(self._ancestors(parent_run_id))
         try:
             if texts:
-                self._announce(texts, query, run_id, ancestors)
+                self._announce(texts, query, run_id, ancestors, scopes)
         except Exception:  # a failed announce only costs the prefetch, never the chain
             logger.exception("announcing retrieved documents to the PCR engine failed")
         finally:
             self._finish(run_id, parent_run_id)
 
-    def _announce(self, texts: tuple[str, ...], query: str | None, run_id: UUID, ancestors: tuple[UUID, ...]) -> None:
-        ann = Announcement(documents=texts, query=query, origin=run_id, ancestors=ancestors)
+    def _announce(self, texts: tuple[str, ...], query: str | None, run_id: UUID, ancestors: tuple[UUID, ...],
+                  scopes: dict[str, str] | None = None) -> None:
+        ann = Announcement(documents=texts, query=query, origin=run_id, ancestors=ancestors, scopes=scopes or {})
         ann.announce_to(announce_targets(self.target))
         root = ancestors[-1] if ancestors else run_id
         evicted: list[Announcement] = []
@@ -209,16 +222,17 @@ def resolve_documents(engine: Any, text: str, run_manager: Any, explicit: Sequen
 
     ``text`` is the prompt (or the messages' contents) the documents are searched in. An announcement whose
     documents are all present in order is passed unchanged, so the engine claims its ticket; otherwise the present
-    documents are passed in prompt order and the ticket is withdrawn (`Announcement.documents_for`).
+    documents are passed in prompt order and the ticket is withdrawn (`Announcement.documents_for`). Documents
+    with a scope (from the retrieved documents' metadata, or explicit `pcr_rag.Doc`s) are passed as `Doc`s.
     """
     if explicit is not None:
-        if isinstance(explicit, str):
+        if isinstance(explicit, (str, Doc)):
             raise ValueError("documents= must be a list of strings, not a single string; wrap it: [doc]")
         return RequestDocuments(tuple(explicit), announced=False)
     ann = find_announcement(run_manager)
     if ann is None:
         return RequestDocuments((), announced=False)
-    return RequestDocuments(ann.documents_for(engine, text), announced=True)
+    return RequestDocuments(ann.with_scopes(ann.documents_for(engine, text)), announced=True)
 
 
 def find_announcement(run_manager: Any) -> Announcement | None:
@@ -254,13 +268,15 @@ _GLOBAL_LOCK = threading.Lock()
 _REGISTERED = False
 
 
-def install_global_retrieval_hook(target: Any = None) -> PCRRetrievalCallback:
+def install_global_retrieval_hook(target: Any = None, *,
+                                  scope_metadata_key: str = SCOPE_METADATA_KEY) -> PCRRetrievalCallback:
     """Attach a `PCRRetrievalCallback` to every LangChain run in this process (all threads), and return it.
 
-    Replaces a previously installed global hook. ``target`` is as for `PCRRetrievalCallback`.
+    Replaces a previously installed global hook. ``target`` and ``scope_metadata_key`` are as for
+    `PCRRetrievalCallback`.
     """
     global _REGISTERED
-    handler = PCRRetrievalCallback(target)
+    handler = PCRRetrievalCallback(target, scope_metadata_key=scope_metadata_key)
     with _GLOBAL_LOCK:
         if not _REGISTERED:
             register_configure_hook(_GLOBAL_SLOT, inheritable=True)  # type: ignore[arg-type]

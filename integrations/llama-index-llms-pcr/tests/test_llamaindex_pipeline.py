@@ -167,3 +167,41 @@ def test_default_model_pipeline_reuses_and_matches_cache_off(index) -> None:
                 assert eng.stats().requests["reused_tokens"] > 0
     assert answers["on"] == answers["off"]
     assert all(a.strip() for a in answers["on"])
+
+
+class ScopedRetriever(BaseRetriever):
+    """Returns two fixed nodes, the first marked shared under ``key`` (excluded from the LLM's view)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__()
+        self._key = key
+
+    def _retrieve(self, query_bundle):
+        from llama_index.core.schema import NodeWithScore, TextNode
+
+        first = TextNode(text=PASSAGE_A, metadata={self._key: "shared"}, excluded_llm_metadata_keys=[self._key])
+        return [NodeWithScore(node=first, score=1.0), NodeWithScore(node=TextNode(text=PASSAGE_B), score=0.5)]
+
+
+PASSAGE_A = "pathlib offers classes for filesystem paths. Path objects join parts with the slash operator."
+PASSAGE_B = "json encodes Python objects as JSON text. json.dumps returns a str, json.loads parses one back."
+
+
+@pytest.mark.parametrize("key", ["pcr_scope", "visibility"])
+def test_node_metadata_scope_reaches_the_engine_and_the_announcement(engine, key) -> None:
+    """A node's metadata scope (under the LLM's ``scope_metadata_key``) is passed with it as a `pcr_rag.Doc`, and
+    the announcement carries it too, so the call still claims it."""
+    from pcr_rag.testing import SubmitRecorder
+
+    llm = PCRLLM(engine=engine, max_new_tokens=3, scope_metadata_key=key)
+    qe = RetrieverQueryEngine.from_args(ScopedRetriever(key), llm=llm)
+    with SubmitRecorder(engine) as rec:
+        qe.query("How do paths join?")
+    (prompt,) = rec.prompts
+    assert prompt.documents == (PASSAGE_A, PASSAGE_B)
+    assert prompt.scopes == ("shared", None)
+    assert engine.stats().prefetch["claimed"] == 1
+    default_key = PCRLLM(engine=engine, max_new_tokens=3)
+    with SubmitRecorder(engine) as rec:
+        RetrieverQueryEngine.from_args(ScopedRetriever(key), llm=default_key).query("How do paths join?")
+    assert rec.prompts[0].scopes == (("shared", None) if key == "pcr_scope" else ())

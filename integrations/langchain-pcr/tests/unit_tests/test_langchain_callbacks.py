@@ -185,3 +185,37 @@ def test_document_longer_than_context_raises_a_clear_value_error(engine) -> None
         llm.invoke([("human", f"Context: {huge}\nQuestion: what?")], config={"callbacks": [Recorder()]})
     assert "exceeds" in str(info.value)
     assert errors and errors[0] is info.value  # LangChain saw it as an LLM error (on_llm_error)
+
+
+class ScopedRetriever(BaseRetriever):
+    """Returns every passage, the first one with a sharing scope under ``key`` in its metadata."""
+
+    passages: dict[str, str]
+    key: str = "pcr_scope"
+
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
+        texts = list(self.passages.values())
+        return [Document(page_content=texts[0], metadata={self.key: "shared"}),
+                *(Document(page_content=t, metadata={}) for t in texts[1:])]
+
+
+@pytest.mark.parametrize("key", ["pcr_scope", "visibility"])
+def test_metadata_scope_reaches_the_engine_and_the_announcement(engine, key) -> None:
+    """A retrieved Document's metadata scope (under the configured key) goes with it to the model call, as a
+    `pcr_rag.Doc`, and the announcement carries it too, so the call still claims it."""
+    from pcr_rag.testing import SubmitRecorder
+
+    llm = ChatPCR(engine=engine)
+    hook = PCRRetrievalCallback(llm, scope_metadata_key=key)
+    retriever = ScopedRetriever(passages=PASSAGES, key=key)
+    chain = {"context": retriever | format_docs, "question": RunnablePassthrough()} | PROMPT | llm
+    with SubmitRecorder(engine) as rec:
+        msg = chain.invoke("what do they do?", config={"callbacks": [hook]})
+    (prompt,) = rec.prompts
+    assert prompt.documents == tuple(PASSAGES.values())
+    assert prompt.scopes == ("shared", None, None)
+    assert msg.response_metadata["announcement_claimed"] is True
+    other = PCRRetrievalCallback(llm, scope_metadata_key="something_else")
+    with SubmitRecorder(engine) as rec:
+        chain.invoke("what do they do?", config={"callbacks": [other]})
+    assert rec.prompts[0].scopes == ()  # the key is not the configured one: no scope

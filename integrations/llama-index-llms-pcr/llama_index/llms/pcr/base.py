@@ -42,6 +42,7 @@ from llama_index.llms.pcr.structured import (
 )
 
 from pcr_rag.errors import InvalidRequestError
+from pcr_rag.prompt import Doc
 from pcr_rag.requests import (
     ChatPrompt,
     FlatPrompt,
@@ -177,6 +178,9 @@ class PCRLLM(FunctionCallingLLM):
         default="relevance", description="document order: the retriever's, or cache-aware (llama_index.llms.pcr."
                                          "reorder; the answer can differ from the relevance-ordered one)")
     # base_url mode (llama_index.llms.pcr._remote): a pcr-rag server instead of a local engine
+    scope_metadata_key: str = Field(default="pcr_scope",
+                                    description="node metadata key holding a node's sharing scope ('shared' or "
+                                                "'private'; see pcr_rag.Doc)")
     base_url: str | None = Field(default=None, description="a pcr-rag server (pcr-rag serve) to send calls to")
     api_key: str | None = Field(default=None, exclude=True, repr=False, description="the server's API key")
 
@@ -239,15 +243,18 @@ class PCRLLM(FunctionCallingLLM):
         documents, units = self._documents(units, explicit)
         return self._engine.submit(make_prompt(documents, units), params, timeout=timeout)
 
-    def _documents(self, units: list[str], explicit: Sequence[str] | None) -> tuple[tuple[str, ...], list[str]]:
-        """The documents to pass with a call whose text units are ``units``: explicit ones, else the retrieval
-        announcement's that occur in them (`Announcement.documents_for`); with ``reorder="cache-aware"`` in
-        cache-aware order, and the units rearranged to it (`cache_aware_documents`)."""
+    def _documents(self, units: list[str], explicit: Sequence[Any] | None) -> tuple[tuple[Any, ...], list[str]]:
+        """The documents to pass with a call whose text units are ``units``: explicit ones (str or `pcr_rag.Doc`),
+        else the retrieval announcement's that occur in them (`Announcement.documents_for`, with their scopes);
+        with ``reorder="cache-aware"`` in cache-aware order, and the units rearranged to it
+        (`cache_aware_documents`)."""
         ann = None
+        scopes: dict[str, str] = {}
         if explicit is not None:
             if isinstance(explicit, str):
                 raise PCRRequestError("documents= must be a list of strings, not a single string; wrap it: [doc]")
-            documents = tuple(explicit)
+            scopes = {d.text: d.scope for d in explicit if isinstance(d, Doc) and d.scope is not None}
+            documents = tuple(d.text if isinstance(d, Doc) else d for d in explicit)
         else:
             ann = retrieval_hook().lookup(text="\n".join(units))
             if ann is None:
@@ -256,8 +263,8 @@ class PCRLLM(FunctionCallingLLM):
         if self.reorder == "cache-aware":
             documents, units = cache_aware_documents(self._engine, units, documents, ann)
         if ann is None:
-            return documents, units
-        return ann.documents_for(self._engine, "\n".join(units)), units
+            return tuple(Doc(d, scopes[d]) if d in scopes else d for d in documents), units
+        return ann.with_scopes(ann.documents_for(self._engine, "\n".join(units))), units
 
     def _submit_completion(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> RequestHandle:
         if not isinstance(prompt, str):

@@ -23,6 +23,11 @@ With ``PCRLLM(reorder="cache-aware")`` the announced order is the engine's cache
 (`PCREngine.order_for_reuse`) and the LLM rearranges its prompt to it; a `PCRReorderPostprocessor` re-announces
 the retrieval in the order it chose (`announcement_for` finds it). Either way prefetch and the prompt agree.
 
+Sharing scopes: a node whose metadata holds "shared" or "private" under the answering LLM's
+``scope_metadata_key`` (default ``"pcr_scope"``; `pcr_rag.handoff.scope_of`) is announced and passed to the engine
+as a `pcr_rag.Doc` with that scope (`node_scopes`). Exclude the key from the LLM's view of the node
+(``excluded_llm_metadata_keys``) unless the prompt should show it.
+
 Every `PCRLLM` registers itself with the hook (`PCRRetrievalHook.register_llm`) when constructed, so the hook
 knows the LLMs without importing their class; it installs the hook too (``retrieval_hook=True``, the default).
 `install_retrieval_hook()` does it explicitly, `uninstall_retrieval_hook()` removes it.
@@ -49,13 +54,14 @@ from llama_index.core.instrumentation.span_handlers import BaseSpanHandler
 from llama_index.core.schema import MetadataMode, QueryBundle
 from pydantic import Field, PrivateAttr
 
-from pcr_rag.handoff import Announcement, documents_in_prompt
+from pcr_rag.handoff import SCOPE_METADATA_KEY, Announcement, documents_in_prompt, scope_of
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "PCRRetrievalHook",
     "install_retrieval_hook",
+    "node_scopes",
     "node_texts",
     "retrieval_hook",
     "uninstall_retrieval_hook",
@@ -79,6 +85,19 @@ def node_texts(nodes: Any) -> tuple[str, ...]:
         if text:
             out.append(text)
     return tuple(out)
+
+
+def node_scopes(nodes: Any, key: str = SCOPE_METADATA_KEY) -> dict[str, str]:
+    """Node text (as `node_texts` renders it) -> sharing scope, for the nodes whose ``metadata[key]`` gives one."""
+    out: dict[str, str] = {}
+    for n in nodes or ():
+        node = getattr(n, "node", n)
+        scope = scope_of(getattr(node, "metadata", None), key)
+        if scope is None:
+            continue
+        for text in node_texts([node]):
+            out[text] = scope
+    return out
 
 
 @dataclass
@@ -194,7 +213,9 @@ class PCRRetrievalHook:
         llm = next((x for x in llms if x is not None), None)
         if llm is not None and getattr(llm, "reorder", "relevance") == "cache-aware":
             texts = self._cache_aware(llm.engine, texts)
-        ann = Announcement(documents=texts, query=query_str, origin=str(event.span_id), ancestors=tuple(chain[1:]))
+        key = getattr(llm, "scope_metadata_key", None) or SCOPE_METADATA_KEY
+        ann = Announcement(documents=texts, query=query_str, origin=str(event.span_id), ancestors=tuple(chain[1:]),
+                           scopes=node_scopes(event.nodes, key))
         ann.announce_to([llm.engine] if llm is not None else self.live_engines())
         root = chain[-1] if chain else str(event.span_id)
         evicted: list[Announcement] = []
