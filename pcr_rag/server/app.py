@@ -1,51 +1,68 @@
 """The OpenAI-compatible app over one `PCREngine`: routes, request flow, tickets and shutdown.
 
-Request flow: authenticate (401) -> read the body within ``max_body_bytes`` (413) -> parse JSON (400) -> validate
-the OpenAI fields and extensions (400, `pcr_rag.server.schemas`) -> check the model (404) -> `PCREngine.submit`
-(400 ``context_length_exceeded``, 429 queue full, 503 closing). Every rejection happens before the request reaches
-the engine's queue, so none of them pins a chunk. Accepted requests are tracked until they end; a client that
-disconnects cancels its request (stream or not), and shutdown cancels whatever is still running.
+Request flow: authenticate (401) -> read the body within ``max_body_bytes`` (413; a client gone meanwhile: 499)
+-> on a request thread (never on the event loop): validate the JSON against the route's pydantic model (400,
+`pcr_rag.server.schemas`), check the model (404), reject a prompt whose text alone is over the character bound
+(400 ``context_length_exceeded``, `pcr_rag.server.prompt_bound`), then `PCREngine.submit` (tokenizes, compiles a
+grammar; 400 ``context_length_exceeded``, 429 queue full, 503 closing). Every rejection happens before the request
+reaches the engine's queue, so none of them pins a chunk. Accepted requests are tracked until they end; a client
+that disconnects cancels its request (stream or not; counted as 499), and shutdown cancels whatever is still
+running.
+
+The event loop only moves bytes and awaits: parsing, rendering, tokenizing, grammar compiling and announcing run
+on ``request_threads`` worker threads (`ServerState.off_loop`), so ``/health`` and other requests' tokens keep
+flowing while a large body is processed. An unexpected exception answers 500 with a generic message and a request
+id; the log holds the traceback under that id, the body never holds exception text.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE with ``stream: true``), ``GET /v1/models``,
 ``POST /v1/pcr/announce`` (a retrieval's documents enter the prefetch window; returns a ticket),
-``DELETE /v1/pcr/announce/{ticket}`` (withdraw it), ``POST /tokenize``, ``GET /metrics``, ``GET /health`` (the
-only route without a key).
+``DELETE /v1/pcr/announce/{ticket}`` (withdraw it), ``POST /tokenize``, ``GET /metrics`` (its own key,
+`MetricsGuard`), ``GET /health`` (no key), ``GET /openapi.json`` (the API's schema, no key).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
-import json
 import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pcr_rag.engine import PCREngine
 from pcr_rag.errors import EngineClosedError, RequestCancelledError
 from pcr_rag.requests import GenerationResult, RequestHandle
 from pcr_rag.runtime.announcements import Ticket
-from pcr_rag.server.auth import Authenticator, Tenant
-from pcr_rag.server.errors import APIError, from_engine_error
+from pcr_rag.server import openapi as api_components
+from pcr_rag.server.auth import Authenticator, MetricsGuard, Tenant
+from pcr_rag.server.errors import APIError, from_engine_error, internal_error
 from pcr_rag.server.metrics import CONTENT_TYPE, ServerMetrics
+from pcr_rag.server.prompt_bound import PromptCharBound
 from pcr_rag.server.schemas import (
+    AnnounceRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
     GenerationRequest,
+    TokenizeRequest,
     chat_chunk,
     chat_response,
     completion_chunk,
     completion_response,
+    parse_body,
     parse_chat_request,
     parse_completion_request,
-    parse_documents,
     usage_body,
 )
 from pcr_rag.server.settings import ServerSettings
@@ -53,24 +70,48 @@ from pcr_rag.server.streaming import DONE, SSEResponse, sse
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ServerState", "create_app"]
+__all__ = ["BODY_TIMEOUT_STATE", "ServerState", "create_app"]
 
+T = TypeVar("T")
+
+BODY_TIMEOUT_STATE = "pcr_body_timed_out"
+"""Key the connection guard (`pcr_rag.server.lifecycle`) sets in a request's ASGI ``scope["state"]`` when it closed
+the connection because the body came too slowly."""
 
 class ServerState:
-    """What the routes share: the engine, settings, auth, metrics, in-flight handles and announcement tickets."""
+    """What the routes share: the engine, settings, auth, metrics, request threads, in-flight handles and
+    announcement tickets."""
 
     def __init__(self, engine: PCREngine, settings: ServerSettings, *, owns_engine: bool) -> None:
         self.engine = engine
         self.settings = settings
         self.owns_engine = owns_engine
         self.auth = Authenticator(settings.api_keys, tenant_per_key=settings.tenant_per_key)
+        self.metrics_guard = MetricsGuard(self.auth, settings.metrics_key, public=settings.metrics_public)
         self.model_name = settings.served_model_name or engine.loaded.name
         self.model_names = frozenset({self.model_name, engine.loaded.name})
         self.metrics = ServerMetrics(self.model_name, engine.stats)
+        self.char_bound = PromptCharBound.of(engine.tokenizer, engine.max_model_len)
+        self.pool = concurrent.futures.ThreadPoolExecutor(settings.request_threads,
+                                                          thread_name_prefix="pcr-request")
         self.created = int(time.time())
         self.draining = False
         self.inflight: set[RequestHandle] = set()
         self._tickets: OrderedDict[int, tuple[str, Ticket]] = OrderedDict()
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any, orphan: Callable[[T], None] | None = None) -> T:
+        """``fn(*args)`` on a request thread, awaited. When the awaiting task is cancelled while ``fn`` runs, its
+        result goes to ``orphan`` (e.g. a submitted request is cancelled) instead of being lost."""
+        future = self.pool.submit(fn, *args)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if orphan is not None:
+                def adopt(done: concurrent.futures.Future) -> None:
+                    if not done.cancelled() and done.exception() is None:
+                        orphan(done.result())
+                future.add_done_callback(adopt)
+            raise
 
     # ------------------------------------------------------------------------------------------ requests
     def check_accepting(self) -> None:
@@ -81,18 +122,40 @@ class ServerState:
         if model is not None and model not in self.model_names:
             raise APIError.model_not_found(model, self.model_name)
 
-    def submit(self, req: GenerationRequest, tenant: Tenant) -> RequestHandle:
+    def check_chars(self, chars: int, param: str) -> None:
+        """400 ``context_length_exceeded`` when ``chars`` characters of prompt text cannot fit the engine's
+        ``max_model_len`` tokens (no tokenizing: `PromptCharBound`)."""
+        bound = self.char_bound
+        if bound is not None and chars > bound.max_chars:
+            raise APIError(400, f"the prompt's text has {chars} characters, so at least {bound.min_tokens(chars)} "
+                                f"tokens (no token of this model covers more than {bound.token_chars} characters), "
+                                f"which exceeds the engine's max_model_len of {bound.max_model_len} tokens; "
+                                f"retrieve fewer or shorter documents", param=param,
+                           code="context_length_exceeded")
+
+    def prepare(self, kind: str, raw: bytes, tenant: Tenant) -> tuple[GenerationRequest, RequestHandle]:
+        """Parse, check and submit one generation request (on a request thread: this tokenizes)."""
+        req = parse_chat_request(raw) if kind == "chat" else parse_completion_request(raw)
+        param = "messages" if kind == "chat" else "prompt"
         self.check_accepting()
         self.check_model(req.model)
+        self.check_chars(req.prompt_chars, param)
         try:
             handle = self.engine.submit(req.prompt, req.params, namespace=tenant.namespace)
         except Exception as exc:  # noqa: BLE001 - every pre-compute rejection becomes an API error
             error = from_engine_error(exc)
-            if error.code == "context_length_exceeded" and req.kind == "completion":
-                error.param = "prompt"
+            if error.code == "context_length_exceeded":
+                error.param = param
             raise error from None
+        return req, handle
+
+    def track(self, handle: RequestHandle) -> None:
+        """Track an accepted request until its response ends; one submitted while the server began to drain is
+        cancelled instead (503)."""
+        if self.draining:
+            handle.close()
+            raise APIError.unavailable("the server is shutting down; retry against another instance")
         self.inflight.add(handle)
-        return handle
 
     def finished(self, handle: RequestHandle) -> None:
         """The response is over: cancel the request unless it finished, stop tracking it."""
@@ -136,9 +199,18 @@ class ServerState:
         for handle in list(self.inflight):
             handle.cancel()
         self.inflight.clear()
+        self.pool.shutdown(wait=False, cancel_futures=True)
         if self.owns_engine:
             await asyncio.to_thread(self.engine.close)
             log.info("engine closed: write-back flushed, cache directory released")
+
+
+_ERRORS = {status: {"model": api_components.ErrorResponse} for status in (400, 401, 403, 404, 408, 413, 429, 500,
+                                                                           503, 504)}
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {status: _ERRORS[status] for status in statuses}
 
 
 def create_app(engine: PCREngine, settings: ServerSettings | None = None, *, owns_engine: bool = False) -> FastAPI:
@@ -152,11 +224,16 @@ def create_app(engine: PCREngine, settings: ServerSettings | None = None, *, own
         await state.shutdown()
 
     app = FastAPI(title="pcr-rag", description="OpenAI-compatible server with PCR KV-cache reuse",
-                  lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+                  version=api_components.API_VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
     app.state.pcr = state
+    app.add_middleware(_InternalErrors, metrics=state.metrics)
 
     def tenant(request: Request) -> Tenant:
         return state.auth.authenticate(request.headers.get("authorization"))
+
+    def metrics_reader(request: Request) -> None:
+        state.metrics_guard.check(request.headers.get("authorization"))
 
     # ------------------------------------------------------------------------------------------ errors
     @app.exception_handler(APIError)
@@ -175,21 +252,27 @@ def create_app(engine: PCREngine, settings: ServerSettings | None = None, *, own
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
         state.metrics.count_error(400)
-        return JSONResponse(APIError.bad_request(str(exc.errors())).body(), status_code=400)
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(part) for part in first.get("loc", ()) if part not in ("path", "query", "header", "body")]
+        param = ".".join(loc) or None
+        message = f"'{param}': {first.get('msg', 'invalid')}" if param else str(first.get("msg", "invalid"))
+        return JSONResponse(APIError.bad_request(message, param=param).body(), status_code=400)
 
     # ------------------------------------------------------------------------------------------ routes
-    @app.get("/health")
+    @app.get("/health", response_model=api_components.Health, responses={503: {"model": api_components.Health}})
     async def health() -> JSONResponse:
         if state.draining or engine.closed:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics", dependencies=[Depends(tenant)])
+    @app.get("/metrics", dependencies=[Depends(metrics_reader)], response_class=PlainTextResponse,
+             responses=_errors(401, 403))
     async def metrics() -> Response:
         body = await asyncio.to_thread(state.metrics.render)
         return Response(body, media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models", dependencies=[Depends(tenant)])
+    @app.get("/v1/models", dependencies=[Depends(tenant)], response_model=api_components.ModelList,
+             responses=_errors(401))
     async def models() -> JSONResponse:
         card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "pcr-rag",
                 "root": engine.loaded.name, "max_model_len": engine.max_model_len,
@@ -197,60 +280,73 @@ def create_app(engine: PCREngine, settings: ServerSettings | None = None, *, own
                         "chunk_size": engine.config.chunk_size}}
         return JSONResponse({"object": "list", "data": [card]})
 
-    @app.post("/v1/chat/completions")
+    generation_errors = _errors(400, 401, 404, 408, 413, 429, 500, 503, 504)
+
+    @app.post("/v1/chat/completions", openapi_extra=api_components.body(ChatCompletionRequest),
+              responses={200: api_components.generation_ok(api_components.ChatCompletion), **generation_errors})
     async def chat_completions(request: Request, who: Tenant = Depends(tenant)) -> Response:
-        req = parse_chat_request(await read_json(request, settings.max_body_bytes))
-        return await respond(request, req, who)
+        return await respond(request, "chat", await read_body(request, settings.max_body_bytes), who)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=api_components.body(CompletionRequest),
+              responses={200: api_components.generation_ok(api_components.Completion), **generation_errors})
     async def completions(request: Request, who: Tenant = Depends(tenant)) -> Response:
-        req = parse_completion_request(await read_json(request, settings.max_body_bytes))
-        return await respond(request, req, who)
+        return await respond(request, "completion", await read_body(request, settings.max_body_bytes), who)
 
-    @app.post("/v1/pcr/announce")
-    async def announce(request: Request, who: Tenant = Depends(tenant)) -> JSONResponse:
-        body = await read_json(request, settings.max_body_bytes)
-        if not isinstance(body, dict):
-            raise APIError.bad_request("the request body must be a JSON object with 'documents'")
+    def do_announce(raw: bytes, who: Tenant) -> tuple[int, Ticket]:
+        body = parse_body(raw, AnnounceRequest)
         state.check_accepting()
-        state.check_model(body.get("model"))
-        documents = parse_documents(body.get("documents"))
-        if not documents:
-            raise APIError.bad_request("'documents' must list at least one retrieved document", param="documents")
-        kwargs: dict[str, Any] = {}
-        for name in ("query", "system", "prefix", "separator"):
-            value = body.get(name)
-            if value is not None and not isinstance(value, str):
-                raise APIError.bad_request(f"'{name}' must be a string", param=name)
-            kwargs[name] = value
-        layout = body.get("layout", "auto")
-        if layout not in ("auto", "rag", "flat"):
-            raise APIError.bad_request("'layout' must be 'auto', 'rag' or 'flat'", param="layout")
+        state.check_model(body.model)
+        texts = (*body.documents, body.query or "", body.system or "", body.prefix or "")
+        state.check_chars(sum(len(t.strip()) for t in texts), "documents")
         try:
-            ticket = engine.announce(documents, layout=layout, namespace=who.namespace, **kwargs)
+            ticket = engine.announce(body.documents, layout=body.layout, namespace=who.namespace,
+                                     query=body.query, system=body.system, prefix=body.prefix,
+                                     separator=body.separator)
         except Exception as exc:  # noqa: BLE001
             raise from_engine_error(exc) from None
+        return len(body.documents), ticket
+
+    @app.post("/v1/pcr/announce", openapi_extra=api_components.body(AnnounceRequest),
+              response_model=api_components.Announcement, responses=_errors(400, 401, 404, 408, 413, 500, 503))
+    async def announce(request: Request, who: Tenant = Depends(tenant)) -> JSONResponse:
+        raw = await read_body(request, settings.max_body_bytes)
+        count, ticket = await state.off_loop(do_announce, raw, who)
         state.keep_ticket(who.namespace, ticket)
-        return JSONResponse({"id": ticket.ticket_id, "object": "pcr.announcement", "documents": len(documents),
+        return JSONResponse({"id": ticket.ticket_id, "object": "pcr.announcement", "documents": count,
                              "chunks": len(ticket.keys), "expires_in_s": engine.config.announce_ttl_s})
 
-    @app.delete("/v1/pcr/announce/{ticket_id}")
+    @app.delete("/v1/pcr/announce/{ticket_id}", response_model=api_components.Withdrawal,
+                responses=_errors(400, 401, 404))
     async def withdraw(ticket_id: int, who: Tenant = Depends(tenant)) -> JSONResponse:
         withdrawn = state.withdraw_ticket(who.namespace, ticket_id)
         return JSONResponse({"id": ticket_id, "object": "pcr.announcement", "withdrawn": withdrawn})
 
-    @app.post("/tokenize")
+    def do_tokenize(raw: bytes) -> list[int]:
+        body = parse_body(raw, TokenizeRequest)
+        state.check_model(body.model)
+        state.check_chars(len(body.prompt.strip()), "prompt")
+        return list(engine.tokenizer(body.prompt, add_special_tokens=False)["input_ids"])
+
+    @app.post("/tokenize", openapi_extra=api_components.body(TokenizeRequest),
+              response_model=api_components.Tokens, responses=_errors(400, 401, 404, 408, 413, 500))
     async def tokenize(request: Request, who: Tenant = Depends(tenant)) -> JSONResponse:
-        body = await read_json(request, settings.max_body_bytes)
-        if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
-            raise APIError.bad_request("send {'prompt': str}", param="prompt")
-        state.check_model(body.get("model"))
-        ids = engine.tokenizer(body["prompt"], add_special_tokens=False)["input_ids"]
-        return JSONResponse({"tokens": list(ids), "count": len(ids), "max_model_len": engine.max_model_len})
+        ids = await state.off_loop(do_tokenize, await read_body(request, settings.max_body_bytes))
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
+
+    def custom_openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=app.routes)
+            api_components.add_request_schemas(schema, state.model_names)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = custom_openapi  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------------------------------ generation
-    async def respond(request: Request, req: GenerationRequest, who: Tenant) -> Response:
-        handle = state.submit(req, who)
+    async def respond(request: Request, kind: str, raw: bytes, who: Tenant) -> Response:
+        req, handle = await state.off_loop(state.prepare, kind, raw, who, orphan=lambda r: r[1].close())
+        state.track(handle)
         rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         if req.stream:
@@ -312,43 +408,44 @@ def create_app(engine: PCREngine, settings: ServerSettings | None = None, *, own
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-async def read_json(request: Request, limit: int) -> Any:
-    """The request body parsed as JSON: 413 past ``limit`` bytes (by Content-Length or as it streams in), 400 when
-    it is not JSON."""
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body: 413 past ``limit`` bytes (by Content-Length or as it streams in); 499 when the client
+    went away while sending it, 408 when the connection guard closed it for sending too slowly."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise APIError.too_large(int(length), limit)
     parts: list[bytes] = []
     size = 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise APIError.too_large(None, limit)
-        parts.append(part)
-    raw = b"".join(parts)
-    if not raw:
-        raise APIError.bad_request("empty request body: send a JSON object")
     try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise APIError.bad_request(f"the request body is not valid JSON ({exc}); send a JSON object") from None
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise APIError.too_large(None, limit)
+            parts.append(part)
+    except ClientDisconnect:
+        if request.scope.get("state", {}).get(BODY_TIMEOUT_STATE):
+            raise APIError(408, "the request body did not arrive in time; send it faster or in a smaller request",
+                           code="request_timeout") from None
+        raise APIError.client_closed() from None
+    return b"".join(parts)
 
 
 async def result_or_disconnect(request: Request, handle: RequestHandle) -> GenerationResult:
-    """The handle's result; cancels the request when the client disconnects first."""
+    """The handle's result; cancels the request (and raises a 499 `APIError`) when the client disconnects first."""
     result = asyncio.ensure_future(handle.aresult())
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         done, _ = await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        gone.cancel()
-        if not result.done():
-            result.cancel()  # aresult cancels the engine request
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await gone
-    if result.cancelled():
+        for task in (gone, result):
+            if not task.done():
+                task.cancel()  # aresult cancels the engine request
+        for task in (gone, result):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    if result not in done:
         handle.cancel()
-        raise APIError(499, "client closed the connection", type="server_error", code="client_closed_request")
+        raise APIError.client_closed()
     return result.result()
 
 
@@ -369,5 +466,34 @@ def _failure(exc: BaseException) -> APIError:
         return APIError(503, f"the request was cancelled ({exc}); retry", type="server_error", code="cancelled")
     if isinstance(exc, TimeoutError):
         return APIError(504, str(exc), type="server_error", code="timeout")
-    log.exception("request failed", exc_info=exc)
-    return APIError(500, f"the request failed: {type(exc).__name__}: {exc}", type="server_error")
+    return internal_error(exc, "request failed")
+
+
+class _InternalErrors:
+    """ASGI middleware: an exception nothing else handled answers 500 with a generic message and a request id (the
+    log holds the traceback under that id; the body holds no exception text), counted as a 500."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as exc:  # noqa: BLE001 - the last line of defence: never a traceback to the client
+            error = internal_error(exc, f"{scope.get('method')} {scope.get('path')} failed")
+            self.metrics.count_error(500)
+            if started:
+                return  # the response is under way: the client sees it cut short
+            await JSONResponse(error.body(), status_code=500)(scope, receive, send)

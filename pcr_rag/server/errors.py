@@ -1,16 +1,22 @@
 """OpenAI-shaped API errors: ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status.
 
 Every rejection the server makes is an `APIError`; engine exceptions map onto one with `from_engine_error`. The
-messages say what to do, as the engine's own do.
+messages say what to do, as the engine's own do. An unexpected exception becomes `internal_error`: a 500 whose
+body holds a generic message and a request id, never the exception's text (which may hold paths, prompts or keys);
+the log holds the traceback under the same id.
 """
 
 from __future__ import annotations
 
+import logging
+import uuid
 from typing import Any
 
 from pcr_rag.errors import EngineClosedError, InvalidRequestError, PromptTooLongError, QueueFullError
 
-__all__ = ["APIError", "from_engine_error"]
+log = logging.getLogger(__name__)
+
+__all__ = ["APIError", "from_engine_error", "internal_error"]
 
 
 class APIError(Exception):
@@ -50,6 +56,11 @@ class APIError(Exception):
                    code="request_too_large")
 
     @classmethod
+    def client_closed(cls) -> APIError:
+        """The client went away before its answer (nginx's 499: counted in the metrics, never seen by anyone)."""
+        return cls(499, "client closed the connection", type="server_error", code="client_closed_request")
+
+    @classmethod
     def unavailable(cls, message: str) -> APIError:
         return cls(503, message, type="server_error", code="service_unavailable")
 
@@ -64,4 +75,13 @@ def from_engine_error(exc: Exception) -> APIError:
         return APIError(429, f"{exc}; retry later", type="rate_limit_error", code="queue_full")
     if isinstance(exc, EngineClosedError):
         return APIError.unavailable("the server is shutting down; retry against another instance")
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+    return internal_error(exc, "engine call failed")
+
+
+def internal_error(exc: BaseException, what: str) -> APIError:
+    """A 500 for an unexpected exception: logged with its traceback under a new request id, which the body gives
+    (the body holds no exception text)."""
+    request_id = "req-" + uuid.uuid4().hex[:16]
+    log.error("%s [%s]", what, request_id, exc_info=exc)
+    return APIError(500, f"internal server error (request id {request_id}); the server's log has the details under "
+                         f"that id", type="server_error", code="internal_error")

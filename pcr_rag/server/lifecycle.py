@@ -5,26 +5,179 @@ Shutdown (SIGTERM or SIGINT): new requests get 503 at once (`ServerState.begin_d
 connections, in-flight requests get ``shutdown_timeout_s`` to finish, then uvicorn cancels their tasks (which
 cancels their engine requests); the lifespan's end cancels anything left and closes the engine (write-back flushed,
 cache directory's lock released), so a restart finds the SSD cache intact. The process then exits with status 0.
+
+Slow clients (`ServerSettings`): uvicorn bounds idle kept-alive connections (``keep_alive_timeout_s``) and
+connections (``max_connections``: a request on a connection beyond it gets 503), but it has no deadline for a
+request's headers or body, so a client that sends half a request holds its connection for ever. `guarded_protocol`
+adds them at the protocol level, where bytes arrive: a request's headers must be complete within
+``header_timeout_s`` of its first byte (or of the connection, for its first request) and fit
+``max_header_bytes``, else the server answers 408 / 431 and closes the connection; its body must be complete within
+``body_timeout_s`` of its headers, else the connection is closed and the request (which sees a disconnect) is
+counted as 408.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import socket
 import threading
 import time
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
 from pcr_rag.engine import PCREngine
-from pcr_rag.server.app import ServerState, create_app
+from pcr_rag.server.app import BODY_TIMEOUT_STATE, ServerState, create_app
 from pcr_rag.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ServerThread", "bind_socket", "serve"]
+__all__ = ["ServerThread", "bind_socket", "guarded_protocol", "serve"]
+
+
+class _DeadlineGuard:
+    """Header and body deadlines for a uvicorn HTTP protocol (mixed in before uvicorn's class).
+
+    A connection is in one phase at a time: ``headers`` (connected, or a request's first byte came, and its headers
+    are not complete), ``body`` (headers complete, body not), or ``idle`` (the request is complete: the app is
+    answering, or the connection waits under uvicorn's keep-alive timeout). Entering ``headers`` or ``body`` arms
+    one timer; leaving it cancels the timer. Subclasses say which phase the parser is in (`_parser_phase`)."""
+
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    max_header_bytes: int = 64 * 1024
+
+    _phase: str = "idle"
+    _timer: asyncio.TimerHandle | None = None
+    _header_bytes: int = 0
+    _tail: bytes = b""
+
+    def _parser_phase(self) -> str:
+        raise NotImplementedError
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._enter("headers")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel()
+        self._phase = "closed"
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def data_received(self, data: bytes) -> None:
+        cycle = getattr(self, "cycle", None)
+        if self._phase == "idle" and (cycle is None or cycle.response_complete):
+            self._enter("headers")  # the first bytes of a kept-alive connection's next request
+        if self._phase == "headers" and self._headers_too_large(data):
+            log.info("closing a connection whose request headers passed %d bytes", self.max_header_bytes)
+            self._reject(431, b"Request Header Fields Too Large")
+            return
+        super().data_received(data)  # type: ignore[misc]
+        if self.transport.is_closing():  # type: ignore[attr-defined]
+            self._cancel()
+            return
+        self._enter(self._parser_phase())
+
+    def _headers_too_large(self, data: bytes) -> bool:
+        """Counts the bytes of the request's line and headers (up to the blank line) before the parser sees them."""
+        seen = self._tail + data
+        end = seen.find(b"\r\n\r\n")
+        if end < 0:
+            self._header_bytes += len(data)
+            self._tail = seen[-3:]
+            return self._header_bytes > self.max_header_bytes
+        size = self._header_bytes + end + 4 - len(self._tail)
+        self._header_bytes, self._tail = 0, b""
+        return size > self.max_header_bytes
+
+    def _enter(self, phase: str) -> None:
+        if phase == self._phase:
+            return
+        self._cancel()
+        self._phase = phase
+        self._header_bytes, self._tail = 0, b""
+        if phase in ("headers", "body"):
+            timeout = self.header_timeout_s if phase == "headers" else self.body_timeout_s
+            self._timer = self.loop.call_later(timeout, self._expired, phase)  # type: ignore[attr-defined]
+
+    def _cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self, phase: str) -> None:
+        self._timer = None
+        if phase != self._phase or self.transport.is_closing():  # type: ignore[attr-defined]
+            return
+        if phase == "headers":
+            log.info("closing a connection that did not send complete request headers within %g s",
+                     self.header_timeout_s)
+            self._reject(408, b"Request Timeout")
+            return
+        log.info("closing a connection that did not send its request body within %g s", self.body_timeout_s)
+        scope = getattr(self, "scope", None)
+        if isinstance(scope, dict) and isinstance(scope.get("state"), dict):
+            scope["state"][BODY_TIMEOUT_STATE] = True
+        self.transport.close()  # type: ignore[attr-defined]
+
+    def _reject(self, status: int, reason: bytes) -> None:
+        """Answer ``status`` and close; only while no response of this connection is under way."""
+        self._cancel()
+        self._phase = "closed"
+        cycle = getattr(self, "cycle", None)
+        if cycle is None or cycle.response_complete:
+            body = reason + b"\n"
+            self.transport.write(  # type: ignore[attr-defined]
+                b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
+                b"connection: close\r\n\r\n%s" % (status, reason, len(body), body))
+        self.transport.close()  # type: ignore[attr-defined]
+
+
+def guarded_protocol(settings: ServerSettings) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol class (httptools when installed, else h11, as uvicorn's ``auto``) with the
+    settings' header and body deadlines and header size limit."""
+    limits = {"header_timeout_s": settings.header_timeout_s, "body_timeout_s": settings.body_timeout_s,
+              "max_header_bytes": settings.max_header_bytes}
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:
+        import h11
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        def h11_phase(self: Any) -> str:
+            state = self.conn.their_state
+            if state is h11.SEND_BODY:
+                return "body"
+            if state is h11.IDLE and self.conn.trailing_data[0]:
+                return "headers"
+            return "headers" if state is h11.IDLE and self._phase == "headers" else "idle"
+
+        return type("GuardedH11Protocol", (_DeadlineGuard, H11Protocol), {"_parser_phase": h11_phase, **limits})
+
+    class GuardedHttpToolsProtocol(_DeadlineGuard, HttpToolsProtocol):
+        _parsed = "headers"
+
+        def _parser_phase(self) -> str:
+            return self._parsed
+
+        def on_message_begin(self) -> None:
+            self._parsed = "headers"
+            super().on_message_begin()
+
+        def on_headers_complete(self) -> None:
+            self._parsed = "body"
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._parsed = "idle"
+            super().on_message_complete()
+
+    for name, value in limits.items():
+        setattr(GuardedHttpToolsProtocol, name, value)
+    return GuardedHttpToolsProtocol
 
 
 class _DrainingServer(uvicorn.Server):
@@ -53,8 +206,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def _server(engine: PCREngine, settings: ServerSettings, *, owns_engine: bool,
             log_level: str) -> _DrainingServer:
     app = create_app(engine, settings, owns_engine=owns_engine)
+    # uvicorn's limit counts the connection the request came on: max_connections + 1 serves max_connections
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=settings.shutdown_timeout_s, lifespan="on")
+                            timeout_graceful_shutdown=settings.shutdown_timeout_s, lifespan="on",
+                            http=guarded_protocol(settings), limit_concurrency=settings.max_connections + 1,
+                            timeout_keep_alive=settings.keep_alive_timeout_s,
+                            h11_max_incomplete_event_size=settings.max_header_bytes)
     return _DrainingServer(config, app.state.pcr)
 
 

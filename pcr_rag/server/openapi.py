@@ -1,0 +1,156 @@
+"""The API's published schema (``GET /openapi.json``): response models and the request bodies' components.
+
+The routes read their bodies themselves (byte limit, request threads), so FastAPI does not see the request models;
+`body` names a model as a route's request body and `add_request_schemas` puts the models (`pcr_rag.server.schemas`)
+into the schema's components. The response models describe what the routes send; they allow extra fields, so a
+client reading the schema is not surprised by the ``pcr`` extensions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from pcr_rag.server.schemas import AnnounceRequest, ChatCompletionRequest, CompletionRequest, TokenizeRequest
+
+__all__ = ["API_VERSION", "add_request_schemas", "body", "generation_ok"]
+
+API_VERSION = "1.0"
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest, AnnounceRequest,
+                                               TokenizeRequest)
+_REF = "#/components/schemas/{model}"
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ErrorObject(_Open):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(_Open):
+    """Every error: OpenAI's error object."""
+
+    error: ErrorObject
+
+
+class Health(_Open):
+    status: Literal["ok", "draining"]
+
+
+class ModelCard(_Open):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(_Open):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Usage(_Open):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int]
+    pcr: dict[str, Any]
+
+
+class ChatMessageOut(_Open):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Open):
+    index: int
+    message: ChatMessageOut
+    finish_reason: str | None
+
+
+class ChatCompletion(_Open):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(_Open):
+    index: int
+    text: str
+    finish_reason: str | None
+
+
+class Completion(_Open):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class Announcement(_Open):
+    id: int
+    object: Literal["pcr.announcement"]
+    documents: int
+    chunks: int
+    expires_in_s: float
+
+
+class Withdrawal(_Open):
+    id: int
+    object: Literal["pcr.announcement"]
+    withdrawn: bool
+
+
+class Tokens(_Open):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+def body(model: type[BaseModel]) -> dict[str, Any]:
+    """A route's ``openapi_extra`` naming ``model`` as its required JSON request body."""
+    ref = {"$ref": _REF.format(model=model.__name__)}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+# one server-sent event (OpenAPI 3.1: an event stream's schema describes each event): ``data`` holds a chunk's
+# JSON, an error object, or ``[DONE]``
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                             "retry": {"type": "integer"}}}
+
+
+def generation_ok(model: type[BaseModel]) -> dict[str, Any]:
+    """A generation route's 200: ``model`` as JSON, or an SSE stream with ``stream: true``."""
+    return {"model": model, "description": "the answer (JSON), or with stream=true an SSE stream of chunks",
+            "content": {"text/event-stream": {"schema": _SSE_EVENT}}}
+
+
+def add_request_schemas(schema: dict[str, Any], model_names: Iterable[str]) -> None:
+    """Put the request models (and the models they use) into ``schema``'s components; their ``model`` field lists
+    the ``model_names`` this server answers to (any other gets 404)."""
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    names = sorted(model_names)
+    for model in REQUEST_MODELS:
+        js = model.model_json_schema(ref_template=_REF, mode="validation")
+        components.update(js.pop("$defs", {}))
+        field = js["properties"]["model"]
+        if "anyOf" in field:  # optional: a name or null
+            field["anyOf"] = [{"type": "string", "enum": names}, {"type": "null"}]
+        else:
+            field.update(enum=names)
+            field.pop("minLength", None)
+        components[model.__name__] = js

@@ -1,0 +1,110 @@
+"""A character bound on prompts, checked before anything is tokenized: `PromptCharBound`.
+
+Tokenizing costs time in proportion to the text, so a request whose text alone proves the prompt too long is
+rejected on its length in characters. The bound must never reject a prompt that fits, so it rests on one fact
+about the tokenizer: **no token covers more than L characters of the text it came from**, where L is the longest
+vocabulary entry in its stored form. That holds when the tokenizer never deletes or merges text away:
+
+- byte-level BPE (GPT-2, Llama 3, SmolLM, Qwen): an entry stores one character per byte, and a token's decoded text
+  has at most as many characters as bytes;
+- SentencePiece-style BPE (``▁`` for a space, ``<0x0A>`` byte fallback): an entry is at least as long as its text;
+- special tokens typed in the text are vocabulary entries too (``<|im_start|>`` counts its 12 characters).
+
+So a text of C characters takes at least C / L tokens, and a request whose prompt text exceeds
+``max_model_len * L`` characters cannot fit ``max_model_len`` tokens (it also needs one new token). The chat
+template only adds text around the messages. What the bound counts is each text field stripped of surrounding
+whitespace (a template may trim it), summed.
+
+Tokenizers that can map many characters onto fewer tokens than that (a normalizer that composes or deletes
+characters, a pre-tokenizer that drops whitespace, an unknown-token model that fuses unknown characters, or a slow
+tokenizer whose pipeline cannot be read) get no bound (`PromptCharBound.of` returns None): their prompts are
+checked by token count only, still off the event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PromptCharBound"]
+
+# pipeline steps that never turn text into fewer characters than the tokens' stored forms cover
+_SAFE_NORMALIZERS = frozenset({"Prepend"})
+_SAFE_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "Punctuation", "Split", "UnicodeScripts"})
+
+
+@dataclass(frozen=True)
+class PromptCharBound:
+    """``max_chars``: the most prompt characters that can fit ``max_model_len`` tokens (``max_model_len`` times
+    ``token_chars``, the longest token in characters)."""
+
+    max_model_len: int
+    token_chars: int
+
+    @property
+    def max_chars(self) -> int:
+        return self.max_model_len * self.token_chars
+
+    def min_tokens(self, chars: int) -> int:
+        """The fewest tokens a text of ``chars`` characters can take."""
+        return math.ceil(chars / self.token_chars)
+
+    @classmethod
+    def of(cls, tokenizer: Any, max_model_len: int) -> PromptCharBound | None:
+        """The bound for ``tokenizer`` (a transformers fast tokenizer), or None when its pipeline may cover more
+        text per token than its vocabulary shows (see the module docstring)."""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            log.info("no prompt character bound: the tokenizer is not a fast tokenizer")
+            return None
+        try:
+            spec = json.loads(backend.to_str())
+            vocab = tokenizer.get_vocab()
+        except Exception as exc:  # noqa: BLE001 - an unreadable pipeline only loses the early check
+            log.info("no prompt character bound: the tokenizer's pipeline cannot be read (%s)", exc)
+            return None
+        reason = _unsafe(spec)
+        if reason is not None:
+            log.info("no prompt character bound: %s", reason)
+            return None
+        longest = max((len(entry) for entry in vocab), default=0)
+        if longest < 1:
+            return None
+        return cls(max_model_len, longest)
+
+
+def _unsafe(spec: dict[str, Any]) -> str | None:
+    """Why the tokenizer's pipeline may cover more characters per token than its longest entry (None: it cannot)."""
+    normalizer = spec.get("normalizer")
+    for step in _steps(normalizer):
+        kind = step.get("type")
+        if kind == "Replace":
+            pattern = step.get("pattern", {})
+            if "String" not in pattern or len(step.get("content", "")) < len(pattern["String"]):
+                return "the normalizer replaces text by shorter text"
+        elif kind not in _SAFE_NORMALIZERS:
+            return f"the normalizer {kind} may compose or delete characters"
+    for step in _steps(spec.get("pre_tokenizer")):
+        kind = step.get("type")
+        if kind not in _SAFE_PRE_TOKENIZERS or step.get("behavior") == "Removed":
+            return f"the pre-tokenizer {kind} may drop text"
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        return f"the {model.get('type')} model may map unknown words to one token"
+    if model.get("unk_token") is not None and model.get("fuse_unk") and not model.get("byte_fallback"):
+        return "the BPE model fuses unknown characters into one token"
+    return None
+
+
+def _steps(step: dict[str, Any] | None) -> list[dict[str, Any]]:
+    if step is None:
+        return []
+    if step.get("type") == "Sequence":
+        inner = step.get("normalizers") or step.get("pretokenizers") or []
+        return [s for sub in inner for s in _steps(sub)]
+    return [step]
