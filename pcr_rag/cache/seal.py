@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -86,7 +87,8 @@ class Sealer:
         self._header_key = _derive(base, b"header-mac")
         self._layer_key = _derive(base, b"layer-mac")
         self._aead_base = _derive(base, b"aead")
-        self._aeads: OrderedDict[bytes, Any] = OrderedDict()
+        self._aeads: OrderedDict[bytes, Any] = OrderedDict()  # per-root AES-GCM keys, least recently used first
+        self._lock = threading.Lock()
         if encrypt:
             self._aead(b"")  # fail now, not at the first write, when ``cryptography`` is missing
 
@@ -110,19 +112,20 @@ class Sealer:
 
     # ------------------------------------------------------------------ AES-GCM
     def _aead(self, root: bytes) -> Any:
-        aead = self._aeads.get(root)
-        if aead is None:
-            try:
-                from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # optional extra "crypto"
-            except ImportError as exc:
-                raise RuntimeError("encryption needs the 'cryptography' package: pip install 'pcr-rag[crypto]'") \
-                    from exc
-            aead = AESGCM(_derive(self._aead_base, b"root:" + root))
+        with self._lock:
+            aead = self._aeads.get(root)
+            if aead is not None:
+                self._aeads.move_to_end(root)
+                return aead
+        try:
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # optional extra "crypto"
+        except ImportError as exc:
+            raise RuntimeError("encryption needs the 'cryptography' package: pip install 'pcr-rag[crypto]'") from exc
+        aead = AESGCM(_derive(self._aead_base, b"root:" + root))
+        with self._lock:
             self._aeads[root] = aead
             while len(self._aeads) > _ROOT_KEYS:
                 self._aeads.popitem(last=False)
-        else:
-            self._aeads.move_to_end(root)
         return aead
 
     @staticmethod
