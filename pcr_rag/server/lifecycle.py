@@ -136,14 +136,19 @@ class _DeadlineGuard:
         self.transport.close()  # type: ignore[attr-defined]
 
 
-def guarded_protocol(settings: ServerSettings) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol class (httptools when installed, else h11, as uvicorn's ``auto``) with the
-    settings' header and body deadlines and header size limit."""
+def guarded_protocol(settings: ServerSettings, impl: str = "auto") -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol class with the settings' header and body deadlines and header size limit.
+    ``impl``: "httptools", "h11", or "auto" (httptools when installed, else h11, as uvicorn's ``auto``)."""
     limits = {"header_timeout_s": settings.header_timeout_s, "body_timeout_s": settings.body_timeout_s,
               "max_header_bytes": settings.max_header_bytes}
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-    except ImportError:
+    if impl == "auto":
+        try:
+            import httptools  # noqa: F401
+        except ImportError:
+            impl = "h11"
+        else:
+            impl = "httptools"
+    if impl == "h11":
         import h11
         from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -151,11 +156,14 @@ def guarded_protocol(settings: ServerSettings) -> type[asyncio.Protocol]:
             state = self.conn.their_state
             if state is h11.SEND_BODY:
                 return "body"
-            if state is h11.IDLE and self.conn.trailing_data[0]:
+            if state is h11.IDLE and (self.conn.trailing_data[0] or self._phase == "headers"):
                 return "headers"
-            return "headers" if state is h11.IDLE and self._phase == "headers" else "idle"
+            return "idle"
 
         return type("GuardedH11Protocol", (_DeadlineGuard, H11Protocol), {"_parser_phase": h11_phase, **limits})
+    if impl != "httptools":
+        raise ValueError(f"impl must be 'auto', 'httptools' or 'h11', got {impl!r}")
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class GuardedHttpToolsProtocol(_DeadlineGuard, HttpToolsProtocol):
         _parsed = "headers"
