@@ -400,7 +400,8 @@ class PCREngine:
 
         The given objects come back (str or `Doc`). ``namespace`` and the scopes (as for `generate`) pick the keys
         walked, those the request will have: every document shared, or every one private; documents of mixed
-        scopes come back in the given order (the order would also move where the private part starts).
+        scopes come back in the given order (the order would also move where the private part starts), as do
+        documents longer together than any prompt can be (`PromptBuilder.max_prompt_chars`), untokenized.
 
         A different order is a different prompt: reuse stays exact for it, but the answer can differ from the
         answer to the relevance-ordered prompt.
@@ -412,6 +413,9 @@ class PCREngine:
         flat = self._flat_layout(layout, namespace)
         if len(docs) < 2:
             return items
+        bound = self.builder.max_prompt_chars(self.max_model_len)
+        if bound is not None and sum(len(d) for d in docs) > bound:
+            return items  # no request can hold them all: nothing to order, and nothing worth tokenizing
         ns = namespace or ""
         private = {(scope != "shared") if ns else (scope == "private") for scope in doc_scopes}
         if len(private) > 1:

@@ -244,3 +244,13 @@ def test_a_prompt_rejected_for_its_token_count_is_not_cached(tiny, tmp_path):
         assert eng.builder.token_cache_bytes > 0
         assert eng.builder.is_cached("\n\n" + short.strip(), "a") or eng.builder.is_cached(" " + short.strip(), "a")
         assert not eng.builder.is_cached("\n\n" + short.strip(), "b")
+
+
+def test_order_for_reuse_does_not_tokenize_documents_no_prompt_can_hold(tiny, tmp_path):
+    with _engine(tiny, tmp_path / "c") as eng:
+        counting = _CountingTokenizer(eng.builder.tokenizer)
+        eng.builder.tokenizer = counting
+        huge = "All work and no play makes Jack a dull boy. " * 20_000
+        docs = [huge, PUBLIC[0]]
+        assert eng.order_for_reuse(docs) == docs
+        assert counting.lengths == [] and eng.builder.token_cache_bytes == 0
