@@ -17,7 +17,7 @@ id; the log holds the traceback under that id, the body never holds exception te
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE with ``stream: true``), ``GET /v1/models``,
 ``POST /v1/pcr/announce`` (a retrieval's documents enter the prefetch window; returns a ticket),
 ``DELETE /v1/pcr/announce/{ticket}`` (withdraw it), ``POST /tokenize``, ``GET /metrics`` (its own key,
-`MetricsGuard`), ``GET /health`` (no key), ``GET /openapi.json`` (the API's schema, no key).
+`MetricsGuard`), ``GET /health`` (no key), ``GET /openapi.json`` (the API's schema).
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ def create_app(engine: PCREngine, settings: ServerSettings | None = None, *, own
 
     app = FastAPI(title="pcr-rag", description="OpenAI-compatible server with PCR KV-cache reuse",
                   version=api_components.API_VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url="/openapi.json")
+                  openapi_url=None)
     app.state.pcr = state
     app.add_middleware(_InternalErrors, metrics=state.metrics)
 
@@ -333,7 +333,7 @@ def create_app(engine: PCREngine, settings: ServerSettings | None = None, *, own
         ids = await state.off_loop(do_tokenize, await read_body(request, settings.max_body_bytes))
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
 
-    def custom_openapi() -> dict[str, Any]:
+    def openapi_schema() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description,
                                  routes=app.routes)
@@ -341,7 +341,12 @@ def create_app(engine: PCREngine, settings: ServerSettings | None = None, *, own
             app.openapi_schema = schema
         return app.openapi_schema
 
-    app.openapi = custom_openapi  # type: ignore[method-assign]
+    app.openapi = openapi_schema  # type: ignore[method-assign]
+
+    @app.get("/openapi.json", dependencies=[Depends(tenant)], include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        """The API's schema; it names the served model, so it takes an API key as /v1/models does."""
+        return JSONResponse(openapi_schema())
 
     # ------------------------------------------------------------------------------------------ generation
     async def respond(request: Request, kind: str, raw: bytes, who: Tenant) -> Response:

@@ -8,7 +8,8 @@ OpenAI field names and bounds and are the API's published schema (``/openapi.jso
 400, not a crash) and turns it into a `GenerationRequest` (an engine prompt plus `SamplingParams`), or raises an
 `APIError` (400) that names the field (``param``) and says what to send instead; nothing reaches the engine
 before the whole body is valid. The OpenAI sampling names map through `SamplingParams.from_kwargs`
-(``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``). Options with no
+(``max_tokens`` / ``max_completion_tokens``, ``temperature`` (below ``GREEDY_BELOW``: greedy, as vLLM), ``top_p``,
+``stop``, ``seed``). Options with no
 equivalent here (``n > 1``, tools, logprobs, penalties, ...) are rejected when set to anything but their neutral
 value; fields this server does not know are accepted and ignored (logged at debug level), as vLLM's models do
 (``extra="allow"``). Chat's ``response_format`` (``text``, ``json_object``, ``json_schema``; also vLLM-style
@@ -59,6 +60,9 @@ __all__ = [
 ]
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # the sampler's seed is a signed 64-bit integer
+# temperatures below this sample greedily (vLLM's convention): dividing fp32 logits by a vanishing temperature
+# overflows them to inf and the sampler's probabilities to NaN
+GREEDY_BELOW = 1e-5
 
 _CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -170,7 +174,7 @@ class _Generation(_Body):
     model: str = Field(min_length=1, description="the id GET /v1/models lists")
     documents: Documents = None
     max_tokens: int | None = Field(None, ge=1, description="new tokens at most (default: the server's)")
-    temperature: float | None = Field(None, ge=0, le=2)
+    temperature: float | None = Field(None, ge=0, le=2, description=f"0 (or below {GREEDY_BELOW}) = greedy")
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, description="sampling seed (signed 64-bit)")
@@ -352,8 +356,11 @@ def _request(kind: Literal["chat", "completion"], body: _Generation, prompt: Cha
     stop = body.stop
     if isinstance(stop, list):
         stop = [s for s in stop if s]
+    temperature = body.temperature
+    if temperature is not None and temperature < GREEDY_BELOW:
+        temperature = 0.0
     try:
-        params = SamplingParams.from_kwargs(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+        params = SamplingParams.from_kwargs(max_tokens=max_tokens, temperature=temperature, top_p=body.top_p,
                                             stop=stop or None, seed=body.seed, response_format=response_format)
     except InvalidRequestError as exc:  # the models' bounds come first; what is left is the engine's word
         raise APIError.bad_request(str(exc)) from None

@@ -208,6 +208,8 @@ def test_tenant_keys_cannot_read_metrics_by_default(engine) -> None:
                      "metrics_forbidden")
         assert_error(httpx.get(url + "/metrics"), 401, "invalid_api_key")
         assert httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+        assert_error(httpx.get(url + "/openapi.json"), 401)  # it names the served model, as /v1/models does
+        assert httpx.get(url + "/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
 
 
 def test_only_the_metrics_key_reads_metrics(engine) -> None:
@@ -291,6 +293,18 @@ def test_integers_are_integers(served, engine, h) -> None:
     assert_error(chat(seed="7"), 400, param="seed")
     assert_error(chat(stream="yes"), 400, param="stream")
     assert chat(n=1, seed=2**63 - 1).status_code == 200
+
+
+def test_a_vanishing_temperature_samples_greedily(served, engine, h) -> None:
+    """Found by the fuzzer: temperature=1.4e-45 divided the logits into inf and failed the decode with a 500."""
+    def chat(temperature):
+        r = httpx.post(served + "/v1/chat/completions", json={
+            "model": engine.loaded.name, "messages": h.rag_messages(), "max_tokens": 4, "temperature": temperature,
+            "seed": 3, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    assert chat(1.401298464324817e-45) == chat(0.0)
 
 
 def test_500s_carry_a_request_id_not_the_exception(served, engine, h, caplog, monkeypatch) -> None:
