@@ -46,6 +46,11 @@ class RequestCancelledError(PCRError):
     """The request was cancelled before it finished."""
 
 
+class RequestFailedError(PCRError, RuntimeError):
+    """The engine failed this request while running it (its ``__cause__`` is the original error); its KV row and
+    pinned chunks were released and the engine keeps serving other requests. Retry it, or report the cause."""
+
+
 class PrefixLoadError(PCRError):
     """Cached KV for a matched chunk could not be loaded (e.g. failed verification); the runner recomputes."""
 

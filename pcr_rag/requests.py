@@ -181,7 +181,8 @@ class SamplingParams:
     max_new_tokens: tokens generated at most; None = the engine's ``EngineConfig.max_new_tokens``.
     temperature: 0 = greedy (deterministic); > 0 samples. top_p: nucleus mass in (0, 1].
     stop: strings that end generation (not included in the text); a single str or any sequence is accepted.
-    seed: the sampling seed when temperature > 0 (None = a fresh one per request).
+    seed: the sampling seed when temperature > 0 (None = a fresh one per request): a signed 64-bit int,
+        ``-2**63 <= seed < 2**63`` (vLLM's bound; every seed in it seeds the sampler's generator).
     response_format: what the output must match (grammar-constrained decoding, `pcr_rag.runtime.grammar`): a
         `ResponseFormat`, a JSON-schema dict or Pydantic model class, ``"json"`` (any JSON object), or the dicts
         ``{"type": "json_schema", "json_schema": {"schema": ...}}``, ``{"type": "json_object"}``,
@@ -206,8 +207,7 @@ class SamplingParams:
         p = self.top_p
         if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 < p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise InvalidRequestError(f"seed must be an int or None, got {self.seed!r}")
+        check_seed(self.seed)
         object.__setattr__(self, "temperature", float(t))
         object.__setattr__(self, "top_p", float(p))
         object.__setattr__(self, "stop", _stop_strings(self.stop))
@@ -242,6 +242,20 @@ class SamplingParams:
             given[name] = value
         base = defaults if defaults is not None else cls()
         return dataclasses.replace(base, **given) if given else base
+
+
+SEED_MIN, SEED_END = -(2**63), 2**63  # accepted seeds: [SEED_MIN, SEED_END), a signed 64-bit int (as vLLM)
+
+
+def check_seed(seed: object) -> None:
+    """Raise `InvalidRequestError` unless ``seed`` is None or an int (not a bool) in ``[-2**63, 2**63)``: the
+    range vLLM's requests accept, inside what ``torch.Generator.manual_seed`` takes, so an accepted seed can never
+    fail later, in the middle of a request."""
+    if seed is None:
+        return
+    if not isinstance(seed, int) or isinstance(seed, bool) or not SEED_MIN <= seed < SEED_END:
+        raise InvalidRequestError(f"seed must be an int in [-2**63, 2**63) (a signed 64-bit integer) or None, "
+                                  f"got {seed!r}")
 
 
 def _stop_strings(stop: object) -> tuple[str, ...]:

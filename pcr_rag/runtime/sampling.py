@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from pcr_rag.requests import SamplingParams
+from pcr_rag.requests import SamplingParams, check_seed
 
 
 class TokenConstraint(Protocol):
@@ -36,6 +36,7 @@ class TokenSampler:
         self.constraint = constraint
         self._gen: torch.Generator | None = None
         if params.temperature > 0:
+            check_seed(params.seed)  # validated with the params; a seed set past validation fails here, clearly
             self._gen = torch.Generator(device="cpu")
             self._gen.manual_seed(params.seed if params.seed is not None else time.time_ns() % (2**31))
 

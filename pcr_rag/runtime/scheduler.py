@@ -9,6 +9,12 @@ requests in the order they will be admitted, which is what the prefetcher looks 
 
 Shutdown (`close`): no new requests; waiting ones fail with `EngineClosedError`; admitted ones finish within the
 grace period, then fail with `EngineClosedError` too.
+
+Nothing wedges the loop: the executor fails a request whose phase raises (`BatchExecutor._run`); a step that
+raises outside any request fails every admitted request (their callers get the error, their rows come back); a
+queue ranking that raises falls back to arrival order; a step that moved nothing makes the loop wait instead of
+spinning; and if the loop itself dies, every waiting and admitted request fails and the scheduler closes, so no
+caller waits forever.
 """
 
 from __future__ import annotations
@@ -20,11 +26,13 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from pcr_rag.errors import EngineClosedError, QueueFullError
+from pcr_rag.errors import EngineClosedError, QueueFullError, RequestFailedError
 from pcr_rag.requests import Request, RequestState
 from pcr_rag.runtime.admission import PrefillOutlook, PrefillSpeed, queue_order
 
 log = logging.getLogger(__name__)
+
+STALLED_WAIT_S = 0.05  # longest sleep after a step that moved nothing (a cancellation or a free row wakes it)
 
 
 class StepExecutor(Protocol):
@@ -40,7 +48,7 @@ class StepExecutor(Protocol):
 
     def in_flight_keys(self) -> set[bytes]: ...
 
-    def step(self) -> None: ...
+    def step(self) -> bool: ...
 
     def fail_all(self, exc: BaseException) -> None: ...
 
@@ -70,7 +78,7 @@ class Scheduler:
         self._abort = False
         self._ids = itertools.count(1)
         self.max_depth = 0
-        self._thread = threading.Thread(target=self._loop, name="pcr-executor", daemon=True)
+        self._thread = threading.Thread(target=self._main, name="pcr-executor", daemon=True)
         self._thread.start()
 
     def next_id(self) -> int:
@@ -108,11 +116,16 @@ class Scheduler:
             return len(self._waiting)
 
     def _ordered(self, waiting: list[Request]) -> list[Request]:
-        """``waiting`` (arrival order) in admission order (`queue_order`: the oldest `ORDER_HORIZON` ranked)."""
+        """``waiting`` (arrival order) in admission order (`queue_order`: the oldest `ORDER_HORIZON` ranked).
+        Ranking reads the cache; if it raises, arrival order (ranking only orders work, it never decides it)."""
         if self.schedule == "fcfs" or len(waiting) < 2:
             return waiting
-        order = queue_order(self.schedule, len(waiting), lambda i: self.outlook_of(waiting[i]),
-                            self.executor.in_flight_keys(), self.clock(), self.speed.tokens_per_s)
+        try:
+            order = queue_order(self.schedule, len(waiting), lambda i: self.outlook_of(waiting[i]),
+                                self.executor.in_flight_keys(), self.clock(), self.speed.tokens_per_s)
+        except Exception:  # noqa: BLE001 - a broken cache must not stop admission
+            log.exception("ranking the waiting queue failed; admitting in arrival order")
+            return waiting
         return [waiting[i] for i in order]
 
     def _changed(self) -> None:
@@ -120,6 +133,20 @@ class Scheduler:
             self.on_change()
 
     # ------------------------------------------------------------------------------------------------- loop
+    def _main(self) -> None:
+        """The executor thread: `_loop`, and if it ever dies, every request fails rather than waiting forever."""
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - the last resort: report to every caller, then stop
+            log.critical("the executor loop stopped", exc_info=exc)
+            error = EngineClosedError(f"the engine's executor stopped ({type(exc).__name__}: {exc}); create a new "
+                                      f"PCREngine")
+            with self._cond:
+                self._closed = True
+                pending, self._waiting = self._waiting, []
+            _fail_waiting(pending, error)
+            self.executor.fail_all(error)
+
     def _loop(self) -> None:
         ex = self.executor
         while True:
@@ -139,12 +166,24 @@ class Scheduler:
             if admit:
                 self._changed()
                 for req in admit:
-                    ex.admit(req)
+                    try:
+                        ex.admit(req)
+                    except Exception as exc:  # noqa: BLE001 - the executor fails its own; this one never got in
+                        log.exception("admitting request %s failed", req.request_id)
+                        _fail_waiting([req], RequestFailedError(
+                            f"request {req.request_id} could not be admitted ({type(exc).__name__}: {exc}); "
+                            f"retry it"))
             if not ex.idle:
                 try:
-                    ex.step()
-                except Exception:  # noqa: BLE001 - BatchExecutor fails requests itself; never kill the thread
-                    log.exception("engine step failed")
+                    moved = ex.step()
+                except Exception as exc:  # noqa: BLE001 - outside any request's phase: fail them all, keep serving
+                    log.exception("engine step failed; failing every admitted request")
+                    ex.fail_all(exc)
+                    moved = True
+                if not moved:  # nothing could run: sleep until new work (or a cancellation) rather than spin
+                    with self._cond:
+                        if not self._closed and not (self._waiting and ex.free_rows):
+                            self._cond.wait(STALLED_WAIT_S)
         if not ex.idle:
             ex.fail_all(EngineClosedError("the engine was closed before this request finished"))
 
@@ -155,12 +194,17 @@ class Scheduler:
             pending = list(self._waiting)
             self._waiting.clear()
             self._cond.notify_all()
-        for req in pending:
-            if not req.future.done():
-                req.state = RequestState.FAILED
-                req.future.set_exception(EngineClosedError("the engine was closed before this request ran"))
+        _fail_waiting(pending, EngineClosedError("the engine was closed before this request ran"))
         self._thread.join(timeout=timeout)
         if self._thread.is_alive():
             with self._cond:
                 self._abort = True
             self._thread.join(timeout=30.0)
+
+
+def _fail_waiting(requests: list[Request], error: BaseException) -> None:
+    """Fail requests that hold no row (waiting, or refused at admission) with ``error``."""
+    for req in requests:
+        if not req.future.done():
+            req.state = RequestState.FAILED
+            req.future.set_exception(error)
