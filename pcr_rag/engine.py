@@ -233,6 +233,8 @@ class PCREngine:
             that does not compile), `PromptTooLongError` (a rendered prompt longer than
             `PromptBuilder.max_prompt_chars` is rejected before it is tokenized), `QueueFullError`,
             `EngineClosedError`. Only an accepted request's pieces enter the prompt builder's token cache.
+        The handle raises what happens later: `RequestFailedError` (the engine failed this request alone; its row
+            and pins are already released), `RequestCancelledError`, `EngineClosedError`, `TimeoutError`.
         """
         self._check_open()
         if not isinstance(prompt, PROMPT_KINDS):
