@@ -129,10 +129,11 @@ class EngineConfig:
         remote_encrypt: also encrypt remote payloads (AES-GCM under a key derived from the secret per namespace
             root), so the store never holds KV in the clear. Needs a secret.
         system_prompt_scope: "shared" (default) or "private": the sharing scope of the text before the first
-            document (system prompt, instruction, template head) in a request with a namespace. Shared, it keys from
-            the engine-wide root, so tenants reuse each other's system prompt (and the shared documents after it);
-            a flat or chat prompt whose template puts the question or earlier turns before the documents should
-            use "private". Documents are private in such a request unless marked shared (`pcr_rag.Doc`).
+            document (system prompt, instruction, template head) in a request with a namespace. Documents are
+            private in such a request unless marked shared (`pcr_rag.Doc`), and reuse is prefix-only, so tenants
+            share the head and the shared documents after it, and only when the first document is shared (a
+            request without a shared document keeps its own keys, as before scopes). "private" shares nothing
+            across namespaces; use it when the template puts the question or earlier turns before the documents.
         token_cache_bytes: bytes the prompt builder's cache of tokenized pieces (texts, ids, learned layouts) may
             hold, across namespaces (or a "64MiB"-style string); only accepted requests fill it.
         ssd_encrypt: encrypt SSD chunk files the same way (AES-GCM, key derived from ``remote_secret`` or

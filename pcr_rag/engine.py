@@ -464,10 +464,10 @@ class PCREngine:
             if namespaced and between and not between.isspace():
                 return None
             return shared_root, head
-        if not head:
-            return (root, ()) if namespaced else (scope_key(shared_root, shared_root), ())
-        if not shared_head:
+        if namespaced:  # the head is shared only in front of a shared document: the tenant's own chain
             return root, head
+        if not head:
+            return scope_key(shared_root, shared_root), ()
         parent = shared_root
         for spec in plan_chunks(shared_root, head, self.config.chunk_size):
             if not known(spec.key):

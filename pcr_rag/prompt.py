@@ -24,8 +24,10 @@ Invariants:
 - Sharing scopes (`Doc`): ``SegmentedPrompt.private_from`` is the first segment that holds anything private. In a
   request with a namespace, a segment is shared only when every character of it is a shared document, the head
   (the text before the first document, when ``system_prompt_scope`` is "shared") or whitespace; so the query, the
-  text between documents and unmarked documents are private. In a request without one (the engine-wide
-  namespace, the shared pool) only a segment that touches a document marked "private" is private.
+  text between documents and unmarked documents are private. The head is shared only in front of a shared
+  document: a namespaced request without one is private from its first segment on (its keys are those of before
+  scopes existed, and nothing of it is reused across namespaces). In a request without a namespace (the
+  engine-wide namespace, the shared pool) only a segment that touches a document marked "private" is private.
 - Per-request state is per namespace (`PromptContext`): pieces are tokenized through a byte-bounded cache keyed by
   namespace and text, and the flat layout is learned per namespace; a request's new entries and layout are kept
   only once the engine accepted it (`PromptBuilder.accept`), so a rejected request leaves nothing behind and one
@@ -580,6 +582,13 @@ class PromptBuilder:
         namespace = context.namespace if context is not None else ""
         private = self._private_test(text, located, bool(namespace))
         private_from = next((i for i, (_, (a, b)) in enumerate(bounds) if private(a, b)), None)
+        if namespace and private_from:
+            # the head is shared only in front of a shared document: alone it would be the one thing a request
+            # without shared documents shares, so such a request keeps its own chain (and its keys of before)
+            shared_docs = [span for span, scope in located if scope == "shared"]
+            end = bounds[private_from - 1][1][1]
+            if not any(start < end for start, _ in shared_docs):
+                private_from = 0
         return SegmentedPrompt(text=text, segments=segments, documents_found=len(spans), cuts_adjusted=adjusted,
                                private_from=private_from)
 

@@ -215,10 +215,10 @@ def _private_from(builder: PromptBuilder, docs, namespace: str, text: str | None
 def test_scopes_decide_where_the_private_part_starts(builder) -> None:
     a, b = DOCS[:2]
     pf, first = _private_from(builder, [a, b], "t")
-    assert first == 1 and pf == 1  # unmarked documents are private in a namespace; the head is shared
-    assert _private_from(builder, [Doc(a, "shared"), b], "t")[0] == 2
+    assert first == 1 and pf == 0  # unmarked documents are private in a namespace, and the head alone is not shared
+    assert _private_from(builder, [Doc(a, "shared"), b], "t")[0] == 2  # the head is shared before a shared one
     assert _private_from(builder, [Doc(a, "shared"), Doc(b, "shared")], "t")[0] == 3  # the query is private
-    assert _private_from(builder, [b, Doc(a, "shared")], "t")[0] == 1  # nothing after a private one is shared
+    assert _private_from(builder, [b, Doc(a, "shared")], "t")[0] == 0  # nothing after a private one is shared
     private_head = PromptBuilder(builder.tokenizer, system_prompt_scope="private")
     assert _private_from(private_head, [Doc(a, "shared")], "t")[0] == 0
     # the engine-wide namespace: shared unless marked private, and nothing private without a document marked so

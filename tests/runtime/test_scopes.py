@@ -75,34 +75,34 @@ def test_shared_documents_are_reused_across_tenants_private_ones_never(tiny, tmp
 
 
 def test_unmarked_documents_are_private_in_a_namespace(tiny, tmp_path):
-    """The default keeps today's isolation: plain strings in a namespaced request are private, so another tenant
-    sending the very same request reuses at most the shared system prompt (nothing with system_prompt_scope
-    "private")."""
+    """The default keeps today's isolation: plain strings in a namespaced request are private and the shared head
+    counts only in front of a shared document, so another tenant sending the very same request reuses nothing;
+    with system_prompt_scope "private" not even a shared document is reused across tenants."""
     docs = [PUBLIC[0], SECRET_A]
     with _engine(tiny, tmp_path / "c") as eng:
         eng.generate(QUERY, docs, system=SYSTEM, namespace="a")
-        b = eng.generate(QUERY, docs, system=SYSTEM, namespace="b")
-        head = len(eng.builder.build_rag(QUERY, docs, SYSTEM).segments[0])
-        again_a = eng.generate(QUERY, docs, system=SYSTEM, namespace="a")
-    assert b.metrics.reused_tokens <= head
-    assert again_a.metrics.reused_tokens > head
-    with _engine(tiny, tmp_path / "p", system_prompt_scope="private") as eng:
-        eng.generate(QUERY, docs, system=SYSTEM, namespace="a")
         assert eng.generate(QUERY, docs, system=SYSTEM, namespace="b").metrics.reused_tokens == 0
         assert eng.generate(QUERY, docs, system=SYSTEM, namespace="a").metrics.reused_tokens > 0
+        eng.generate(QUERY, [Doc(PUBLIC[1], "shared")], system=SYSTEM, namespace="a")
+        assert eng.generate(QUERY, [PUBLIC[1]], system=SYSTEM, namespace="c").metrics.reused_tokens == 0
+    with _engine(tiny, tmp_path / "p", system_prompt_scope="private") as eng:
+        shared = [Doc(PUBLIC[0], "shared"), Doc(PUBLIC[1], "shared")]
+        eng.generate(QUERY, shared, system=SYSTEM, namespace="a")
+        assert eng.generate(QUERY, shared, system=SYSTEM, namespace="b").metrics.reused_tokens == 0
+        assert eng.generate(QUERY, shared, system=SYSTEM, namespace="a").metrics.reused_tokens > 0
 
 
 def test_keys_without_scopes_are_unchanged(tiny, tmp_path):
-    """Single-tenant requests (no namespace, no scopes) key exactly as before, so existing caches stay valid; a
-    wholly private namespaced request (system prompt private) too."""
+    """Requests without scopes key exactly as before, so existing caches stay valid: single-tenant requests (no
+    namespace) from the engine's root, namespaced ones wholly from their tenant's root."""
     docs = list(PUBLIC)
     with _engine(tiny, tmp_path / "c") as eng:
         seg = eng.builder.build_rag(QUERY, docs, SYSTEM)
         assert eng.plan_for(QUERY, docs, system=SYSTEM) == plan_chunks(eng.root_key, seg.segments, 16)
-    with _engine(tiny, tmp_path / "p", system_prompt_scope="private") as eng:
-        seg = eng.builder.build_rag(QUERY, docs, SYSTEM)
         assert eng.plan_for(QUERY, docs, system=SYSTEM, namespace="a") == plan_chunks(eng.root_for("a"),
                                                                                        seg.segments, 16)
+        assert eng.plan_for("no documents", system=SYSTEM, namespace="a") == plan_chunks(
+            eng.root_for("a"), eng.builder.build_rag("no documents", [], SYSTEM).segments, 16)
 
 
 def test_a_private_document_of_the_engine_wide_namespace_is_not_shared(tiny, tmp_path):
@@ -112,7 +112,7 @@ def test_a_private_document_of_the_engine_wide_namespace_is_not_shared(tiny, tmp
         eng.generate(QUERY, [Doc(SECRET_A, "private")], system=SYSTEM)
         probe = eng.generate(QUERY, [Doc(SECRET_A, "shared")], system=SYSTEM, namespace="b")
         head = len(eng.builder.build_rag(QUERY, [SECRET_A], SYSTEM).segments[0])
-        assert probe.metrics.reused_tokens <= head
+        assert 0 < probe.metrics.reused_tokens <= head  # the shared head, not the private document
         assert eng.generate(QUERY, [Doc(SECRET_A, "private")], system=SYSTEM).metrics.reused_tokens > head
 
 
@@ -171,6 +171,14 @@ def test_order_for_reuse_walks_the_namespace_keys(tiny, tmp_path):
         assert eng.order_for_reuse(shared, namespace="b", layout="rag") == shared[::-1]  # the same Doc objects
         mixed = [Doc(PUBLIC[0], "shared"), Doc(SECRET_B), Doc(SECRET_A)]
         assert eng.order_for_reuse(mixed, namespace="a", layout="rag") == mixed
+        own = [Doc(d, "private") for d in docs]  # explicitly private in the engine-wide namespace
+        assert eng.order_for_reuse(own, layout="rag") == own
+        eng.generate(QUERY, own[::-1])
+        assert eng.order_for_reuse(own, layout="rag") == own[::-1]
+        # unmarked, the same texts are the engine-wide (shared) chain: tenant c's shared order, not the private one
+        assert eng.order_for_reuse(docs, layout="rag") == docs[::-1]
+        eng.generate(QUERY, [own[1], own[0], own[2]])
+        assert eng.order_for_reuse(docs, layout="rag") == docs[::-1]
 
 
 def _rss_bytes() -> int:
