@@ -133,6 +133,25 @@ def test_char_bound_never_rejects_a_prompt_that_fits(engine) -> None:
     assert bound.min_tokens(bound.max_chars + 1) > engine.max_model_len
 
 
+def test_announce_and_tokenize_refuse_text_over_the_bound_before_tokenizing(served, engine) -> None:
+    bound = PromptCharBound.of(engine.tokenizer, engine.max_model_len)
+    half = "x" * (bound.max_chars // 2 + 1)
+    error = assert_error(httpx.post(served + "/v1/pcr/announce", json={"documents": [half, half]}), 400,
+                         "context_length_exceeded", "documents")
+    assert error["message"].startswith("the prompt's text has")
+    assert_error(httpx.post(served + "/tokenize", json={"prompt": half * 2}), 400, "context_length_exceeded",
+                 "prompt")
+    assert engine.stats().prefetch["pending_announcements"] == 0
+
+
+@pytest.mark.parametrize("bad", [{"header_timeout_s": 0}, {"body_timeout_s": float("inf")},
+                                 {"keep_alive_timeout_s": -1}, {"max_connections": 0}, {"request_threads": True},
+                                 {"max_header_bytes": 100}, {"metrics_key": " "}, {"metrics_public": "yes"}])
+def test_settings_refuse_bad_limits(bad) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        ServerSettings(**bad)
+
+
 # ------------------------------------------------------------------------------------------------ slow clients
 @pytest.fixture(scope="module", params=["httptools", "h11"])
 def guarded(engine, request):
