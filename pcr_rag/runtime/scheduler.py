@@ -32,7 +32,7 @@ from pcr_rag.runtime.admission import PrefillOutlook, PrefillSpeed, queue_order
 
 log = logging.getLogger(__name__)
 
-STALLED_WAIT_S = 0.05  # longest sleep after a step that moved nothing (a cancellation or a free row wakes it)
+STALLED_WAIT_S = 0.05  # sleep after a step that moved nothing (a submit wakes it sooner; a cancel is seen next step)
 
 
 class StepExecutor(Protocol):
