@@ -128,7 +128,7 @@ class ServerState:
         bound = self.char_bound
         if bound is not None and chars > bound.max_chars:
             raise APIError(400, f"the prompt's text has {chars} characters, so at least {bound.min_tokens(chars)} "
-                                f"tokens (no token of this model covers more than {bound.token_chars} characters), "
+                                f"tokens (no token of this model covers more than {bound.chars_per_token} characters), "
                                 f"which exceeds the engine's max_model_len of {bound.max_model_len} tokens; "
                                 f"retrieve fewer or shorter documents", param=param,
                            code="context_length_exceeded")

@@ -15,10 +15,13 @@ So a text of C characters takes at least C / L tokens, and a request whose promp
 template only adds text around the messages. What the bound counts is each text field stripped of surrounding
 whitespace (a template may trim it), summed.
 
-Tokenizers that can map many characters onto fewer tokens than that (a normalizer that composes or deletes
-characters, a pre-tokenizer that drops whitespace, an unknown-token model that fuses unknown characters, or a slow
-tokenizer whose pipeline cannot be read) get no bound (`PromptCharBound.of` returns None): their prompts are
-checked by token count only, still off the event loop.
+A composing Unicode normalizer (NFC, NFKC: Qwen's) turns at most `COMPOSED_CHARS` characters into one (the longest
+canonical decomposition, e.g. U+1F82 is four code points), so the bound is that many times wider for it;
+decomposing ones (NFD, NFKD) only lengthen text. Tokenizers that can map many characters onto fewer tokens in other
+ways (a normalizer that deletes or shortens text, a pre-tokenizer that drops whitespace, an added token that
+swallows the whitespace beside it, an unknown-token model that fuses unknown characters, or a slow tokenizer whose
+pipeline cannot be read) get no bound (`PromptCharBound.of` returns None): their prompts are checked by token count
+only, still off the event loop.
 """
 
 from __future__ import annotations
@@ -33,26 +36,35 @@ log = logging.getLogger(__name__)
 
 __all__ = ["PromptCharBound"]
 
+COMPOSED_CHARS = 4  # the most code points Unicode canonical composition turns into one (tests check it)
+
 # pipeline steps that never turn text into fewer characters than the tokens' stored forms cover
-_SAFE_NORMALIZERS = frozenset({"Prepend"})
+_SAFE_NORMALIZERS = frozenset({"Prepend", "NFD", "NFKD"})
+_COMPOSING_NORMALIZERS = frozenset({"NFC", "NFKC"})
 _SAFE_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "Punctuation", "Split", "UnicodeScripts"})
 
 
 @dataclass(frozen=True)
 class PromptCharBound:
-    """``max_chars``: the most prompt characters that can fit ``max_model_len`` tokens (``max_model_len`` times
-    ``token_chars``, the longest token in characters)."""
+    """``max_chars``: the most prompt characters that can fit ``max_model_len`` tokens: ``max_model_len`` times
+    ``token_chars`` (the longest token in characters) times ``composed`` (the characters a normalizer may compose
+    into one: 1 without a composing normalizer)."""
 
     max_model_len: int
     token_chars: int
+    composed: int = 1
+
+    @property
+    def chars_per_token(self) -> int:
+        return self.token_chars * self.composed
 
     @property
     def max_chars(self) -> int:
-        return self.max_model_len * self.token_chars
+        return self.max_model_len * self.chars_per_token
 
     def min_tokens(self, chars: int) -> int:
         """The fewest tokens a text of ``chars`` characters can take."""
-        return math.ceil(chars / self.token_chars)
+        return math.ceil(chars / self.chars_per_token)
 
     @classmethod
     def of(cls, tokenizer: Any, max_model_len: int) -> PromptCharBound | None:
@@ -75,14 +87,18 @@ class PromptCharBound:
         longest = max((len(entry) for entry in vocab), default=0)
         if longest < 1:
             return None
-        return cls(max_model_len, longest)
+        composing = any(step.get("type") in _COMPOSING_NORMALIZERS for step in _steps(spec.get("normalizer")))
+        return cls(max_model_len, longest, COMPOSED_CHARS if composing else 1)
 
 
 def _unsafe(spec: dict[str, Any]) -> str | None:
-    """Why the tokenizer's pipeline may cover more characters per token than its longest entry (None: it cannot)."""
+    """Why the tokenizer's pipeline may cover more characters per token than its longest entry times the
+    composition factor (None: it cannot)."""
     normalizer = spec.get("normalizer")
     for step in _steps(normalizer):
         kind = step.get("type")
+        if kind in _COMPOSING_NORMALIZERS:
+            continue
         if kind == "Replace":
             pattern = step.get("pattern", {})
             if "String" not in pattern or len(step.get("content", "")) < len(pattern["String"]):
@@ -93,6 +109,9 @@ def _unsafe(spec: dict[str, Any]) -> str | None:
         kind = step.get("type")
         if kind not in _SAFE_PRE_TOKENIZERS or step.get("behavior") == "Removed":
             return f"the pre-tokenizer {kind} may drop text"
+    for token in spec.get("added_tokens") or []:
+        if token.get("lstrip") or token.get("rstrip"):
+            return f"the added token {token.get('content')!r} swallows the whitespace beside it"
     model = spec.get("model") or {}
     if model.get("type") != "BPE":
         return f"the {model.get('type')} model may map unknown words to one token"
