@@ -102,7 +102,10 @@ class ServerState:
     async def off_loop(self, fn: Callable[..., T], *args: Any, orphan: Callable[[T], None] | None = None) -> T:
         """``fn(*args)`` on a request thread, awaited. When the awaiting task is cancelled while ``fn`` runs, its
         result goes to ``orphan`` (e.g. a submitted request is cancelled) instead of being lost."""
-        future = self.pool.submit(fn, *args)
+        try:
+            future = self.pool.submit(fn, *args)
+        except RuntimeError:  # the pool is shut down: the app is shutting down
+            raise APIError.unavailable("the server is shutting down; retry against another instance") from None
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
