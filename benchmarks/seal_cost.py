@@ -6,7 +6,7 @@ heads x 64 dims, bf16 = 5,898,240 bytes), each round times, in an order rotated 
 
 - ``get``: one GET of the sealed value (the remote tier's read);
 - ``xxh3``: verifying an unsealed value (header and per-layer xxh3-64: what an insecure tier checks);
-- ``hmac``: verifying a sealed value (header MAC and the 30 per-layer HMAC-SHA256 tags);
+- ``mac``: verifying a sealed value (header HMAC-SHA256 and the 30 per-layer AES-GMAC tags);
 - ``aes_gcm``: verifying and decrypting an encrypted value (header MAC, 30 AES-GCM layers).
 
 Each verification runs the tier's own code (``ValueCodec.decode`` + ``payload``) on bytes already fetched. Prints
@@ -35,7 +35,7 @@ from pcr_rag.cache.tiers.base import ChunkRecord
 from pcr_rag.cache.tiers.remote_value import ValueCodec
 
 SECRET = "seal-cost-benchmark-secret"
-OPS = ("get", "xxh3", "hmac", "aes_gcm")
+OPS = ("get", "xxh3", "mac", "aes_gcm")
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -53,13 +53,13 @@ def measure(url: str, *, reps: int, tokens: int, layout: KVLayout) -> dict[str, 
     chunk = ChunkRecord(key, root, True, tokens, False, None, payload.nbytes, layout.num_layers)
     codecs = {
         "xxh3": ValueCodec(None, layout),
-        "hmac": ValueCodec(Sealer(SECRET, "remote"), layout),
+        "mac": ValueCodec(Sealer(SECRET, "remote"), layout),
         "aes_gcm": ValueCodec(Sealer(SECRET, "remote", encrypt=True), layout),
     }
     values = {name: codec.encode(chunk, payload, root) for name, codec in codecs.items()}
     client = redis.Redis.from_url(url, socket_timeout=30, socket_read_size=1 << 20)
     name = f"seal-cost:{key.hex()}"
-    client.set(name, values["hmac"])
+    client.set(name, values["mac"])
 
     def verify(op: str) -> Callable[[], object]:
         codec, raw = codecs[op], values[op]
@@ -88,7 +88,7 @@ def measure(url: str, *, reps: int, tokens: int, layout: KVLayout) -> dict[str, 
     summary = {op: {"median_ms": statistics.median(xs) * 1e3, "p10_ms": _quantile(xs, 0.1) * 1e3,
                     "p90_ms": _quantile(xs, 0.9) * 1e3, "over_get": statistics.median(xs) * 1e3 / get_ms}
                for op, xs in times.items()}
-    return {"chunk_bytes": payload.nbytes, "value_bytes": len(values["hmac"]), "tokens": tokens, "reps": reps,
+    return {"chunk_bytes": payload.nbytes, "value_bytes": len(values["mac"]), "tokens": tokens, "reps": reps,
             "layout": {"num_layers": layout.num_layers, "kv_heads": layout.kv_heads, "head_dim": layout.head_dim,
                        "dtype": str(layout.dtype)}, "per_chunk": summary}
 

@@ -10,13 +10,19 @@ value's bytes, sizes and chain links must be authenticated under a secret the st
 - ``sign_header``: HMAC-SHA256 over the namespace root and the header bytes (key, parent, flags, token count,
   tokens digest, dtype, shape, per-layer tags...). The root is not stored in the value: the verifier supplies
   the root it expects, so a value made under another root fails.
-- ``layer_tag``: 16 bytes of HMAC-SHA256 over the chunk key, the layer index and the layer's bytes, so each layer
-  can be verified when it is used (layer-wise loads) and the header MAC covers every payload byte through the
-  tags it holds.
+- ``layer_tag``: a 16-byte AES-GMAC tag (AES-GCM over no plaintext, the layer's bytes as associated data) under
+  a per-purpose MAC key, with the value's random 96-bit base nonce and the layer index folded into its last 32
+  bits, so each layer can be verified when it is used (layer-wise loads) and the header MAC covers every payload
+  byte through the tags it holds. The chunk key and the layer's place are bound through the nonce: the header MAC
+  covers key and nonce, and a layer moved to another index or value is checked under another nonce. GMAC rather
+  than HMAC-SHA256 because a layer tag runs over every payload byte: GHASH (carry-less multiply) is an order of
+  magnitude cheaper per byte than SHA-256 (`benchmarks/seal_cost.py` measures both). Random nonces keep a key's
+  GMAC nonces unique (a repeat would leak the hash key); 2^32 values per key keep the collision odds below 2^-32.
 - With ``encrypt``: each layer is one AES-GCM message under a key derived per namespace root, nonce = the value's
   random 96-bit base nonce with the layer index folded into its last 32 bits, AAD = the header's core (everything
-  the header says about the chunk) and the layer index; the GCM tag replaces the HMAC layer tag. AES-GCM comes
-  from the optional ``cryptography`` package (extra ``crypto``), imported only when encryption is on.
+  the header says about the chunk) and the layer index; the GCM tag replaces the GMAC layer tag. AES-GCM comes
+  from the ``cryptography`` package (extra ``crypto``, part of ``make install``), imported when a ``Sealer`` is
+  made: a secret-bearing engine without it refuses to start, saying what to install.
 
 Failures raise ``ForgedChunkError`` (a ``CorruptChunkError``: the caller drops the copy and recomputes).
 """
@@ -85,12 +91,10 @@ class Sealer:
         self.encrypt = encrypt
         base = _derive(secret.encode("utf-8"), purpose.encode("ascii"))
         self._header_key = _derive(base, b"header-mac")
-        self._layer_key = _derive(base, b"layer-mac")
         self._aead_base = _derive(base, b"aead")
         self._aeads: OrderedDict[bytes, Any] = OrderedDict()  # per-root AES-GCM keys, least recently used first
         self._lock = threading.Lock()
-        if encrypt:
-            self._aead(b"")  # fail now, not at the first write, when ``cryptography`` is missing
+        self._gmac = _aesgcm()(_derive(base, b"layer-gmac"))  # fails now, not at the first write, without the package
 
     def __repr__(self) -> str:
         return f"Sealer(purpose={self.purpose!r}, encrypt={self.encrypt})"
@@ -105,10 +109,9 @@ class Sealer:
             raise ForgedChunkError(f"chunk {key.hex()}: header MAC mismatch (forged, or written under another "
                                    f"secret or namespace root)")
 
-    def layer_tag(self, key: bytes, layer: int, data: memoryview) -> bytes:
-        h = hmac.new(self._layer_key, key + layer.to_bytes(4, "little"), "sha256")
-        h.update(data)
-        return h.digest()[:LAYER_TAG_BYTES]
+    def layer_tag(self, nonce: bytes, layer: int, data: memoryview) -> bytes:
+        """The GMAC tag of layer ``layer``'s bytes under the value's base ``nonce``."""
+        return self._gmac.encrypt(layer_nonce(nonce, layer), b"", data)
 
     # ------------------------------------------------------------------ AES-GCM
     def _aead(self, root: bytes) -> Any:
@@ -117,11 +120,7 @@ class Sealer:
             if aead is not None:
                 self._aeads.move_to_end(root)
                 return aead
-        try:
-            from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # optional extra "crypto"
-        except ImportError as exc:
-            raise RuntimeError("encryption needs the 'cryptography' package: pip install 'pcr-rag[crypto]'") from exc
-        aead = AESGCM(_derive(self._aead_base, b"root:" + root))
+        aead = _aesgcm()(_derive(self._aead_base, b"root:" + root))
         with self._lock:
             self._aeads[root] = aead
             while len(self._aeads) > _ROOT_KEYS:
@@ -152,6 +151,16 @@ class Sealer:
             raise ForgedChunkError(f"chunk {key.hex()} layer {layer}: AES-GCM tag mismatch (forged or "
                                    f"tampered ciphertext)") from None
 
+
+
+def _aesgcm() -> Any:
+    """The ``AESGCM`` class of the ``cryptography`` package (optional extra ``crypto``)."""
+    try:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    except ImportError as exc:
+        raise RuntimeError("a remote or SSD secret needs the 'cryptography' package (AES-GMAC/GCM): "
+                           "pip install 'pcr-rag[crypto]'") from exc
+    return AESGCM
 
 
 _RUN_SECRET: list[str] = []

@@ -14,7 +14,7 @@ Layout (little endian, version 1)::
     shape         ndim x u64                 (dim 0 = layers)
     checksums     layers x u64               (xxh3-64 of each layer's stored bytes)
     seal          only when sealed (flag 4): nonce[12], pad[4], layers x tag[16], mac[32] (``seal``: a layer's
-                  HMAC tag, or its AES-GCM tag when encrypted (flag 8); the MAC covers the namespace root and
+                  GMAC tag, or its AES-GCM tag when encrypted (flag 8); the MAC covers the namespace root and
                   every header byte before it)
     header sum    u64                        (xxh3-64 of every header byte before it)
     padding       to data_offset (a multiple of 4096, so the payload is O_DIRECT-aligned)
@@ -248,21 +248,20 @@ def encode_header(meta: ChunkMeta, payload: torch.Tensor, checksums: list[int]) 
 
 
 def seal_chunk(meta: ChunkMeta, payload: torch.Tensor, sealer: Sealer, root: bytes) -> tuple[bytes, memoryview]:
-    """(header, the payload bytes to store after it) of a sealed chunk: per-layer HMAC tags, or per-layer AES-GCM
+    """(header, the payload bytes to store after it) of a sealed chunk: per-layer GMAC tags, or per-layer AES-GCM
     ciphertexts and tags when ``sealer.encrypt``; the header MAC binds ``root``. ``payload``: contiguous, CPU."""
     num_layers = int(payload.shape[0])
     data = byte_view(payload)
     lb = data.nbytes // num_layers
     core = _core(meta, payload, FLAG_SEALED | (FLAG_ENCRYPTED if sealer.encrypt else 0))
+    nonce = sealer.new_nonce()
     if sealer.encrypt:
-        nonce = sealer.new_nonce()
         parts = [sealer.seal_layer(root, nonce, i, core, data[i * lb : (i + 1) * lb]) for i in range(num_layers)]
         stored = memoryview(b"".join(ct for ct, _ in parts))
         tags = [tag for _, tag in parts]
     else:
-        nonce = b"\x00" * NONCE_BYTES
         stored = data
-        tags = [sealer.layer_tag(meta.key, i, data[i * lb : (i + 1) * lb]) for i in range(num_layers)]
+        tags = [sealer.layer_tag(nonce, i, data[i * lb : (i + 1) * lb]) for i in range(num_layers)]
     signed = core + _checksums(stored, num_layers) + nonce + b"\x00" * 4 + b"".join(tags)
     return _finish(signed + sealer.sign_header(root, signed)), stored
 
@@ -341,7 +340,7 @@ def verify_seal(header: ChunkHeader, sealer: Sealer | None, root: bytes) -> None
 
 def open_layer(header: ChunkHeader, layer: int, stored: memoryview, sealer: Sealer | None, root: bytes) \
         -> memoryview | bytes:
-    """Layer ``layer``'s plaintext bytes from its ``stored`` bytes, verified: its AES-GCM tag (decrypting), its HMAC
+    """Layer ``layer``'s plaintext bytes from its ``stored`` bytes, verified: its AES-GCM tag (decrypting), its GMAC
     tag, or (no ``sealer``) its xxh3 checksum; the header must have passed ``verify_seal`` with the same
     ``sealer`` and ``root``. Raises ``ForgedChunkError`` / ``CorruptChunkError``."""
     key = header.meta.key
@@ -350,7 +349,7 @@ def open_layer(header: ChunkHeader, layer: int, stored: memoryview, sealer: Seal
         return stored
     if header.encrypted:
         return sealer.open_layer(root, header.nonce, layer, header.core, stored, header.tags[layer], key)
-    if not hmac.compare_digest(sealer.layer_tag(key, layer, stored), header.tags[layer]):
+    if not hmac.compare_digest(sealer.layer_tag(header.nonce, layer, stored), header.tags[layer]):
         raise ForgedChunkError(f"chunk {key.hex()} layer {layer}: MAC mismatch (forged or tampered)")
     return stored
 

@@ -9,7 +9,7 @@ values.
 Trust (the store is writable by others, so nothing in a value is believed on its own):
 
 - With a secret (``ValueCodec.sealer``) every value is sealed: a header MAC over the namespace root and every
-  header byte, and a tag per layer (HMAC, or AES-GCM when encrypted) that the header MAC covers. The root is
+  header byte, and a tag per layer (AES-GMAC, or AES-GCM when encrypted) that the header MAC covers. The root is
   never stored: the first chunk of a chain stores a zero parent, and the reader supplies the root it expects.
 - A reader also checks the authenticated header against what it knows itself (``Expected``, or the chunk node):
   the parent, the token count, the partial flag and tokens digest of its own chunk plan, and the engine's KV
