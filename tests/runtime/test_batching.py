@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pcr_rag import ConfigError, EngineConfig, PCREngine, PromptTooLongError, RequestCancelledError
+from pcr_rag.errors import RequestFailedError
 from pcr_rag.requests import RagPrompt, SamplingParams
 from pcr_rag.runtime.admission import AGING_TOKENS_PER_S
 from pcr_rag.testing import TEST_DEVICE, tiny_model
@@ -95,7 +96,7 @@ def test_a_failing_request_fails_alone(tmp_path):
         good = [eng.stream(q, [DOCS[i] for i in d]) for q, d in QUESTIONS[:3]]
         bad = eng.stream("this one's consumer explodes", [DOCS[3]])
         bad._request.on_token = lambda *_: (_ for _ in ()).throw(RuntimeError("consumer exploded"))
-        with pytest.raises(RuntimeError, match="consumer exploded"):
+        with pytest.raises(RequestFailedError, match="failed during decode: RuntimeError: consumer exploded"):
             bad.result(timeout=120)
         got = [h.result(timeout=120) for h in good]
         assert eng.stats().cache.pinned_chunks == 0
