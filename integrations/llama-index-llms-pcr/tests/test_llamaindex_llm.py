@@ -11,10 +11,10 @@ from llama_index.llms.pcr import PCRLLM, PCRRequestError
 from llama_index.llms.pcr.base import to_chat_turns
 
 
-def test_metadata_reports_the_models_context_window(engine) -> None:
+def test_metadata_reports_the_engines_max_model_len(engine) -> None:
     llm = PCRLLM(engine=engine, max_new_tokens=7)
     md = llm.metadata
-    assert md.context_window == engine.context_window == 4096
+    assert md.context_window == engine.max_model_len == 4096
     assert md.num_output == 7
     assert md.is_chat_model is True and md.is_function_calling_model is True
     assert md.model_name == engine.loaded.name

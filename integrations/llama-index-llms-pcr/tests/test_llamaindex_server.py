@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from llama_index.core import Settings
+from llama_index.core.base.llms.types import ImageBlock, TextBlock
+from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
 from llama_index.core.llms import ChatMessage
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.llms.openai_like import OpenAILike
@@ -76,3 +79,35 @@ def test_pcr_llm_base_url_matches_local_and_announces(served, index) -> None:
         remote.complete("x " * 1500, max_new_tokens=1000)
     with pytest.raises(ValueError, match="base_url"):
         PCRLLM(base_url=url, engine=reference)
+
+
+def test_pcr_llm_base_url_keeps_llamaindex_conventions(served) -> None:
+    """Over HTTP as locally: the context window is the server engine's max_model_len (2048, the model's is 4096),
+    ``raw["usage"]`` feeds `TokenCountingHandler`, ``llm.tokenize`` is the server's tokenizer, and an image block
+    is refused before any request is sent."""
+    import llama_index.core as li_core
+
+    engine, url, reference = served
+    remote = PCRLLM(base_url=url, max_new_tokens=4)
+    assert remote.metadata.context_window == engine.max_model_len == 2048 < engine.context_window
+    text = "pathlib joins paths, héllo wörld"
+    assert remote.tokenize(text) == reference.tokenizer(text, add_special_tokens=False)["input_ids"]
+    saved = li_core.global_tokenizer
+    try:
+        Settings.tokenizer = remote.tokenize
+        assert TokenCountingHandler()._token_counter.get_string_tokens(text) == reference.count_tokens(text)
+    finally:
+        li_core.global_tokenizer = saved
+    handler = TokenCountingHandler(tokenizer=remote.tokenize)
+    remote.callback_manager = CallbackManager([handler])
+    got = remote.chat([ChatMessage(role="user", content="What is json?")])
+    want = reference.generate_messages([{"role": "user", "content": "What is json?"}], max_new_tokens=4)
+    assert got.raw["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+    assert got.raw["usage"]["completion_tokens"] == len(want.token_ids)
+    assert [(c.prompt_token_count, c.completion_token_count) for c in handler.llm_token_counts] == [
+        (len(want.prompt_token_ids), len(want.token_ids))]
+    before = engine.stats().requests["requests_finished"]
+    image = ChatMessage(role="user", blocks=[TextBlock(text="what is this?"), ImageBlock(image=b"\x89PNG\r\n")])
+    with pytest.raises(PCRRequestError, match="text-only model.*ImageBlock"):
+        remote.chat([image])
+    assert engine.stats().requests["requests_finished"] == before

@@ -10,6 +10,7 @@ from contextlib import aclosing, closing
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from llama_index.core.base.llms.types import (
+    CachePoint,
     ChatMessage,
     ChatResponse,
     ChatResponseAsyncGen,
@@ -19,6 +20,9 @@ from llama_index.core.base.llms.types import (
     CompletionResponseGen,
     LLMMetadata,
     MessageRole,
+    TextBlock,
+    ThinkingBlock,
+    ToolCallBlock,
 )
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.instrumentation import get_dispatcher
@@ -211,8 +215,10 @@ class PCRLLM(FunctionCallingLLM):
 
     @property
     def metadata(self) -> LLMMetadata:
+        """``context_window`` is the engine's ``max_model_len`` (prompt + new tokens of one request), not the
+        model's own context: the engine refuses a longer prompt, so LlamaIndex must pack prompts to this size."""
         return LLMMetadata(
-            context_window=int(self._engine.context_window),
+            context_window=int(self._engine.max_model_len),
             num_output=int(self.max_new_tokens or self._engine.config.max_new_tokens),
             is_chat_model=self.is_chat_model,
             is_function_calling_model=True,
@@ -222,12 +228,13 @@ class PCRLLM(FunctionCallingLLM):
 
     def count_tokens(self, text: str) -> int:
         """Tokens of ``text`` under the model's tokenizer (for `Settings.tokenizer`-style budgeting)."""
-        return self._engine.count_tokens(text)
+        return int(self._engine.count_tokens(text))
 
     def tokenize(self, text: str) -> list[int]:
-        """Token ids under the model's tokenizer; ``Settings.tokenizer = llm.tokenize`` makes LlamaIndex's
-        prompt packing count the model's own tokens."""
-        return list(self._engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+        """Token ids of ``text`` under the engine's tokenizer (no special tokens; the server's ``/tokenize`` with
+        ``base_url``). ``Settings.tokenizer = llm.tokenize`` makes LlamaIndex's prompt packing and
+        `TokenCountingHandler` count the model's own tokens."""
+        return [int(i) for i in self._engine.tokenizer(text, add_special_tokens=False)["input_ids"]]
 
     # ------------------------------------------------------------------------------------------ requests
     def _submit(self, make_prompt: Callable[[tuple[str, ...], list[str]], Prompt], units: list[str],
@@ -314,12 +321,21 @@ class PCRLLM(FunctionCallingLLM):
     # ------------------------------------------------------------------------------------------ responses
     @staticmethod
     def _raw(result: GenerationResult) -> dict[str, Any]:
-        """The request's metrics as a response's ``raw`` (and ``additional_kwargs["pcr"]``)."""
+        """The request's metrics as a response's ``raw`` (and ``additional_kwargs["pcr"]``). ``usage`` has the
+        OpenAI shape (``prompt_tokens_details.cached_tokens``: prompt tokens whose KV was reused), where
+        LlamaIndex's `TokenCountingHandler` reads it; the metrics stay at the top level too."""
         m = result.metrics
+        completion = len(result.token_ids)
         return {
+            "usage": {
+                "prompt_tokens": m.prompt_tokens,
+                "completion_tokens": completion,
+                "total_tokens": m.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": m.reused_tokens},
+            },
             "finish_reason": result.finish_reason,
             "prompt_tokens": m.prompt_tokens,
-            "completion_tokens": len(result.token_ids),
+            "completion_tokens": completion,
             "computed_tokens": m.computed_tokens,
             "reused_tokens": m.reused_tokens,
             "reused_by_tier": dict(m.reused_by_tier),
@@ -504,13 +520,30 @@ def _chat_response(text: str, delta: str | None, raw: dict[str, Any] | None,
     return ChatResponse(message=message, delta=delta, raw=raw, additional_kwargs=extra)
 
 
+# Blocks a text-only chat turn can carry: text, tool calls, the model's own reasoning (not sent back, as providers
+# do) and a provider's cache hint (no content). Any other block (image, audio, video, document, citation) holds
+# content the model cannot see, so a message with one is refused rather than silently cut to its text.
+_TEXT_ONLY_BLOCKS = (TextBlock, ToolCallBlock, ThinkingBlock, CachePoint)
+
+
+def _check_text_only(message: ChatMessage) -> None:
+    for block in message.blocks:
+        if not isinstance(block, _TEXT_ONLY_BLOCKS):
+            raise PCRRequestError(
+                f"PCRLLM serves a text-only model: a {message.role.value!r} message holds a {type(block).__name__}, "
+                f"whose content the model cannot see; pass text only (TextBlock), e.g. extract the document's "
+                f"text or describe the image in words first")
+
+
 def to_chat_turns(messages: Sequence[ChatMessage], *, native_tools: bool = False) -> list[dict[str, Any]]:
-    """LlamaIndex chat messages -> [{"role", "content", ...}] for the chat template (text only). Tool calls and
-    tool results become turns as `pcr_rag.structured.tool_history_turns` describes (``native_tools``: the
-    template renders them itself)."""
+    """LlamaIndex chat messages -> [{"role", "content", ...}] for the chat template (text only: a message with an
+    image, audio, video, document or citation block raises `PCRRequestError`). Tool calls and tool results become
+    turns as `pcr_rag.structured.tool_history_turns` describes (``native_tools``: the template renders them
+    itself)."""
     turns: list[dict[str, Any]] = []
     names: dict[str, str] = {}
     for m in messages:
+        _check_text_only(m)
         role = _ROLES.get(m.role)
         tool_turn = history_turn(m, role or "", names, native_tools)
         if tool_turn is not None:
