@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("pcr_rag.sim.measure_profile", "measure a cost-model profile on this machine"),
     "cache-bench": ("pcr_rag.bench.cache_bench", "micro-benchmarks of the cache engine (match, SSD store)"),
     "serve": ("pcr_rag.server.cli", "OpenAI-compatible HTTP server: many processes share one engine and cache"),
+    "cache": ("pcr_rag.cache_cli", "see and manage an SSD cache directory: info, prune, verify"),
 }
 
 # "pcr-rag <command> <name> ...": a sub-command of a sub-command, with its own module (same interface)

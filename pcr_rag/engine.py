@@ -24,9 +24,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pcr_rag.cache import CacheConfig, CacheEngine, CacheStats, ChunkSpec, Tier, namespace_key, plan_chunks
+from pcr_rag.cache import CacheConfig, CacheEngine, CacheStats, ChunkSpec, Tier, plan_chunks
 from pcr_rag.cache.config import remote_with_layout
 from pcr_rag.cache.keys import scope_key
+from pcr_rag.cache.roots import RootIdentity, RootManifest, foreign_chunks_note
 from pcr_rag.cache.storage.private_dir import refuse_unsafe
 from pcr_rag.config import EngineConfig
 from pcr_rag.errors import EngineClosedError, InvalidRequestError, PromptTooLongError, RequestCancelledError
@@ -146,7 +147,9 @@ class PCREngine:
             log.info("forward warm-up: %.2f s", warm.seconds)
         # the root covers everything that fixes the KV's bits: model, dtype, chunk size, the forward's tile
         # sizes and weight format, and the tenant namespace (config.namespace, plus a request's own namespace)
+        self.identity = RootIdentity.of(self.loaded, self.forward, config.chunk_size)
         self._roots: dict[str, bytes] = {}
+        self._ssd_roots: Any = None  # the SSD tier, once open: it stores each root's manifest (`note_root`)
         self.root_key = self.root_for(None)
         self.cache: CacheEngine | None = None
         if config.enable_cache:
@@ -162,6 +165,13 @@ class PCREngine:
                 remote=remote_with_layout(config.remote_config, self.loaded.kv),
                 ssd_secret=config.secret if config.ssd_encrypt else None,
             ), storage=storage)
+        if self.cache is not None and self.cache.storage_tier is not None:
+            self._ssd_roots = self.cache.storage_tier
+            self._ssd_roots.note_root(RootManifest.new(self.identity, config.namespace))
+            note = foreign_chunks_note(self._ssd_roots, self.identity, self._roots.values(),
+                                       str(config.cache_dir) if storage is None else self._ssd_roots.describe())
+            if note is not None:
+                log.warning("%s", note)
         self.copy_engine = CopyEngine(self.device)
         # response formats compiled against the vocabulary (the rows of the logits), cached by format
         vocab_rows = self.loaded.model.get_output_embeddings().weight.shape[0]
@@ -512,10 +522,10 @@ class PCREngine:
             raise InvalidRequestError(f"namespace must be a str or None, got {type(namespace).__name__}")
         root = self._roots.get(ns)
         if root is None:
-            salt = f"{self.forward.plan_id}|{self.config.namespace}" + (f"|{ns}" if ns else "")
-            root = namespace_key(self.loaded.fingerprint, str(self.loaded.kv.dtype).replace("torch.", ""),
-                                 self.config.chunk_size, salt)
+            root = self.identity.root(self.config.namespace, ns)
             self._roots[ns] = root
+            if self._ssd_roots is not None:
+                self._ssd_roots.note_root(RootManifest.new(self.identity, self.config.namespace, ns))
         return root
 
     def plan_for(self, query: str, documents: Sequence[str | Doc] = (), *, system: str | None = None,

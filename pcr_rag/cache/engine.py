@@ -32,7 +32,7 @@ from pcr_rag.cache.residency import ResidencyIndex
 from pcr_rag.cache.stats import CacheStats
 from pcr_rag.cache.storage import StorageBackend
 from pcr_rag.cache.tiers import MemoryTier, build_tiers
-from pcr_rag.cache.tiers.base import ChunkRecord, Tier, TierKind, tier_bit
+from pcr_rag.cache.tiers.base import ChunkRecord, KVTier, Tier, TierKind, tier_bit
 from pcr_rag.cache.writeback import WriteBack
 
 __all__ = ["CacheEngine", "Lease", "MatchResult"]
@@ -100,6 +100,11 @@ class CacheEngine:
     @property
     def ssd_enabled(self) -> bool:
         return self._storage is not None
+
+    @property
+    def storage_tier(self) -> KVTier | None:
+        """The local storage (SSD) tier, recovered (its per-root ``census``, ``note_root``); None without one."""
+        return self._storage
 
     @property
     def remote_enabled(self) -> bool:

@@ -3,7 +3,9 @@
 
 A copy costs ``chunk_file_bytes`` (header padded to 4096 + payload padded to 4096). Writes are atomic and leave
 nothing behind on failure; every read is verified (``CorruptChunkError`` otherwise). The directory survives
-restarts: ``recover`` lists the valid chunks, oldest write first, after deleting bad files. With
+restarts: ``recover`` lists the valid chunks, oldest write first, after deleting bad files, and counts them per
+namespace root (``census``; `pcr_rag.cache.roots`). The engine names its roots (``note_root``): a root's manifest
+is written with the first chunk stored under it (at once when chunks of it are on disk already). With
 ``CacheConfig.ssd_secret`` the files are sealed and encrypted (``SSDStore``). The backend's lock
 (a lock file for a directory) is held from ``open_ssd_tier`` until ``close``.
 """
@@ -11,12 +13,14 @@ restarts: ``recover`` lists the valid chunks, oldest write first, after deleting
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
 from pcr_rag.cache.config import CacheConfig
 from pcr_rag.cache.errors import CacheDirLockedError
 from pcr_rag.cache.payload import Payload, VirtualPayload
+from pcr_rag.cache.roots import RootManifest, RootUsage, usage_by_root
 from pcr_rag.cache.seal import Sealer
 from pcr_rag.cache.storage import LocalDirBackend, StorageBackend
 from pcr_rag.cache.tiers.base import (
@@ -50,6 +54,11 @@ class SsdTier:
     def __init__(self, store: SSDStore, capacity_bytes: int) -> None:
         self.files = store
         self.capacity_bytes = int(capacity_bytes)
+        self.census: dict[bytes | None, RootUsage] = {}  # per root (None: orphans), what `recover` found
+        self.manifests: frozenset[bytes] = frozenset()  # roots whose manifest `recover` found
+        self._pending: dict[bytes, RootManifest] = {}  # manifests to write with their root's first chunk
+        self._noted: set[bytes] = set()
+        self._roots_lock = threading.Lock()
 
     def charge(self, chunk: ChunkRef) -> int:
         return chunk_file_bytes(chunk.nbytes, 5, chunk.num_layers, self.files.sealer is not None)
@@ -64,7 +73,34 @@ class SsdTier:
             raise TypeError(
                 f"chunk {chunk.key.hex()} is not metadata-only but its payload is {type(payload).__name__}"
             )
+        if chunk.parent_is_root and self._pending:
+            self._write_manifest(chunk.parent_key)
         self.files.write(ChunkMeta.of(chunk), payload)
+
+    def note_root(self, manifest: RootManifest) -> None:
+        """Have ``manifest`` stored for its root: with the first chunk stored under the root, or now when chunks of
+        the root are on disk and it has no manifest (a cache written before manifests). Once per root; a failed
+        write is logged and leaves the root of unknown origin (nothing else depends on it)."""
+        root = manifest.root
+        with self._roots_lock:
+            if root in self._noted:
+                return
+            self._noted.add(root)
+            if root in self.manifests:
+                return
+            self._pending[root] = manifest
+        if root in self.census:
+            self._write_manifest(root)
+
+    def _write_manifest(self, root: bytes) -> None:
+        with self._roots_lock:
+            manifest = self._pending.pop(root, None)
+        if manifest is None:
+            return
+        try:
+            self.files.write_manifest(manifest)
+        except OSError as exc:
+            log.warning("could not write the manifest of cache root %s: %s", root.hex(), exc)
 
     def get(self, chunk: ChunkRef) -> Payload | None:
         return None  # a file must be read (and verified) before use
@@ -87,6 +123,9 @@ class SsdTier:
 
     def recover(self) -> TierRecovery:
         report = self.files.recover()
+        self.census = usage_by_root(
+            (h.meta.key, h.meta.parent, h.meta.parent_is_root, h.file_bytes, h.written_at) for h in report.headers)
+        self.manifests = report.manifests
         chunks = tuple(
             ChunkRecord(
                 key=h.meta.key,

@@ -19,6 +19,13 @@ import torch
 import xxhash
 
 from pcr_rag.cache.errors import CorruptChunkError
+from pcr_rag.cache.roots import (
+    MAX_MANIFEST_BYTES,
+    ManifestError,
+    RootManifest,
+    manifest_name,
+    root_of_manifest_name,
+)
 from pcr_rag.cache.seal import Sealer
 from pcr_rag.cache.storage import BlobReader, DeferredHead, StorageBackend, aligned_scratch
 from pcr_rag.cache.tiers.chunk_file import (
@@ -62,10 +69,12 @@ def _open_layers(header: ChunkHeader, stored: memoryview, sealer: Sealer | None,
 
 @dataclass(frozen=True)
 class RecoveryReport:
-    """The valid chunk headers found at start-up (oldest write first) and how many bad files were deleted."""
+    """The valid chunk headers found at start-up (oldest write first), how many bad files were deleted, and the
+    roots whose manifest (`pcr_rag.cache.roots`) is stored."""
 
     headers: list[ChunkHeader]
     corrupt: int
+    manifests: frozenset[bytes] = frozenset()
 
 
 def _aligned_buffer(nbytes: int, pin_memory: bool) -> torch.Tensor:
@@ -260,10 +269,15 @@ class SSDStore:
             remove_temp()
         headers: list[ChunkHeader] = []
         corrupt = 0
+        manifests: set[bytes] = set()
         for name in list(self.backend.names()):
             key = key_of_name(name)
             if key is None:
-                log.debug("ignoring foreign file %s in the SSD store", name)
+                root = root_of_manifest_name(name)
+                if root is not None:
+                    manifests.add(root)
+                else:
+                    log.debug("ignoring foreign file %s in the SSD store", name)
                 continue
             try:
                 header = self.read_header(key)
@@ -279,7 +293,35 @@ class SSDStore:
         headers.sort(key=lambda h: h.written_at)
         with self._mutex:
             self.index = {h.meta.key: (h.file_bytes, h.data_offset) for h in headers}
-        return RecoveryReport(headers, corrupt)
+        return RecoveryReport(headers, corrupt, frozenset(manifests))
+
+    # ------------------------------------------------------------------ root manifests
+    def write_manifest(self, manifest: RootManifest) -> None:
+        """Store ``manifest`` as its root's manifest blob (atomic; raises OSError)."""
+        self.backend.write_atomic(manifest_name(manifest.root), [manifest.encode()])
+
+    def read_manifest(self, root: bytes) -> RootManifest | None:
+        """``root``'s stored manifest; None when it has none or it is unreadable or malformed (logged)."""
+        try:
+            reader = self.backend.open(manifest_name(root))
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("cannot open the manifest of cache root %s: %s", root.hex(), exc)
+            return None
+        try:
+            if reader.size > MAX_MANIFEST_BYTES:
+                raise ManifestError(f"manifest of root {root.hex()} is {reader.size} bytes, not a manifest")
+            return RootManifest.decode(reader.read_at(0, reader.size), root)
+        except (ManifestError, OSError) as exc:
+            log.warning("ignoring the manifest of cache root %s: %s", root.hex(), exc)
+            return None
+        finally:
+            reader.close()
+
+    def delete_manifest(self, root: bytes) -> bool:
+        """Remove ``root``'s manifest; False when it had none."""
+        return bool(self.backend.delete(manifest_name(root)))
 
 
 class SSDLayerReader:
