@@ -4,19 +4,76 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import torch
 
 from pcr_rag.cache.seal import check_secret
 from pcr_rag.units import parse_bytes
 
-__all__ = ["REMOTE_SCHEMES", "CacheConfig", "KVLayout", "POLICIES", "RemoteConfig", "remote_with_layout"]
+__all__ = [
+    "CLUSTER_SCHEMES", "REMOTE_SCHEMES", "CacheConfig", "ClusterURL", "KVLayout", "POLICIES", "RemoteConfig",
+    "parse_cluster_url", "remote_with_layout",
+]
 
 POLICIES = ("lookahead-lru", "lru")
+#: URL schemes of a Valkey/Redis Cluster (sharded by hash slot): ``redis+cluster://``, ``valkey+cluster://`` and
+#: their TLS forms; the host part may list several seed nodes, comma-separated.
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster", "valkey+cluster", "valkeys+cluster")
 #: URL schemes of the remote tier; valkey(s):// are spelled redis(s):// for the client. "memory://name" is an
 #: in-process store (``MemoryRemoteStore``: the simulator, unit tests), shared by every engine using the same name.
-REMOTE_SCHEMES = ("redis", "rediss", "valkey", "valkeys", "memory")
+REMOTE_SCHEMES = ("redis", "rediss", "valkey", "valkeys", "memory", *CLUSTER_SCHEMES)
+
+
+@dataclass(frozen=True)
+class ClusterURL:
+    """A parsed cluster URL: the seed nodes the client asks for the slot map, TLS, and AUTH (sent to every node)."""
+
+    seeds: tuple[tuple[str, int], ...]
+    tls: bool
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+
+def parse_cluster_url(url: str) -> ClusterURL:
+    """``<scheme>://[[user]:password@]host:port[,host:port...][/0]`` (``CLUSTER_SCHEMES``; IPv6 hosts in
+    brackets; the port defaults to 6379). ``ValueError`` saying what is wrong: a cluster has one database (0), so
+    another path is refused, as is a query string (no option is read from it)."""
+    scheme, sep, rest = str(url).partition("://")
+    if not sep or scheme not in CLUSTER_SCHEMES:
+        raise ValueError(f"cluster url {url!r} must start with one of {[s + '://' for s in CLUSTER_SCHEMES]}")
+    if "?" in rest or "#" in rest:
+        raise ValueError(f"cluster url {url!r}: no query string or fragment is read; remove it")
+    netloc, _, path = rest.partition("/")
+    if path not in ("", "0"):
+        raise ValueError(f"cluster url {url!r}: a cluster has only database 0 (path '/{path}')")
+    userinfo, at, hosts = netloc.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, pw = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(pw) if colon else None
+    seeds: list[tuple[str, int]] = []
+    for item in hosts.split(","):
+        item = item.strip()
+        if item.startswith("["):  # [v6]:port
+            host, bracket, tail = item[1:].partition("]")
+            if not bracket or (tail and not tail.startswith(":")):
+                raise ValueError(f"cluster url {url!r}: bad seed {item!r}")
+            port_text = tail[1:]
+        else:
+            host, _, port_text = item.partition(":")
+        if not host:
+            raise ValueError(f"cluster url {url!r}: empty seed host in {hosts!r}; list seeds as host:port,host:port")
+        try:
+            port = int(port_text) if port_text else 6379
+        except ValueError:
+            raise ValueError(f"cluster url {url!r}: bad port in seed {item!r}") from None
+        if not 0 < port < 65536:
+            raise ValueError(f"cluster url {url!r}: port {port} of seed {item!r} is out of range")
+        seeds.append((host, port))
+    return ClusterURL(tuple(seeds), tls=scheme.startswith(("rediss", "valkeys")), username=username,
+                      password=password)
 
 
 @dataclass(frozen=True)
@@ -48,7 +105,9 @@ class KVLayout:
 class RemoteConfig:
     """The shared remote tier (Valkey/Redis) below SSD. Times in seconds, sizes in bytes.
 
-    - ``url``: ``redis://[:password@]host:port/db``, ``rediss://`` (TLS), ``valkey://``/``valkeys://`` (same), or
+    - ``url``: ``redis://[:password@]host:port/db``, ``rediss://`` (TLS), ``valkey://``/``valkeys://`` (same),
+      a Valkey/Redis Cluster: ``redis+cluster://[:password@]host:port[,host:port...]`` (seed nodes; also
+      ``valkey+cluster``, ``rediss+cluster``, ``valkeys+cluster``: see ``tiers.remote_cluster``), or
       ``memory://name`` (in-process).
     - ``capacity_bytes``: bytes of remote values this engine keeps track of in its prefix tree (the store's own
       ``maxmemory`` bounds what it really holds; values it evicts are misses).
@@ -56,9 +115,10 @@ class RemoteConfig:
     - ``namespace``: prefix of every key (``<namespace>:<chunk key hex>``); engines share chunks only within one.
     - ``connect_timeout_s`` / ``timeout_s``: bound every connect and every operation; no call waits longer.
     - ``breaker_errors`` / ``breaker_backoff_s``: after this many consecutive errors the tier is skipped for the
-      back-off, then one trial operation decides whether it is used again.
+      back-off, then one trial operation decides whether it is used again (per node of a cluster: one failing shard
+      is skipped, the others still serve).
     - ``write_queue``: chunks waiting to be written; a full queue drops new writes (counted), never blocks.
-    - ``max_connections``: connection pool size.
+    - ``max_connections``: connection pool size (per node of a cluster).
     - ``secret``: the replicas' shared secret (at least 16 characters): every value carries a MAC under keys
       derived from it (``pcr_rag.cache.seal``); never sent to the store. Required unless ``insecure``.
     - ``insecure``: no secret; values are checked with unkeyed checksums only (anyone who can write to the store
@@ -97,6 +157,8 @@ class RemoteConfig:
             raise ValueError(
                 f"remote url {self.url!r} must start with one of {[s + '://' for s in REMOTE_SCHEMES]}"
             )
+        if scheme in CLUSTER_SCHEMES:
+            parse_cluster_url(self.url)
         for name in ("connect_timeout_s", "timeout_s", "breaker_backoff_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 s, got {getattr(self, name)!r}")

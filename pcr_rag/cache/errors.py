@@ -12,6 +12,7 @@ __all__ = [
     "CorruptChunkError",
     "RemoteError",
     "RemoteMissError",
+    "RemoteNodeUnavailableError",
     "RemoteTimeoutError",
     "RemoteUnavailableError",
     "UnsafeCacheDirError",
@@ -64,3 +65,13 @@ class RemoteUnavailableError(RemoteError):
 
 class RemoteTimeoutError(RemoteUnavailableError, TimeoutError):
     """A remote operation ran past its timeout (``remote_timeout_s`` / ``remote_connect_timeout_s``)."""
+
+
+class RemoteNodeUnavailableError(RemoteUnavailableError):
+    """One node (shard) of a clustered remote store failed, or its own circuit breaker is open (``skipped``): the
+    chunks in its hash slots are misses until it answers again or the cluster fails over to its replica; the other
+    shards still serve, so the tier as a whole stays on."""
+
+    def __init__(self, message: str, *, skipped: bool = False) -> None:
+        super().__init__(message)
+        self.skipped = skipped

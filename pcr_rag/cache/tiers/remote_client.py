@@ -7,7 +7,13 @@ the measured network speed the load-or-recompute decision uses.
   closes it.
 - ``rtt_s``: exponentially weighted mean latency of lookups (small values); ``read_bytes_per_s``: of whole-value
   reads (bytes / seconds). Both None until measured.
-- ``counters()``: a snapshot with op latency percentiles over the last ``LATENCY_WINDOW`` calls (seconds).
+- ``counters()``: a snapshot with op latency percentiles over the last ``LATENCY_WINDOW`` calls (seconds), and a
+  sharded store's per-node counters (``ClusterStore.node_counters``).
+- A sharded store (``ClusterStore``) keeps a breaker per node: a call that only failed on some nodes (their keys
+  come back as misses) succeeds, and one whose nodes all failed or were skipped raises
+  ``RemoteNodeUnavailableError``, counted in ``errors`` (``skipped`` when every node was skipped) but never towards
+  this tier-wide breaker: the store reached its slot map and its per-node breakers decide, so one dead shard does
+  not switch the tier off. The tier-wide breaker opens only when the cluster cannot be reached at all.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from pcr_rag.cache.errors import RemoteTimeoutError, RemoteUnavailableError
+from pcr_rag.cache.errors import RemoteNodeUnavailableError, RemoteTimeoutError, RemoteUnavailableError
 from pcr_rag.cache.tiers.breaker import BreakerState, CircuitBreaker
 from pcr_rag.cache.tiers.remote_store import RemoteStore
 
@@ -75,6 +81,12 @@ class RemoteClient:
         t0 = self._timer()
         try:
             result = fn()
+        except RemoteNodeUnavailableError as exc:  # one shard: the store's own breaker for it decided
+            self.breaker.success()
+            with self._lock:
+                self._counts["skipped" if exc.skipped else "errors"] += 1
+                self._latency.append(self._timer() - t0)
+            raise
         except RemoteUnavailableError as exc:
             if isinstance(exc, RemoteTimeoutError):
                 self.breaker.trip()  # one caller paid the whole timeout: skip the store for the back-off
@@ -162,6 +174,9 @@ class RemoteClient:
         out["rtt_s"] = rtt if rtt is not None else 0.0
         out["read_bytes_per_s"] = bw if bw is not None else 0.0
         out["latency_s"] = _summary(lat)  # type: ignore[assignment]
+        node_counters = getattr(self.store, "node_counters", None)
+        if node_counters is not None:
+            out.update(node_counters())
         return out
 
     def close(self) -> None:

@@ -1,6 +1,7 @@
 """Key-value stores behind the remote tier: ``RedisStore`` (Valkey/Redis through the maintained ``redis``
-client: a connection pool, pipelining, TLS and AUTH from the URL) and ``MemoryRemoteStore`` (in-process; the
-simulator and unit tests). Both speak ``RemoteStore``; ``open_store`` picks one from a URL.
+client: a connection pool, pipelining, TLS and AUTH from the URL), ``ClusterStore`` (a Valkey/Redis Cluster,
+``remote_cluster``) and ``MemoryRemoteStore`` (in-process; the simulator and unit tests). All speak
+``RemoteStore``; ``open_store`` picks one from a URL.
 
 Every failure of a store call raises ``RemoteUnavailableError`` (``RemoteTimeoutError`` past a timeout); a value
 the store does not hold reads as None. A ``RedisStore`` never retries and never waits without a bound: connects
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from typing import Protocol
 from urllib.parse import urlsplit, urlunsplit
 
-from pcr_rag.cache.config import RemoteConfig
+from pcr_rag.cache.config import CLUSTER_SCHEMES, RemoteConfig
 from pcr_rag.cache.errors import RemoteTimeoutError, RemoteUnavailableError
 
 __all__ = ["MemoryRemoteStore", "RedisStore", "RemoteStore", "open_store", "redacted_url"]
@@ -214,8 +215,13 @@ class MemoryRemoteStore:
 
 
 def open_store(config: RemoteConfig) -> RemoteStore:
-    """The store a remote tier's URL names (``memory://name``: the shared in-process store)."""
+    """The store a remote tier's URL names (``memory://name``: the shared in-process store; a ``+cluster`` scheme:
+    a ``ClusterStore``)."""
     parts = urlsplit(str(config.url))
     if parts.scheme == "memory":
         return MemoryRemoteStore.named(parts.netloc + parts.path)
+    if parts.scheme in CLUSTER_SCHEMES:
+        from pcr_rag.cache.tiers.remote_cluster import ClusterStore  # imports this module
+
+        return ClusterStore(config)
     return RedisStore(config)
