@@ -172,10 +172,10 @@ async def _client(cid: int, client: httpx.AsyncClient, model: str, topics: list[
         n += 1
 
 
-async def _round(url: str, headers: dict[str, str], model: str, topics: list[list[str]], config: LoadConfig,
-                 index: int) -> RoundResult:
+async def _round(url: str, headers: dict[str, str], scrape_headers: dict[str, str], model: str,
+                 topics: list[list[str]], config: LoadConfig, index: int) -> RoundResult:
     rnd = _Round(index)
-    rnd.result.rss_start_bytes = scrape(url, headers).get_value("process_resident_memory_bytes")
+    rnd.result.rss_start_bytes = scrape(url, scrape_headers).get_value("process_resident_memory_bytes")
     limits = httpx.Limits(max_connections=config.clients + 4, max_keepalive_connections=config.clients + 4)
     t0 = time.perf_counter()
     async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits) as client:
@@ -188,8 +188,8 @@ async def _round(url: str, headers: dict[str, str], model: str, topics: list[lis
     res.ttft_p50_s = percentile(rnd.ttfts, 50)
     res.ttft_p99_s = percentile(rnd.ttfts, 99)
     res.itl_p50_s = percentile(rnd.itls, 50)
-    res.idle_after = _wait_idle(url, headers, config.idle_timeout_s)
-    samples = scrape(url, headers)
+    res.idle_after = _wait_idle(url, scrape_headers, config.idle_timeout_s)
+    samples = scrape(url, scrape_headers)
     res.pinned_chunks_after = samples.get_value("pcr:cache_pinned_chunks")
     res.rss_end_bytes = samples.get_value("process_resident_memory_bytes")
     return res
@@ -206,14 +206,17 @@ def _wait_idle(url: str, headers: dict[str, str], timeout: float) -> bool:
     return False
 
 
-def run_load(url: str, config: LoadConfig, *, api_key: str | None = None) -> dict[str, Any]:
-    """Run ``config.rounds`` identical rounds against the server at ``url``; returns the report dict."""
+def run_load(url: str, config: LoadConfig, *, api_key: str | None = None,
+             metrics_key: str | None = None) -> dict[str, Any]:
+    """Run ``config.rounds`` identical rounds against the server at ``url``; returns the report dict. ``api_key``
+    sends the requests, ``metrics_key`` scrapes ``/metrics`` (a server with API keys refuses tenant keys there)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    scrape_headers = {"Authorization": f"Bearer {metrics_key}"} if metrics_key else headers
     model = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
     topics = topics_from_corpus(config)
     rounds = []
     for i in range(config.rounds):
-        res = asyncio.run(_round(url, headers, model, topics, config, i + 1))
+        res = asyncio.run(_round(url, headers, scrape_headers, model, topics, config, i + 1))
         log.info("round %d: %d requests, %d errors, TTFT p50 %.3f s p99 %.3f s, RSS %.0f MiB", res.round,
                  res.requests, res.errors, res.ttft_p50_s, res.ttft_p99_s, res.rss_end_bytes / 2**20)
         rounds.append(res)
@@ -257,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pcr_rag.bench.load_server", description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", default=None, help="an existing server (default: start one)")
     parser.add_argument("--api-key", default=None)
+    parser.add_argument("--metrics-key", default=None, help="the server's --metrics-key, to scrape /metrics")
     parser.add_argument("--model", default=None, help="model of the started server (alias or HF dir)")
     parser.add_argument("--tiny", action="store_true", help="start the server on a tiny random model")
     parser.add_argument("--clients", type=int, default=64)
@@ -285,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                                           max_active=args.max_active, dram="1GiB", ssd="2GiB")
             server = ServerProcess(options)
             url = server.url
-        report = run_load(url.rstrip("/"), config, api_key=args.api_key)
+        report = run_load(url.rstrip("/"), config, api_key=args.api_key, metrics_key=args.metrics_key)
     finally:
         if server is not None:
             status = server.stop()
