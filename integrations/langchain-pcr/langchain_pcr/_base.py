@@ -72,6 +72,20 @@ class PCRModelParams(BaseModel):
         """The `PCREngine` behind this model (loads the model on first call)."""
         return self._holder.get()
 
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids of ``text`` under the engine's tokenizer (no special tokens; the server's ``/tokenize`` with
+        ``base_url``), so `get_num_tokens` and `get_num_tokens_from_messages` count the model's own tokens instead
+        of LangChain's GPT-2 fallback. A ``custom_get_token_ids`` the caller set wins, as in LangChain."""
+        custom = getattr(self, "custom_get_token_ids", None)
+        if custom is not None:
+            return list(custom(text))
+        ids = self._holder.get().tokenizer(text, add_special_tokens=False)["input_ids"]
+        return [int(i) for i in ids]
+
+    def get_num_tokens(self, text: str) -> int:
+        """Tokens of ``text`` under the engine's tokenizer (`get_token_ids`)."""
+        return len(self.get_token_ids(text))
+
     # ------------------------------------------------------------------------------------------ metadata
     _ls_model_type: ClassVar[str]  # "chat" or "llm"
 

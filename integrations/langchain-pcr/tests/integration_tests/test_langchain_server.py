@@ -125,3 +125,22 @@ def test_pcr_llm_base_url(served) -> None:
     assert "".join(remote.stream(prompt)) == "".join(local.stream(prompt))
     with pytest.raises(ValueError, match="base_url"):
         PCRLLM(base_url=url, engine=reference)
+
+
+def test_token_counts_over_base_url_are_the_servers(served, monkeypatch) -> None:
+    """ChatPCR / PCRLLM with base_url count tokens with the server's tokenizer (/tokenize), not GPT-2."""
+    import warnings
+
+    from langchain_core.language_models import base as lc_base
+
+    def fallback(text: str) -> list[int]:
+        raise AssertionError("LangChain's GPT-2 fallback tokenizer was used")
+
+    monkeypatch.setattr(lc_base, "_get_token_ids_default_method", fallback)
+    _, url, reference = served
+    text = "functools.lru_cache memoizes a function, héllo wörld"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for llm in (ChatPCR(base_url=url), PCRLLM(base_url=url)):
+            assert llm.get_token_ids(text) == reference.tokenizer(text, add_special_tokens=False)["input_ids"]
+            assert llm.get_num_tokens(text) == reference.count_tokens(text) > 7
