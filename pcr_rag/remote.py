@@ -1,51 +1,88 @@
-"""`RemoteEngine`: the client side of `pcr-rag serve`, shaped like the `PCREngine` parts the integrations use.
+"""`RemoteEngine`: the client side of `pcr-rag serve`, on the official ``openai`` SDK, shaped like the `PCREngine`
+parts the integrations use.
 
     engine = RemoteEngine("http://127.0.0.1:8000", api_key="...")
     handle = engine.submit(ChatPrompt(messages, documents), SamplingParams(max_new_tokens=64))
     for piece in handle: ...            # or handle.result(), await handle, async for piece in handle
-    ticket = engine.announce(documents, query="...")   # a retrieval enters the server's prefetch window
+    ticket = engine.announce(documents, query="...")   # or: await engine.aannounce(...) on an event loop
 
-Several app processes (e.g. four uvicorn workers) then share one engine and one KV cache. What it mirrors:
-``submit(prompt, params, timeout=) -> RemoteHandle`` (`ChatPrompt` -> ``/v1/chat/completions``, `FlatPrompt` ->
-``/v1/completions`` with the ``chat_template``/``system`` extensions; documents travel in the ``documents``
-extension), ``announce`` / ``cancel_announcement`` (``/v1/pcr/announce``), ``closed``, ``loaded.name``,
-``context_window``, ``config.max_new_tokens``, ``count_tokens`` and ``tokenizer(text)["input_ids"]``
-(``/tokenize``). `RemoteHandle` behaves as `RequestHandle`: one stream per handle (sync or async) of
-`StreamChunk`s closed by a chunk carrying the `GenerationResult` (text, token ids, finish reason, usage and the
-server's per-request metrics), ``result()`` / ``await`` (a non-streamed call when nothing was streamed, so the text
-is exactly the engine's), ``cancel()`` (the connection is closed; the server cancels the request and frees its
-row), a deadline (``timeout``) on every wait.
+What travels: `ChatPrompt` -> ``client.chat.completions.create``, `FlatPrompt` -> ``client.completions.create``.
+Every `SamplingParams` field that differs from its default is sent, by its OpenAI name as an SDK argument
+(``max_tokens``, ``stop``, ``seed``, penalties, ``logprobs``) or in ``extra_body`` (vLLM's ``top_k``,
+``repetition_penalty``, ``min_p``; the completions endpoint's ``response_format``); a field this client cannot
+send raises `InvalidRequestError` before any call, so nothing is dropped silently. The server's extensions go in
+``extra_body`` too: ``documents`` (each a string, or ``{"text", "scope"}`` when it has a sharing scope, see
+`pcr_rag.Doc`), ``return_token_ids``, ``chat_template``, ``system``. The server's own routes (``/v1/pcr/announce``,
+its ``DELETE``, ``/tokenize``) go through the SDK client's raw ``post`` / ``delete``; the model card through
+``client.models.list()``.
 
-Errors: a 400/404/413 answer raises `InvalidRequestError` (so the integrations report it as they do locally), 429
-`QueueFullError`, 401 `RemoteAuthError`; an unreachable server, a 5xx or a broken stream raise `RemoteEngineError`;
-a passed deadline `TimeoutError`. Needs ``httpx`` only (not the server's dependencies).
+`RemoteHandle` behaves as `RequestHandle`: one stream per handle (sync or async) of `StreamChunk`s closed by a
+chunk carrying the `GenerationResult` (text, token ids, finish reason, usage, the server's per-request metrics),
+``result()`` / ``await`` (a non-streamed call when nothing was streamed, so the text is exactly the engine's),
+``cancel()`` (the connection is closed; the server cancels the request and frees its row), a deadline
+(``timeout``) on every wait.
+
+Retries are the SDK's (``max_retries``, exponential backoff, ``Retry-After``): a connection error, 408, 429 (queue
+full) and 5xx (a draining server's 503) are retried; no attempt starts after the caller's deadline (a request hook
+clips each attempt's timeout to it and refuses one that would start later, so a timeout is not retried past it).
+Announcements are not retried: they only buy a prefetch, and a late one buys nothing.
+
+Errors once retries are spent: 400 ``context_length_exceeded`` `RemotePromptTooLongError` (a
+`PromptTooLongError`), other 400/404/413/422 `InvalidRequestError` (so the integrations report them as they do
+locally), 429 `QueueFullError`, 401/403 `RemoteAuthError`, 499 or a cancelled stream `RequestCancelledError`; an
+unreachable server, a 5xx or a broken stream `RemoteEngineError`; a passed deadline `TimeoutError`.
+
+Async clients: one `openai.AsyncOpenAI` per call (`RemoteEngine.async_client`), because an httpx async pool is bound
+to the event loop that made it and a `RemoteEngine` serves any number of threads and loops.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import openai
+from openai import AsyncOpenAI, OpenAI
 
-from pcr_rag.errors import InvalidRequestError, PCRError, QueueFullError, RequestCancelledError
+from pcr_rag.errors import (
+    InvalidRequestError,
+    PCRError,
+    PromptTooLongError,
+    QueueFullError,
+    RequestCancelledError,
+)
 from pcr_rag.metrics import TIERS, RequestMetrics
+from pcr_rag.prompt import Doc, split_documents
 from pcr_rag.requests import ChatPrompt, FlatPrompt, GenerationResult, Prompt, SamplingParams, StreamChunk
 
 log = logging.getLogger(__name__)
 
 __all__ = ["RemoteAuthError", "RemoteEngine", "RemoteEngineError", "RemoteHandle", "RemoteModelInfo",
-           "RemoteTicket"]
+           "RemotePromptTooLongError", "RemoteTicket"]
 
 DEFAULT_TIMEOUT_S = 600.0      # a whole call, when the caller gives no deadline
 CONNECT_TIMEOUT_S = 10.0
 ANNOUNCE_TIMEOUT_S = 5.0       # an announcement only buys a prefetch: never hold a retrieval up for long
+DEFAULT_MAX_RETRIES = 2        # the SDK's default
+
+# SamplingParams fields sent under their own (OpenAI) name as SDK arguments, and vLLM's extensions (extra_body)
+_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "seed": "seed", "presence_penalty": "presence_penalty",
+                 "frequency_penalty": "frequency_penalty"}
+_VLLM_NAMES = ("top_k", "min_p", "repetition_penalty")
+_DEFAULTS = SamplingParams()
+# no Authorization without a key (the SDK insists on one otherwise), and never the environment's OpenAI org/project
+_NO_KEY_HEADERS = {"Authorization": openai.Omit()}
+_PRIVATE_HEADERS = {"OpenAI-Organization": openai.Omit(), "OpenAI-Project": openai.Omit()}
 
 
 class RemoteEngineError(PCRError):
@@ -54,6 +91,15 @@ class RemoteEngineError(PCRError):
 
 class RemoteAuthError(RemoteEngineError):
     """The server refused the API key (401): pass the key it was started with (``api_key=``)."""
+
+
+class RemotePromptTooLongError(PromptTooLongError):
+    """The server refused the prompt as too long for its ``max_model_len`` (400 ``context_length_exceeded``); the
+    message is the server's. The token counts are not known here (None)."""
+
+    def __init__(self, message: str) -> None:
+        InvalidRequestError.__init__(self, message)
+        self.prompt_tokens = self.max_new_tokens = self.context_window = self.excess_tokens = None
 
 
 @dataclass(frozen=True)
@@ -87,39 +133,91 @@ class RemoteTokenizer:
         return {"input_ids": self._engine.tokenize(text)}
 
 
+# ------------------------------------------------------------------------------------------------ deadlines
+_DEADLINE: ContextVar[float | None] = ContextVar("pcr_remote_deadline", default=None)
+
+
+class _DeadlinePassed(openai.OpenAIError):
+    """An attempt (a retry) would start after the caller's deadline; an `openai.OpenAIError`, which the SDK raises
+    instead of retrying."""
+
+
+def _clip_to_deadline(request: httpx.Request) -> None:
+    """httpx request hook (runs before every attempt, retries included): the attempt's timeouts end at the
+    ``_DEADLINE`` of the calling context; none starts after it."""
+    deadline = _DEADLINE.get()
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise _DeadlinePassed("the caller's deadline passed before this attempt could start")
+    timeouts = request.extensions.get("timeout") or {}
+    request.extensions["timeout"] = {k: left if v is None else min(v, left) for k, v in timeouts.items()}
+
+
+async def _aclip_to_deadline(request: httpx.Request) -> None:
+    _clip_to_deadline(request)
+
+
+@contextlib.contextmanager
+def _deadline(at: float) -> Iterator[None]:
+    token = _DEADLINE.set(at)
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
+
+
+# ------------------------------------------------------------------------------------------------ engine
 class RemoteEngine:
     """A `PCREngine` look-alike that sends every request to a `pcr-rag serve` server (see the module docstring).
 
     Args:
         base_url: the server, e.g. ``http://127.0.0.1:8000`` (a trailing ``/v1`` is accepted).
-        api_key: the bearer key the server wants (None: no ``Authorization`` header).
+        api_key: the bearer key the server wants (None: no ``Authorization`` header; ``$OPENAI_API_KEY`` is never
+            read, so an OpenAI key cannot leak to a pcr-rag server).
         model: the model id to request (None: the first one ``/v1/models`` lists).
         timeout: seconds a call may take when the caller gives no deadline.
         connect_timeout: seconds to wait for a connection.
-        transport / async_transport: httpx transports (tests; None = real sockets).
+        max_retries: retries of a failed attempt (connection error, 408, 429, 5xx), with the SDK's backoff.
+        transport / async_transport: httpx transports (tests, proxies; None = real sockets).
     Thread-safe; usable from any number of threads and event loops.
     """
 
     def __init__(self, base_url: str, *, api_key: str | None = None, model: str | None = None,
                  timeout: float = DEFAULT_TIMEOUT_S, connect_timeout: float = CONNECT_TIMEOUT_S,
-                 transport: httpx.BaseTransport | None = None,
+                 max_retries: int = DEFAULT_MAX_RETRIES, transport: httpx.BaseTransport | None = None,
                  async_transport: httpx.AsyncBaseTransport | None = None) -> None:
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must be an http(s) URL such as http://127.0.0.1:8000, got {base_url!r}")
+        if not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0:
+            raise ValueError(f"max_retries must be an int >= 0, got {max_retries!r}")
         url = base_url.rstrip("/")
         self.base_url = url[: -len("/v1")] if url.endswith("/v1") else url
         self.model = model
         self.timeout = timeout
         self.connect_timeout = connect_timeout
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._ssl = httpx.create_ssl_context() if self.base_url.startswith("https://") else False
+        self.max_retries = max_retries
+        self.headers: dict[str, Any] = {**_PRIVATE_HEADERS, **({} if api_key else _NO_KEY_HEADERS)}
+        self._options: dict[str, Any] = dict(base_url=self.base_url + "/v1", api_key=api_key or "none",
+                                             max_retries=max_retries, timeout=self._timeout(None))
         self._async_transport = async_transport
-        self._client = httpx.Client(base_url=self.base_url, headers=self._headers, verify=self._ssl,
-                                    transport=transport, timeout=self._timeout(None))
+        self._client = OpenAI(**self._options, http_client=openai.DefaultHttpxClient(
+            transport=transport, event_hooks={"request": [_clip_to_deadline]}))
         self._info: RemoteModelInfo | None = None
         self._info_lock = threading.Lock()
         self._closed = False
         self.tokenizer = RemoteTokenizer(self)
+
+    @property
+    def client(self) -> OpenAI:
+        """The synchronous `openai.OpenAI` client (base URL ``<server>/v1``)."""
+        return self._client
+
+    def async_client(self) -> AsyncOpenAI:
+        """A new `openai.AsyncOpenAI` for one call on the running loop; close it (``async with``) when done."""
+        return AsyncOpenAI(**self._options, http_client=openai.DefaultAsyncHttpxClient(
+            transport=self._async_transport, event_hooks={"request": [_aclip_to_deadline]}))
 
     # ------------------------------------------------------------------------------------------ properties
     @property
@@ -151,8 +249,7 @@ class RemoteEngine:
     def tokenize(self, text: str) -> list[int]:
         """Token ids of ``text`` under the served model's tokenizer (no special tokens)."""
         body = {"prompt": text, **({"model": self.model} if self.model else {})}
-        data = self._call("POST", "/tokenize", body)
-        return list(data["tokens"])
+        return list(self._raw("post", f"{self.base_url}/tokenize", body)["tokens"])
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenize(text))
@@ -162,59 +259,77 @@ class RemoteEngine:
                timeout: float | None = None) -> RemoteHandle:
         """A handle for ``prompt``; the HTTP call starts when the handle is first iterated or awaited (so it runs
         on the caller's thread or event loop). Raises `InvalidRequestError` for a prompt kind the server has no
-        endpoint for (`RagPrompt`) or a bad timeout."""
+        endpoint for (`RagPrompt`), a sampling field this client cannot send, or a bad timeout."""
         self._check_open()
         params = SamplingParams() if params is None else params
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not timeout > 0):
             raise InvalidRequestError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
-        return RemoteHandle(self, *self._request_body(prompt, params), timeout=timeout)
+        chat, arguments = self.request_arguments(prompt, params)
+        return RemoteHandle(self, chat, arguments, timeout=timeout)
 
-    def _request_body(self, prompt: Prompt, params: SamplingParams) -> tuple[str, dict[str, Any]]:
-        body: dict[str, Any] = {"model": self.model or self.loaded.name, "return_token_ids": True}
+    def request_arguments(self, prompt: Prompt, params: SamplingParams) -> tuple[bool, dict[str, Any]]:
+        """(chat endpoint?, the keyword arguments of ``create``) for ``prompt`` and ``params``."""
+        extra: dict[str, Any] = {"return_token_ids": True}
         if isinstance(prompt, ChatPrompt):
-            path = "/v1/chat/completions"
-            body["messages"] = [dict(m) for m in prompt.messages]
+            chat, args = True, {"messages": [dict(m) for m in prompt.messages]}
         elif isinstance(prompt, FlatPrompt):
-            path = "/v1/completions"
-            body.update(prompt=prompt.text, chat_template=prompt.chat)
+            chat, args = False, {"prompt": prompt.text}
+            extra["chat_template"] = prompt.chat
             if prompt.system is not None:
-                body["system"] = prompt.system
+                extra["system"] = prompt.system
         else:
             raise InvalidRequestError(f"a remote engine takes a ChatPrompt or a FlatPrompt, got "
                                       f"{type(prompt).__name__}; render the prompt first")
         if prompt.documents:
-            body["documents"] = list(prompt.documents)
-        if params.max_new_tokens is not None:
-            body["max_tokens"] = params.max_new_tokens
-        body["temperature"] = params.temperature
-        body["top_p"] = params.top_p
-        if params.stop:
-            body["stop"] = list(params.stop)
-        if params.seed is not None:
-            body["seed"] = params.seed
-        if params.response_format is not None:
-            body["response_format"] = params.response_format.to_openai()
-        return path, body
+            extra["documents"] = wire_documents(prompt.documents, prompt.scopes)
+        args.update(sampling_arguments(params, chat, extra))
+        return chat, {"model": self.model or self.loaded.name, **args, "extra_body": extra,
+                      "extra_headers": self.headers}
 
     # ------------------------------------------------------------------------------------------ announcements
-    def announce(self, documents: Sequence[str], query: str | None = None, *, system: str | None = None,
-                 prefix: str | None = None, separator: str | None = None, layout: str = "auto") -> RemoteTicket:
-        """``POST /v1/pcr/announce``: the retrieval's request enters the server's prefetch window now."""
+    def _announce_body(self, documents: Sequence[str | Doc], query: str | None, system: str | None,
+                       prefix: str | None, separator: str | None, layout: str,
+                       scopes: Sequence[str | None] | None) -> tuple[tuple[str, ...], dict[str, Any]]:
         self._check_open()
-        docs = tuple(documents)
-        body = {"documents": list(docs), "query": query, "system": system, "prefix": prefix,
-                "separator": separator, "layout": layout}
-        data = self._call("POST", "/v1/pcr/announce", {k: v for k, v in body.items() if v is not None},
-                          timeout=ANNOUNCE_TIMEOUT_S)
-        return RemoteTicket(int(data["id"]), docs, int(data.get("chunks", 0)))
+        texts, doc_scopes = split_documents(documents, scopes)
+        if not texts:
+            raise InvalidRequestError("announce needs at least one retrieved document")
+        body = {"documents": wire_documents(texts, doc_scopes), "query": query, "system": system,
+                "prefix": prefix, "separator": separator, "layout": layout}
+        return texts, {k: v for k, v in body.items() if v is not None}
+
+    def announce(self, documents: Sequence[str | Doc], query: str | None = None, *, system: str | None = None,
+                 prefix: str | None = None, separator: str | None = None, layout: str = "auto",
+                 scopes: Sequence[str | None] | None = None) -> RemoteTicket:
+        """``POST /v1/pcr/announce``: the retrieval's request enters the server's prefetch window now. Documents
+        and scopes as for `PCREngine.announce`. Blocks its thread up to ``ANNOUNCE_TIMEOUT_S``: from a coroutine,
+        await `aannounce` instead."""
+        texts, body = self._announce_body(documents, query, system, prefix, separator, layout, scopes)
+        data = self._raw("post", "/pcr/announce", body, timeout=ANNOUNCE_TIMEOUT_S, max_retries=0)
+        return RemoteTicket(int(data["id"]), texts, int(data.get("chunks", 0)))
+
+    async def aannounce(self, documents: Sequence[str | Doc], query: str | None = None, *,
+                        system: str | None = None, prefix: str | None = None, separator: str | None = None,
+                        layout: str = "auto", scopes: Sequence[str | None] | None = None) -> RemoteTicket:
+        """`announce` for asyncio: the event loop runs on while the server answers."""
+        texts, body = self._announce_body(documents, query, system, prefix, separator, layout, scopes)
+        try:
+            async with self.async_client() as client:
+                response = await client.post("/pcr/announce", cast_to=httpx.Response, body=body,
+                                             options=self._raw_options(ANNOUNCE_TIMEOUT_S, 0))
+        except Exception as exc:  # noqa: BLE001 - every failure maps onto the project's errors
+            raise remote_error(exc, self.base_url) from None
+        data = response.json()
+        return RemoteTicket(int(data["id"]), texts, int(data.get("chunks", 0)))
 
     def cancel_announcement(self, ticket: RemoteTicket) -> bool:
         """Withdraw an announcement nobody will claim; True if the server still held it."""
         if ticket.claimed or ticket.expired:
             return False
         try:
-            data = self._call("DELETE", f"/v1/pcr/announce/{ticket.ticket_id}", None, timeout=ANNOUNCE_TIMEOUT_S)
+            data = self._raw("delete", f"/pcr/announce/{ticket.ticket_id}", None, timeout=ANNOUNCE_TIMEOUT_S,
+                             max_retries=0)
         except InvalidRequestError:  # 404: claimed or expired on the server meanwhile
             ticket.expired = True
             return False
@@ -245,25 +360,33 @@ class RemoteEngine:
         total = self.timeout if seconds is None else seconds
         return httpx.Timeout(total, connect=min(self.connect_timeout, total))
 
-    def async_client(self) -> httpx.AsyncClient:
-        """A new async client (one per call: an httpx async pool is bound to the event loop that made it)."""
-        return httpx.AsyncClient(base_url=self.base_url, headers=self._headers, verify=self._ssl,
-                                 transport=self._async_transport, timeout=self._timeout(None))
+    def _raw_options(self, timeout: float | None, max_retries: int | None) -> dict[str, Any]:
+        options: dict[str, Any] = {"timeout": self._timeout(timeout), "headers": self.headers}
+        if max_retries is not None:
+            options["max_retries"] = max_retries
+        return options
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None, timeout: float | None = None) -> Any:
+    def _raw(self, method: str, path: str, body: dict[str, Any] | None, *, timeout: float | None = None,
+             max_retries: int | None = None) -> Any:
+        """A route of the server's own through the SDK's raw request (its retries, its errors), as JSON."""
+        options = self._raw_options(timeout, max_retries)
         try:
-            response = self._client.request(method, path, json=body, timeout=self._timeout(timeout))
-        except httpx.TimeoutException as exc:
-            raise TimeoutError(f"{method} {self.base_url}{path} timed out: {exc}") from None
-        except httpx.HTTPError as exc:
-            raise unreachable(self.base_url, exc) from None
-        if response.status_code >= 400:
-            raise error_from_response(response.status_code, response.content)
+            call = getattr(self._client, method)
+            if body is None:
+                response = call(path, cast_to=httpx.Response, options=options)
+            else:
+                response = call(path, cast_to=httpx.Response, body=body, options=options)
+        except Exception as exc:  # noqa: BLE001 - every failure maps onto the project's errors
+            raise remote_error(exc, self.base_url) from None
         return response.json()
 
     def _fetch_info(self) -> RemoteModelInfo:
-        data = self._call("GET", "/v1/models", None, timeout=self.connect_timeout + 5.0)
-        cards = data.get("data") or []
+        try:
+            page = self._client.models.list(timeout=self._timeout(self.connect_timeout + 5.0),
+                                            extra_headers=self.headers)
+        except Exception as exc:  # noqa: BLE001
+            raise remote_error(exc, self.base_url) from None
+        cards = [card.to_dict() for card in page.data]
         if not cards:
             raise RemoteEngineError(f"{self.base_url}/v1/models lists no model")
         card = next((c for c in cards if c.get("id") == self.model), cards[0]) if self.model else cards[0]
@@ -274,28 +397,72 @@ class RemoteEngine:
                                max_new_tokens=int(pcr.get("max_new_tokens") or 128))
 
 
+def wire_documents(texts: Sequence[str], scopes: Sequence[str | None] = ()) -> list[str | dict[str, Any]]:
+    """Documents as the server takes them: the text, or ``{"text", "scope"}`` for one with a sharing scope."""
+    scopes = tuple(scopes) or (None,) * len(texts)
+    return [text if scope is None else {"text": text, "scope": scope} for text, scope in zip(texts, scopes)]
+
+
+def sampling_arguments(params: SamplingParams, chat: bool, extra: dict[str, Any]) -> dict[str, Any]:
+    """``params`` as ``create`` keyword arguments (OpenAI names); vLLM's extensions go into ``extra`` (the
+    request's ``extra_body``). Only fields that differ from their default travel (temperature and top_p always).
+
+    Raises:
+        InvalidRequestError: a field this client does not know how to send (never dropped silently).
+    """
+    out: dict[str, Any] = {"temperature": params.temperature, "top_p": params.top_p}
+    for f in dataclasses.fields(params):
+        name, value = f.name, getattr(params, f.name)
+        if name in ("temperature", "top_p") or value == getattr(_DEFAULTS, name):
+            continue
+        if name in _OPENAI_NAMES:
+            out[_OPENAI_NAMES[name]] = value
+        elif name == "stop":
+            out["stop"] = list(value)
+        elif name in _VLLM_NAMES:
+            extra[name] = value
+        elif name == "response_format":
+            (out if chat else extra)["response_format"] = value.to_openai()
+        elif name in ("logprobs", "top_logprobs"):
+            out.update(_logprobs(params, chat))
+        else:
+            raise InvalidRequestError(f"SamplingParams.{name}={value!r} cannot be sent to a pcr-rag server by this "
+                                      f"client; leave it at its default for a remote engine")
+    return out
+
+
+def _logprobs(params: SamplingParams, chat: bool) -> dict[str, Any]:
+    """OpenAI's logprobs fields: chat takes ``logprobs: bool`` + ``top_logprobs: int``, completions
+    ``logprobs: int`` (the number of alternatives, 0 = the sampled token's only)."""
+    wanted = getattr(params, "logprobs", None)
+    top = getattr(params, "top_logprobs", None)
+    count = top if top is not None else (wanted if isinstance(wanted, int) and not isinstance(wanted, bool) else 0)
+    if not wanted and not count:
+        return {}
+    return {"logprobs": True, "top_logprobs": count} if chat else {"logprobs": count}
+
+
 # ------------------------------------------------------------------------------------------------ handle
 class RemoteHandle:
     """A submitted remote request; the `RequestHandle` API (see the module docstring)."""
 
-    def __init__(self, engine: RemoteEngine, path: str, body: dict[str, Any], *, timeout: float | None) -> None:
+    def __init__(self, engine: RemoteEngine, chat: bool, arguments: dict[str, Any], *,
+                 timeout: float | None) -> None:
         self._engine = engine
-        self._path = path
-        self._body = body
-        self._chat = path.endswith("/chat/completions")
+        self._chat = chat
+        self._arguments = arguments
         self._timeout = timeout
         self._deadline = time.monotonic() + (timeout if timeout is not None else engine.timeout)
-        self._decoder = _StreamDecoder(self._chat, body)
+        self._decoder = _Decoder(chat)
         self._result: GenerationResult | None = None
         self._error: BaseException | None = None
         self._started = False
         self._cancelled = False
         self._finished_stream = False
-        self._sync_events: Iterator[dict[str, Any]] | None = None
-        self._sync_response: Any = None
-        self._async_events: AsyncIterator[dict[str, Any]] | None = None
-        self._pending: list[StreamChunk] = []
-        self._lock = threading.Lock()
+        self._stream: openai.Stream[Any] | None = None
+        self._astream: openai.AsyncStream[Any] | None = None
+        self._aclient: AsyncOpenAI | None = None
+        self._pending: deque[StreamChunk] = deque()
 
     @property
     def request_id(self) -> str:
@@ -315,12 +482,7 @@ class RemoteHandle:
             return False
         self._cancelled = True
         self._error = RequestCancelledError("request cancelled")
-        response = self._sync_response
-        if response is not None:
-            try:
-                response.close()
-            except Exception:  # noqa: BLE001 - closing a connection another thread reads from
-                pass
+        self._close_sync()
         return True
 
     def close(self) -> None:
@@ -330,9 +492,12 @@ class RemoteHandle:
 
     async def aclose(self) -> None:
         self.close()
-        events, self._async_events = self._async_events, None
-        if events is not None:
-            await events.aclose()  # type: ignore[attr-defined]
+        stream, client, self._astream, self._aclient = self._astream, self._aclient, None, None
+        with contextlib.suppress(Exception):
+            if stream is not None:
+                await stream.close()
+            if client is not None:
+                await client.close()
 
     def __del__(self) -> None:
         try:
@@ -353,14 +518,11 @@ class RemoteHandle:
         self._started = True
         wait = self._wait_s(timeout)
         try:
-            response = self._engine._client.post(self._path, json=self._body, timeout=self._engine._timeout(wait))
-        except httpx.TimeoutException:
-            raise self._timed_out() from None
-        except httpx.HTTPError as exc:
-            raise self._fail(unreachable(self._engine.base_url, exc)) from None
-        if response.status_code >= 400:
-            raise self._fail(error_from_response(response.status_code, response.content))
-        self._result = self._decoder.whole(response.json())
+            with _deadline(time.monotonic() + wait):
+                response = self._create(self._engine.client, stream=False, wait=wait)
+        except Exception as exc:  # noqa: BLE001
+            raise self._fail(exc) from None
+        self._result = self._decoder.whole(response.to_dict())
         return self._result
 
     async def aresult(self, timeout: float | None = None) -> GenerationResult:
@@ -373,20 +535,17 @@ class RemoteHandle:
                 pass
             return self._checked_result()
         self._started = True
+        wait = self._wait_s(timeout)
         try:
             async with self._engine.async_client() as client:
-                response = await asyncio.wait_for(client.post(self._path, json=self._body),
-                                                  self._wait_s(timeout))
-        except (TimeoutError, httpx.TimeoutException):
-            raise self._timed_out() from None
+                with _deadline(time.monotonic() + wait):
+                    response = await self._create(client, stream=False, wait=wait)
         except asyncio.CancelledError:
             self.cancel()
             raise
-        except httpx.HTTPError as exc:
-            raise self._fail(unreachable(self._engine.base_url, exc)) from None
-        if response.status_code >= 400:
-            raise self._fail(error_from_response(response.status_code, response.content))
-        self._result = self._decoder.whole(response.json())
+        except Exception as exc:  # noqa: BLE001
+            raise self._fail(exc) from None
+        self._result = self._decoder.whole(response.to_dict())
         return self._result
 
     def __await__(self):
@@ -401,25 +560,23 @@ class RemoteHandle:
             raise StopIteration
         while not self._pending:
             self._raise_if_failed()
-            if self._sync_events is None:
-                if self._started:
-                    raise RuntimeError("this handle is already consumed (one stream or result per handle)")
-                self._started = True
-                self._sync_events = self._open_sync()
+            if self._stream is None:
+                self._begin_stream()
+                try:
+                    with _deadline(self._deadline):
+                        self._stream = self._create(self._engine.client, stream=True, wait=self._wait_s(None))
+                except Exception as exc:  # noqa: BLE001
+                    raise self._fail(exc) from None
             if time.monotonic() > self._deadline:
                 raise self._timed_out()
             try:
-                event = next(self._sync_events)
+                chunk = next(self._stream)
             except StopIteration:
                 return self._closing()
-            except httpx.TimeoutException:
-                raise self._timed_out() from None
-            except httpx.HTTPError as exc:
-                if self._cancelled:
-                    raise RequestCancelledError("request cancelled") from None
-                raise self._fail(self._broken(exc)) from None
-            self._pending.extend(self._feed(event))
-        return self._pending.pop(0)
+            except Exception as exc:  # noqa: BLE001
+                raise self._fail(exc) from None
+            self._feed(chunk.to_dict())
+        return self._pending.popleft()
 
     def __aiter__(self) -> RemoteHandle:
         return self
@@ -428,79 +585,62 @@ class RemoteHandle:
         if self._finished_stream:
             raise StopAsyncIteration
         while not self._pending:
-            self._raise_if_failed()
-            if self._async_events is None:
-                if self._started:
-                    raise RuntimeError("this handle is already consumed (one stream or result per handle)")
-                self._started = True
-                self._async_events = self._open_async()
-            try:
-                event = await asyncio.wait_for(self._async_events.__anext__(),
-                                               max(0.0, self._deadline - time.monotonic()))
-            except StopAsyncIteration:
-                return self._closing()
-            except (TimeoutError, httpx.TimeoutException):
+            if self._error is not None:
                 await self.aclose()
-                raise self._timed_out() from None
+                raise self._error
+            if self._astream is None:
+                self._begin_stream()
+                self._aclient = self._engine.async_client()
+            try:
+                if self._astream is None:
+                    with _deadline(self._deadline):
+                        self._astream = await self._create(self._aclient, stream=True, wait=self._wait_s(None))
+                chunk = await asyncio.wait_for(self._astream.__anext__(), max(0.0, self._deadline - time.monotonic()))
+            except StopAsyncIteration:
+                await self.aclose()
+                return self._closing()
             except asyncio.CancelledError:
+                self.cancel()
                 await self.aclose()
                 raise
-            except httpx.HTTPError as exc:
-                raise self._fail(self._broken(exc)) from None
-            self._pending.extend(self._feed(event))
-        return self._pending.pop(0)
+            except Exception as exc:  # noqa: BLE001
+                error = self._fail(exc)
+                await self.aclose()
+                raise error from None
+            self._feed(chunk.to_dict())
+        return self._pending.popleft()
 
     # ------------------------------------------------------------------------------------------ internals
-    def _stream_body(self) -> dict[str, Any]:
-        return {**self._body, "stream": True, "stream_options": {"include_usage": True}}
+    def _create(self, client: OpenAI | AsyncOpenAI, *, stream: bool, wait: float) -> Any:
+        endpoint = client.chat.completions if self._chat else client.completions
+        streaming = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+        return endpoint.create(**self._arguments, **streaming, timeout=self._engine._timeout(wait))
 
-    def _open_sync(self) -> Iterator[dict[str, Any]]:
-        client = self._engine._client
-        request = client.build_request("POST", self._path, json=self._stream_body(),
-                                       timeout=self._engine._timeout(self._wait_s(None)))
+    def _begin_stream(self) -> None:
+        if self._started:
+            raise RuntimeError("this handle is already consumed (one stream or result per handle)")
+        self._started = True
+
+    def _feed(self, event: dict[str, Any]) -> None:
         try:
-            response = client.send(request, stream=True)
-        except httpx.TimeoutException:
-            raise self._timed_out() from None
-        except httpx.HTTPError as exc:
-            raise self._fail(self._broken(exc)) from None
-        if response.status_code >= 400:
-            content = response.read()
-            response.close()
-            raise self._fail(error_from_response(response.status_code, content))
-        self._sync_response = response
-        return _sse_events(response.iter_lines())
-
-    async def _open_async(self) -> AsyncIterator[dict[str, Any]]:
-        async with self._engine.async_client() as client, \
-                client.stream("POST", self._path, json=self._stream_body()) as response:
-            if response.status_code >= 400:
-                raise self._fail(error_from_response(response.status_code, await response.aread()))
-            async for event in _asse_events(response.aiter_lines()):
-                yield event
-
-    def _broken(self, exc: httpx.HTTPError) -> RemoteEngineError:
-        if isinstance(exc, httpx.ConnectError):
-            return unreachable(self._engine.base_url, exc)
-        return RemoteEngineError(f"the stream from {self._engine.base_url} broke ({type(exc).__name__}: {exc})")
-
-    def _feed(self, event: dict[str, Any]) -> list[StreamChunk]:
-        try:
-            return self._decoder.feed(event)
-        except Exception as exc:
+            self._pending.extend(self._decoder.feed(event))
+        except Exception as exc:  # noqa: BLE001
             raise self._fail(exc) from None
 
     def _closing(self) -> StreamChunk:
         self._close_sync()
-        self._result = self._decoder.finish()
+        try:
+            self._result = self._decoder.finish()
+        except RemoteEngineError as exc:
+            raise self._fail(exc) from None
         self._finished_stream = True
         return StreamChunk(-1, "", self._decoder.index, self._result)
 
     def _close_sync(self) -> None:
-        response, self._sync_response = self._sync_response, None
-        self._sync_events = None
-        if response is not None:
-            response.close()
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            with contextlib.suppress(Exception):  # closing a connection another thread reads from
+                stream.close()
 
     def _checked_result(self) -> GenerationResult:
         self._raise_if_failed()
@@ -512,9 +652,14 @@ class RemoteHandle:
             raise self._error
 
     def _fail(self, exc: BaseException) -> BaseException:
-        self._error = exc
+        """Record the request's error (the first one wins: a cancel stays a cancel) and close its stream."""
+        if self._error is None:
+            error = remote_error(exc, self._engine.base_url)
+            if isinstance(error, TimeoutError):
+                return self._timed_out()
+            self._error = error
         self._close_sync()
-        return exc
+        return self._error
 
     def _wait_s(self, timeout: float | None) -> float:
         left = max(0.0, self._deadline - time.monotonic())
@@ -528,16 +673,16 @@ class RemoteHandle:
         return exc
 
     def __repr__(self) -> str:
-        return f"<RemoteHandle {self._path} done={self.done()}>"
+        return f"<RemoteHandle {'chat' if self._chat else 'completion'} done={self.done()}>"
 
 
 # ------------------------------------------------------------------------------------------------ decoding
 @dataclass
-class _StreamDecoder:
-    """OpenAI response bodies and stream chunks (with the server's extensions) -> `StreamChunk`s and a result."""
+class _Decoder:
+    """OpenAI response bodies and stream chunks (as dicts, with the server's extensions) -> `StreamChunk`s and a
+    result."""
 
     chat: bool
-    body: dict[str, Any]
     request_id: str = ""
     index: int = 0
     pieces: list[str] = field(default_factory=list)
@@ -547,10 +692,6 @@ class _StreamDecoder:
     usage: dict[str, Any] | None = None
 
     def feed(self, event: dict[str, Any]) -> list[StreamChunk]:
-        if "error" in event:
-            error = event["error"] or {}
-            status = {"cancelled": 499, "service_unavailable": 503}.get(error.get("code") or "", 500)
-            raise error_from_response(status, json.dumps(event).encode())
         self.request_id = event.get("id", self.request_id)
         if event.get("usage"):
             self.usage = event["usage"]
@@ -560,8 +701,7 @@ class _StreamDecoder:
         for choice in event.get("choices") or ():
             if choice.get("prompt_token_ids"):
                 self.prompt_token_ids = list(choice["prompt_token_ids"])
-            text = (choice.get("delta") or {}).get("content") if self.chat else choice.get("text")
-            text = text or ""
+            text = ((choice.get("delta") or {}).get("content") if self.chat else choice.get("text")) or ""
             ids = list(choice.get("token_ids") or ())
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
@@ -615,47 +755,38 @@ class _StreamDecoder:
                                 documents_found=int(pcr.get("documents_found", 0)))
 
 
-def _parse_sse(line: str) -> dict[str, Any] | None | bool:
-    """One SSE line -> an event dict, None (not a data line) or False ([DONE])."""
-    if not line.startswith("data:"):
-        return None
-    data = line[5:].strip()
-    if data == "[DONE]":
-        return False
-    try:
-        return json.loads(data)
-    except ValueError:
-        raise RemoteEngineError(f"the server sent a malformed event: {data[:200]!r}") from None
-
-
-def _sse_events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
-    for line in lines:
-        event = _parse_sse(line)
-        if event is False:
-            return
-        if event is not None:
-            yield event  # type: ignore[misc]
-
-
-async def _asse_events(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:
-    async for line in lines:
-        event = _parse_sse(line)
-        if event is False:
-            return
-        if event is not None:
-            yield event  # type: ignore[misc]
-
-
 # ------------------------------------------------------------------------------------------------ errors
-def error_from_response(status: int, content: bytes) -> Exception:
-    """The exception for an error answer of the server (OpenAI-shaped body)."""
-    try:
-        error = json.loads(content).get("error") or {}
-        message = str(error.get("message") or content[:500])
-    except (ValueError, AttributeError):
-        message = content[:500].decode(errors="replace")
-    if status == 401:
+def remote_error(exc: BaseException, base_url: str) -> BaseException:
+    """The project's exception for a failed call (the SDK's, httpx's or a malformed answer); see the module
+    docstring. A pcr-rag error passes through."""
+    if isinstance(exc, PCRError):
+        return exc
+    if isinstance(exc, (_DeadlinePassed, openai.APITimeoutError, httpx.TimeoutException, asyncio.TimeoutError)):
+        return TimeoutError(f"the call to {base_url} timed out")
+    if isinstance(exc, openai.APIStatusError):
+        return _status_error(exc.status_code, exc.body, exc.message)
+    if isinstance(exc, openai.APIConnectionError):
+        return unreachable(base_url, exc.__cause__ or exc)
+    if isinstance(exc, openai.APIError):  # an error event inside a stream
+        status = {"cancelled": 499, "service_unavailable": 503}.get(exc.code or "", 500)
+        return _status_error(status, exc.body, exc.message)
+    if isinstance(exc, httpx.ConnectError):
+        return unreachable(base_url, exc)
+    if isinstance(exc, (httpx.HTTPError, httpx.StreamError)):
+        return RemoteEngineError(f"the stream from {base_url} broke ({type(exc).__name__}: {exc})")
+    if isinstance(exc, (ValueError, KeyError, TypeError)):
+        return RemoteEngineError(f"{base_url} sent a malformed answer ({type(exc).__name__}: {exc}); is it a "
+                                 f"pcr-rag server?")
+    return exc
+
+
+def _status_error(status: int, body: object, fallback: str) -> Exception:
+    error = body if isinstance(body, dict) else {}
+    message = str(error.get("message") or fallback)
+    if status in (401, 403):
         return RemoteAuthError(f"the server refused the API key: {message}")
+    if status == 400 and error.get("code") == "context_length_exceeded":
+        return RemotePromptTooLongError(message)
     if status in (400, 404, 413, 422):
         return InvalidRequestError(message)
     if status == 429:
