@@ -1,6 +1,8 @@
 """``ClusterStore``: the remote tier's values in a Valkey/Redis Cluster (sharded by hash slot), through ``redis``'s
-``RedisCluster``: its slot map (``CLUSTER SLOTS`` from the seed nodes, then from every node it found), key hashing
-and per-node connection pools.
+cluster client parts: ``NodesManager`` (the slot map ``RedisCluster`` routes by: ``CLUSTER SLOTS`` from the seed
+nodes, then from every node it found; a client and connection pool per node; ``move_slot`` on MOVED) and
+``key_slot`` (CRC16 hash slots, hash tags included). Not ``RedisCluster`` itself: its constructor also fetches the
+``COMMAND`` table from the first primary, so with that one node dead no client could even be built.
 
 - One round trip per node: a call's commands are grouped by the node that owns each key's slot and written to every
   node involved before any reply is read, as ``ClusterPipeline`` does. Unlike ``ClusterPipeline.execute``, a node
@@ -47,6 +49,12 @@ REFRESH_INTERVAL_S = 1.0
 #: Counters of a cluster store (since start): node calls that failed / were skipped by the node's open breaker,
 #: MOVED redirects followed, slot-map refreshes done.
 NODE_COUNTERS = ("node_errors", "node_skipped", "redirects", "slot_map_refreshes")
+
+
+def _slot(name: str) -> int:
+    from redis.crc import key_slot
+
+    return key_slot(name.encode())
 
 
 class _Op:
@@ -113,7 +121,7 @@ class ClusterStore:
         self.spec = parse_cluster_url(config.url)
         self.breakers = BreakerSet(config.breaker_errors, config.breaker_backoff_s, clock)
         self.refresh_interval_s = min(REFRESH_INTERVAL_S, config.breaker_backoff_s)
-        self._cluster: Any = None
+        self._nodes: Any = None  # redis.cluster.NodesManager, once the slot map was read
         self._open_lock = threading.Lock()
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(NODE_COUNTERS, 0)
@@ -126,20 +134,18 @@ class ClusterStore:
 
     # ------------------------------------------------------------------ the client
     def _client(self) -> Any:
-        cluster = self._cluster
-        if cluster is not None:
-            return cluster
+        nodes = self._nodes
+        if nodes is not None:
+            return nodes
         with self._open_lock:
             if self._closed:
                 raise RemoteUnavailableError(f"{self.describe()}: the store was closed")
-            if self._cluster is None:
-                self._cluster = self._connect()
-            return self._cluster
+            if self._nodes is None:
+                self._nodes = self._connect()
+            return self._nodes
 
     def _connect(self) -> Any:
-        from redis.backoff import NoBackoff
-        from redis.cluster import ClusterNode, RedisCluster
-        from redis.retry import Retry
+        from redis.cluster import ClusterNode, NodesManager
 
         cfg, spec = self.config, self.spec
         kwargs: dict[str, Any] = {
@@ -156,9 +162,9 @@ class ClusterStore:
             kwargs["password"] = spec.password
         if spec.tls:
             kwargs["ssl"] = True
-        try:
-            return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in spec.seeds], retry=Retry(NoBackoff(), 0),
-                                require_full_coverage=False, dynamic_startup_nodes=True, **kwargs)
+        try:  # node clients never retry (NodesManager builds them with retries=0)
+            return NodesManager([ClusterNode(h, p) for h, p in spec.seeds], require_full_coverage=False,
+                                dynamic_startup_nodes=True, **kwargs)
         except (*self._io_errors, self._rexc.RedisClusterException) as exc:
             cause = exc.__cause__ or exc
             message = f"{self.describe()}: no seed node answered CLUSTER SLOTS ({type(exc).__name__}: {exc})"
@@ -169,21 +175,20 @@ class ClusterStore:
     # ------------------------------------------------------------------ one call
     def _execute(self, ops: Sequence[_Op]) -> None:
         """Run ``ops``, one round trip per node involved (and one more for the commands a MOVED redirected)."""
-        cluster = self._client()
+        nodes = self._client()
         todo = list(range(len(ops)))
         for follow in (True, False):
-            moved = self._round(cluster, ops, todo, follow=follow)
+            moved = self._round(nodes, ops, todo, follow=follow)
             if not moved:
                 return
             todo = moved
 
-    def _round(self, cluster: Any, ops: Sequence[_Op], todo: list[int], *, follow: bool) -> list[int]:
+    def _round(self, manager: Any, ops: Sequence[_Op], todo: list[int], *, follow: bool) -> list[int]:
         rexc = self._rexc
-        manager = cluster.nodes_manager
         groups: dict[str, _NodeBatch] = {}
         for i in todo:
             try:
-                node = manager.get_node_from_slot(cluster.keyslot(ops[i].key))
+                node = manager.get_node_from_slot(_slot(ops[i].key))
             except rexc.SlotNotCoveredError as exc:
                 ops[i].result = RemoteNodeUnavailableError(f"{self.describe()}: {exc}")
                 self._want_refresh()
@@ -297,10 +302,10 @@ class ClusterStore:
                     self._refresh_wanted = True
 
     def _refresh_once(self) -> None:
-        cluster = self._cluster
+        nodes = self._nodes
         try:
-            if cluster is not None:
-                cluster.nodes_manager.initialize()
+            if nodes is not None:
+                nodes.initialize()
                 self._count("slot_map_refreshes")
         except Exception as exc:  # noqa: BLE001 - any failure keeps the current map; the next interval retries
             log.debug("remote cluster %s: slot map refresh failed: %s: %s", self.describe(), type(exc).__name__, exc)
@@ -309,17 +314,17 @@ class ClusterStore:
 
     def failing_owners(self) -> list[str]:
         """Nodes that own slots in the current map and whose breaker is open or half-open."""
-        cluster = self._cluster
-        if cluster is None:
+        nodes = self._nodes
+        if nodes is None:
             return []
-        return self.breakers.not_closed(n.name for n in cluster.nodes_manager.get_nodes_by_server_type("primary"))
+        return self.breakers.not_closed(n.name for n in nodes.get_nodes_by_server_type("primary"))
 
     def node_of(self, name: str) -> str | None:
         """``host:port`` of the node that owns ``name``'s slot in this client's slot map (None before first use)."""
-        cluster = self._cluster
-        if cluster is None:
+        nodes = self._nodes
+        if nodes is None:
             return None
-        return cluster.nodes_manager.get_node_from_slot(cluster.keyslot(name)).name
+        return nodes.get_node_from_slot(_slot(name)).name
 
     # ------------------------------------------------------------------ RemoteStore
     def _values(self, ops: Sequence[_Op], pick: Any) -> list[bytes | None]:
@@ -365,8 +370,8 @@ class ClusterStore:
         is open or half-open), ``node_breaker_trips`` (times any node's breaker opened)."""
         with self._lock:
             out: dict[str, float] = dict(self._counts)
-        cluster = self._cluster
-        primaries = cluster.nodes_manager.get_nodes_by_server_type("primary") if cluster is not None else []
+        nodes = self._nodes
+        primaries = nodes.get_nodes_by_server_type("primary") if nodes is not None else []
         out["nodes"] = len(primaries)
         out["nodes_open"] = len(self.breakers.not_closed(n.name for n in primaries))
         out["node_breaker_trips"] = self.breakers.trips
@@ -381,6 +386,6 @@ class ClusterStore:
             thread.join(timeout=self.config.connect_timeout_s + self.config.timeout_s + 1.0)
         with self._open_lock:
             self._closed = True
-            cluster, self._cluster = self._cluster, None
-        if cluster is not None:
-            cluster.close()
+            nodes, self._nodes = self._nodes, None
+        if nodes is not None:
+            nodes.close()
