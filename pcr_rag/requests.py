@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -53,6 +54,8 @@ __all__ = [
     "RequestState",
     "SamplingParams",
     "StreamChunk",
+    "TokenLogprob",
+    "TopLogprob",
 ]
 
 
@@ -188,6 +191,18 @@ class SamplingParams:
         ``{"type": "json_schema", "json_schema": {"schema": ...}}``, ``{"type": "json_object"}``,
         ``{"type": "regex", "regex": ...}``, ``{"type": "grammar", "grammar": <Lark>}``; stored as a
         `ResponseFormat`. A format the grammar library rejects raises `InvalidRequestError` here.
+    top_k: sample among the k most likely tokens (and their ties) only; 0 or -1 = all (vLLM's convention; -1 is
+        stored as 0).
+    repetition_penalty: > 0; every token of the prompt or the answer so far has its logit divided by it when
+        positive, multiplied by it when negative (HF / vLLM); 1 = off, > 1 discourages repeats.
+    presence_penalty / frequency_penalty: in [-2, 2] (OpenAI's range and formula): a generated token's logit
+        loses ``presence_penalty`` once it appeared and ``frequency_penalty`` per time it appeared.
+    logprobs: return each generated token's logprob (`GenerationResult.logprobs`, `StreamChunk.logprobs`).
+    top_logprobs: 0..20 most likely alternatives per token with their logprobs (OpenAI's bound); needs logprobs.
+
+    Penalties apply to greedy decoding too; top_k and top_p only to sampling. Every option acts on the request's
+    own row and tokens, so a request's tokens and logprobs never depend on its batch company. Below
+    `GREEDY_BELOW` a temperature decodes greedily (as vLLM: a smaller one would overflow the scaled logits).
     """
 
     max_new_tokens: int | None = None
@@ -196,18 +211,25 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     response_format: ResponseFormat | None = None
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         n = self.max_new_tokens
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise InvalidRequestError(f"max_new_tokens must be a positive int, got {n!r}")
         t = self.temperature
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or not t >= 0:
-            raise InvalidRequestError(f"temperature must be a number >= 0, got {t!r}")
+        if not _is_number(t) or not 0 <= t < math.inf:
+            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {t!r}")
         p = self.top_p
         if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 < p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {p!r}")
         check_seed(self.seed)
+        _check_penalties_and_logprobs(self)
         object.__setattr__(self, "temperature", float(t))
         object.__setattr__(self, "top_p", float(p))
         object.__setattr__(self, "stop", _stop_strings(self.stop))
@@ -244,6 +266,36 @@ class SamplingParams:
         return dataclasses.replace(base, **given) if given else base
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_penalties_and_logprobs(p: SamplingParams) -> None:
+    """Validate (and normalize) top_k, the penalties and the logprob fields of ``p`` (ranges as vLLM / OpenAI)."""
+    k = p.top_k
+    if not isinstance(k, int) or isinstance(k, bool) or k < -1:
+        raise InvalidRequestError(f"top_k must be an int >= 1, or 0 / -1 for all tokens, got {k!r}")
+    object.__setattr__(p, "top_k", max(0, k))
+    r = p.repetition_penalty
+    if not _is_number(r) or not 0 < r < math.inf:
+        raise InvalidRequestError(f"repetition_penalty must be a finite number > 0 (1 = off), got {r!r}")
+    object.__setattr__(p, "repetition_penalty", float(r))
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(p, name)
+        if not _is_number(v) or not -2 <= v <= 2:
+            raise InvalidRequestError(f"{name} must be a number in [-2, 2] (0 = off), got {v!r}")
+        object.__setattr__(p, name, float(v))
+    if not isinstance(p.logprobs, bool):
+        raise InvalidRequestError(f"logprobs must be True or False, got {p.logprobs!r}")
+    n = p.top_logprobs
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {n!r}")
+    if n and not p.logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs=True (as OpenAI's API)")
+
+
+GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily (vLLM's _SAMPLING_EPS)
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 SEED_MIN, SEED_END = -(2**63), 2**63  # accepted seeds: [SEED_MIN, SEED_END), a signed 64-bit int (as vLLM)
 
 
@@ -285,11 +337,45 @@ class GenerationResult:
     request_id: int = 0
     documents_found: int = 0
     first_token_logits: Any = None  # the prefill's last-position logits (a CPU tensor), for checks and scoring
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids when params.logprobs, else None
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    """One of the most likely tokens at a position: id, text, bytes (exact UTF-8 bytes of the token; a token
+    inside a multi-byte character has the bytes of its part and a text with U+FFFD) and natural-log probability."""
+
+    token_id: int
+    token: str
+    bytes: tuple[int, ...]
+    logprob: float
+
+    def as_openai(self) -> dict[str, Any]:
+        """``{"token", "logprob", "bytes"}`` as OpenAI's chat API (a -inf logprob stays -inf: clamp to send)."""
+        return {"token": self.token, "logprob": self.logprob, "bytes": list(self.bytes)}
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's logprob (the model's distribution after the response format's mask, before penalties
+    and temperature: vLLM's default) and its ``top_logprobs`` alternatives, most likely first."""
+
+    token_id: int
+    token: str
+    bytes: tuple[int, ...]
+    logprob: float
+    top_logprobs: tuple[TopLogprob, ...] = ()
+
+    def as_openai(self) -> dict[str, Any]:
+        """One entry of OpenAI's ``choices[].logprobs.content``."""
+        return {"token": self.token, "logprob": self.logprob, "bytes": list(self.bytes),
+                "top_logprobs": [t.as_openai() for t in self.top_logprobs]}
 
 
 @dataclass(frozen=True)
 class StreamChunk:
-    """One generated token as it comes: its id and the text it added (may be "" mid-way through a character).
+    """One generated token as it comes: its id and the text it added (may be "" mid-way through a character), and
+    its `TokenLogprob` when the request asked for logprobs.
 
     The last chunk of every stream is a closing one: ``token_id=-1``, ``text=""``, ``index`` = the number of token
     chunks before it, and ``result`` set to the request's `GenerationResult` (finish reason, counts, metrics)."""
@@ -298,6 +384,7 @@ class StreamChunk:
     text: str
     index: int
     result: GenerationResult | None = None
+    logprobs: TokenLogprob | None = None
 
     @property
     def is_final(self) -> bool:
@@ -317,7 +404,7 @@ class RequestState(str, Enum):
 class Request:
     """The engine's side of one request (the caller holds its `RequestHandle`).
 
-    ``plan`` holds its chunks; ``on_token(token_id, text_delta)`` streams output; ``future`` gets the
+    ``plan`` holds its chunks; ``on_token(token_id, text_delta, logprobs)`` streams output; ``future`` gets the
     `GenerationResult` or the error; ``cancelled`` is checked by the executor between forwards; ``constraint``
     is the compiled ``params.response_format`` (a `TokenConstraint`), None when unconstrained."""
 
@@ -327,7 +414,7 @@ class Request:
     params: SamplingParams
     submitted_at: float
     future: Future = field(default_factory=Future)
-    on_token: Callable[[int, str], None] | None = None
+    on_token: Callable[[int, str, TokenLogprob | None], None] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     state: RequestState = RequestState.WAITING
     ssd_keys_at_entry: frozenset[bytes] = frozenset()
@@ -362,9 +449,9 @@ class TokenChannel:
         """Token chunks put so far."""
         return self._count
 
-    def put(self, token_id: int, text: str) -> None:
+    def put(self, token_id: int, text: str, logprobs: TokenLogprob | None = None) -> None:
         with self._cond:
-            self._chunks.append(StreamChunk(token_id, text, self._count))
+            self._chunks.append(StreamChunk(token_id, text, self._count, logprobs=logprobs))
             self._count += 1
             self._cond.notify_all()
             waiters, self._waiters = self._waiters, []

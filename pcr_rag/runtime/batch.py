@@ -43,6 +43,7 @@ from pcr_rag.runtime.admission import prefill_candidates, rank
 from pcr_rag.runtime.forward import WarmUp
 from pcr_rag.runtime.kv_arena import KVArena
 from pcr_rag.runtime.runner import DecodeRow, PrefillContext, PrefillTask
+from pcr_rag.runtime.sampling import TokenTexts
 from pcr_rag.runtime.step_budget import StepBudget
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class BatchExecutor:
         self.budget = budget
         self.schedule = schedule
         self.tokenizer = tokenizer
+        self.token_texts = TokenTexts(tokenizer)  # token strings and bytes of logprobs, cached per id
         self.eos_ids = eos_ids
         self.recorder = recorder
         self.clock = clock
@@ -287,7 +289,8 @@ class BatchExecutor:
             if req.metrics.ttft_s == 0.0:
                 req.metrics.ttft_s = self.clock() - req.submitted_at
             if req.on_token is not None:
-                req.on_token(token_id, delta)
+                raw = a.decode.sampler.last_logprob if req.params.logprobs else None
+                req.on_token(token_id, delta, None if raw is None else self.token_texts.describe(raw))
         return emit
 
     # ------------------------------------------------------------------------------------------ completion
@@ -303,7 +306,8 @@ class BatchExecutor:
         result = GenerationResult(
             text=d.text, token_ids=d.tokens, prompt_token_ids=list(req.token_ids), metrics=m,
             finish_reason=d.finish_reason, request_id=req.request_id, documents_found=req.documents_found,
-            first_token_logits=a.first_logits.detach().float().cpu())
+            first_token_logits=a.first_logits.detach().float().cpu(),
+            logprobs=[self.token_texts.describe(r) for r in d.sampler.logprobs] if req.params.logprobs else None)
         self.recorder.record(m)
         self._release(a)
         req.state = RequestState.FINISHED

@@ -341,7 +341,8 @@ class DecodeRow:
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.on_token = on_token
-        self.sampler = TokenSampler(request.params, getattr(request, "constraint", None))
+        self.sampler = TokenSampler(request.params, getattr(request, "constraint", None),
+                                    prompt_token_ids=request.token_ids)
         self._decoded = IncrementalText(tokenizer)  # holds the answer's tokens (`tokens`) and decodes them
         self.text = ""
         self.finish_reason = "length"

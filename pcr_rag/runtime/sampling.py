@@ -1,18 +1,35 @@
-"""Choosing a row's next token from its logits: greedy, or temperature / top-p with the request's own generator.
+"""Choosing a row's next token from its logits: greedy, or temperature / top-k / top-p with the request's own
+generator, after the request's own penalties; and the logprobs of what was chosen.
 
-A row's choice depends only on its own logits, its parameters, its seed and its constraint, never on the other
-rows of the batch. A `TokenConstraint` (a grammar, see `pcr_rag.runtime.grammar`) masks the logits before the
-choice and is told every accepted token.
+A row's choice depends only on its own logits, its parameters, its seed, its constraint and its own tokens (the
+prompt's and those it generated), never on the other rows of the batch. A `TokenConstraint` (a grammar, see
+`pcr_rag.runtime.grammar`) masks the logits before the choice and is told every accepted token.
+
+The steps, in vLLM's order, on one row's float32 logits:
+1. the constraint's mask (disallowed tokens at -inf);
+2. the logprobs, when asked for: ``log_softmax`` of these logits, before penalties and temperature (the model's
+   own distribution over the allowed tokens, as vLLM's default ``raw_logprobs``);
+3. penalties: ``repetition_penalty`` r over every token of the prompt and of the answer so far (a positive logit
+   divided by r, a negative one multiplied by it: HF / vLLM); then OpenAI's
+   ``logit[j] -= frequency_penalty * c[j] + presence_penalty * (c[j] > 0)``, c[j] = times token j was generated;
+4. a temperature below `GREEDY_BELOW` (0 included) picks the argmax (a tiny temperature would overflow the scaled
+   logits to inf and the softmax to NaN); else the logits divided by the temperature, ``top_k`` (the k highest and
+   their ties), then ``top_p`` (the smallest head of the sorted distribution whose mass reaches top_p), sampled.
+
+Cost: a request without penalties or logprobs runs exactly the steps it ran before they existed; each option costs
+one or two vector operations over the vocabulary, on its own row only.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
-from pcr_rag.requests import SamplingParams, check_seed
+from pcr_rag.requests import GREEDY_BELOW, SamplingParams, TokenLogprob, TopLogprob, check_seed
 
 
 class TokenConstraint(Protocol):
@@ -28,26 +45,70 @@ class TokenConstraint(Protocol):
         """True when the constraint is complete and only end-of-sequence may follow."""
 
 
-class TokenSampler:
-    """Picks one token per call from a row's logits (see the module docstring)."""
+@dataclass(frozen=True)
+class RawLogprob:
+    """A chosen token's logprob and the ``top_logprobs`` most likely tokens (ids, logprobs; highest first), as the
+    sampler computed them; `TokenTexts.describe` adds the token strings and bytes."""
 
-    def __init__(self, params: SamplingParams, constraint: TokenConstraint | None = None) -> None:
+    token_id: int
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+class TokenSampler:
+    """Picks one token per call from a row's logits (see the module docstring).
+
+    ``prompt_token_ids``: the request's prompt, which ``repetition_penalty`` counts as seen. ``logprobs`` holds one
+    `RawLogprob` per accepted token (when ``params.logprobs``), in order: the end-of-sequence token, which is never
+    accepted, has none."""
+
+    def __init__(self, params: SamplingParams, constraint: TokenConstraint | None = None, *,
+                 prompt_token_ids: Sequence[int] = ()) -> None:
         self.params = params
         self.constraint = constraint
+        self.greedy = params.temperature < GREEDY_BELOW
         self._gen: torch.Generator | None = None
-        if params.temperature > 0:
+        if not self.greedy:
             check_seed(params.seed)  # validated with the params; a seed set past validation fails here, clearly
             self._gen = torch.Generator(device="cpu")
             self._gen.manual_seed(params.seed if params.seed is not None else time.time_ns() % (2**31))
+        self._repetition = params.repetition_penalty != 1.0
+        self._additive = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+        self._prompt_ids = tuple(prompt_token_ids) if self._repetition else ()
+        self._counts: torch.Tensor | None = None  # [vocab] float32: times each token was generated (penalties on)
+        self._seen: torch.Tensor | None = None    # [vocab] bool: prompt or generated (repetition_penalty on)
+        self._pending: RawLogprob | None = None
+        self.logprobs: list[RawLogprob] = []
+
+    @property
+    def last_logprob(self) -> RawLogprob | None:
+        """The last accepted token's logprobs (None when the request asked for none)."""
+        return self.logprobs[-1] if self.logprobs else None
 
     def select(self, logits: torch.Tensor) -> int:
         scores = logits.float()
         if self.constraint is not None:
             scores = self.constraint.mask_logits(scores.clone())
         p = self.params
-        if p.temperature <= 0:
-            return int(torch.argmax(scores).item())
-        probs = torch.softmax(scores / p.temperature, dim=-1).cpu()
+        logprobs = torch.log_softmax(scores, dim=-1) if p.logprobs else None
+        if self._repetition or self._additive:
+            scores = self._penalize(scores)
+        if self.greedy:
+            token = int(torch.argmax(scores).item())
+        else:
+            token = self._sample(scores)
+        if logprobs is not None:
+            self._pending = self._record(logprobs, token)
+        return token
+
+    def _sample(self, scores: torch.Tensor) -> int:
+        p = self.params
+        scaled = scores / p.temperature
+        if 0 < p.top_k < scaled.shape[-1]:
+            kth = torch.topk(scaled, p.top_k).values[-1]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1).cpu()
         if p.top_p < 1.0:
             sorted_p, idx = torch.sort(probs, descending=True)
             keep = torch.cumsum(sorted_p, 0) - sorted_p < p.top_p
@@ -56,6 +117,103 @@ class TokenSampler:
             return int(idx[choice].item())
         return int(torch.multinomial(probs, 1, generator=self._gen).item())
 
+    def _penalize(self, scores: torch.Tensor) -> torch.Tensor:
+        """The penalized logits (a new tensor): repetition over prompt + answer, then frequency and presence over
+        the answer's counts (see the module docstring)."""
+        p = self.params
+        if self._counts is None:
+            self._counts = torch.zeros(scores.shape[-1], dtype=torch.float32, device=scores.device)
+            if self._repetition:
+                self._seen = torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device)
+                ids = [t for t in self._prompt_ids if 0 <= t < scores.shape[-1]]
+                if ids:
+                    self._seen[torch.tensor(ids, dtype=torch.long, device=scores.device)] = True
+        if self._repetition:
+            r = p.repetition_penalty
+            scores = torch.where(self._seen, torch.where(scores > 0, scores / r, scores * r), scores)
+        if self._additive:
+            counts = self._counts
+            scores = scores - (counts * p.frequency_penalty + (counts > 0).float() * p.presence_penalty)
+        return scores
+
+    def _record(self, logprobs: torch.Tensor, token: int) -> RawLogprob:
+        k = min(self.params.top_logprobs, logprobs.shape[-1])
+        if k:
+            values, ids = torch.topk(logprobs, k)
+            return RawLogprob(token, float(logprobs[token].item()), tuple(ids.tolist()), tuple(values.tolist()))
+        return RawLogprob(token, float(logprobs[token].item()))
+
     def accept(self, token_id: int) -> None:
         if self.constraint is not None:
             self.constraint.accept(token_id)
+        if self._counts is not None and 0 <= token_id < self._counts.shape[-1]:
+            self._counts[token_id] += 1
+            if self._seen is not None:
+                self._seen[token_id] = True
+        if self._pending is not None:
+            self.logprobs.append(self._pending)
+            self._pending = None
+
+
+class TokenTexts:
+    """Token id -> (text, bytes) for logprobs, cached: a byte-level BPE token's exact bytes (through the GPT-2
+    byte alphabet), a SentencePiece byte-fallback token ``<0xHH>``'s byte, else the UTF-8 of its decode. ``text``
+    is those bytes decoded (an incomplete character as U+FFFD). An id past the tokenizer's vocabulary (padding
+    rows of the embedding) is ``""`` with no bytes."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, tuple[int, ...]]] = {}
+        self._byte_level = _is_byte_level(tokenizer)
+        self._byte_decoder = {ch: b for b, ch in _bytes_to_unicode().items()} if self._byte_level else {}
+
+    def text_and_bytes(self, token_id: int) -> tuple[str, tuple[int, ...]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            hit = self._cache[token_id] = self._compute(token_id)
+        return hit
+
+    def _compute(self, token_id: int) -> tuple[str, tuple[int, ...]]:
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if piece is None:
+            return "", ()
+        special = piece in getattr(self.tokenizer, "all_special_tokens", ()) or piece in getattr(
+            self.tokenizer, "added_tokens_encoder", {})
+        if not special:
+            if self._byte_level and all(ch in self._byte_decoder for ch in piece):
+                raw = bytes(self._byte_decoder[ch] for ch in piece)
+                return raw.decode("utf-8", errors="replace"), tuple(raw)
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    raw = bytes([int(piece[3:5], 16)])
+                    return raw.decode("utf-8", errors="replace"), tuple(raw)
+                except ValueError:
+                    pass
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return text, tuple(text.encode("utf-8"))
+
+    def describe(self, raw: RawLogprob) -> TokenLogprob:
+        """The OpenAI-shaped entry of ``raw``."""
+        text, data = self.text_and_bytes(raw.token_id)
+        top = tuple(TopLogprob(i, *self.text_and_bytes(i), lp) for i, lp in zip(raw.top_ids, raw.top_logprobs))
+        return TokenLogprob(raw.token_id, text, data, raw.logprob, top)
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    return decoder is not None and "ByteLevel" in repr(decoder)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (the alphabet byte-level BPE vocabularies are written in)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}

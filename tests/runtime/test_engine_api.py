@@ -286,8 +286,8 @@ def test_sampling_params_validation():
     assert base.stop == ("a",) and SamplingParams.from_kwargs(base, temperature=None, seed=4) == \
         SamplingParams(7, 0.5, 0.9, ("a",), 4)
     assert SamplingParams.from_kwargs(base) is base
-    with pytest.raises(TypeError, match=r"\['bogus', 'top_k'\].*max_new_tokens"):
-        SamplingParams.from_kwargs(bogus=1, top_k=3, temperature=0.2)
+    with pytest.raises(TypeError, match=r"\['bogus', 'min_p'\].*max_new_tokens"):
+        SamplingParams.from_kwargs(bogus=1, min_p=0.1, temperature=0.2)
     with pytest.raises(InvalidRequestError, match="disagree"):
         SamplingParams.from_kwargs(max_tokens=3, max_new_tokens=4)
     for bad, match in [(dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=True), "max_new_tokens"),
@@ -316,7 +316,7 @@ def test_prompt_kinds_and_submit_reject_bad_input(tiny, tmp_path):
         with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['bogus'\]"):
             eng.stream("q", bogus=1)
         with pytest.raises(TypeError):
-            asyncio.run(eng.agenerate("q", top_k=3))
+            asyncio.run(eng.agenerate("q", min_p=0.1))
         assert eng.stats().requests["requests_finished"] == 0 and eng.scheduler.depth == 0
 
 
