@@ -80,7 +80,7 @@ class RatioTarget:
 # ------------------------------------------------------------------------------------ pcr-rag serve
 
 #: mean TTFT through `pcr-rag serve` over a local engine's, same requests, one run
-#: (`python -m pcr_rag.bench.server_overhead`).
+#: (`python benchmarks/server_overhead.py`).
 SERVER_TTFT_OVERHEAD_MAX = 1.1
 #: mean inter-token latency through the server over a local engine's (same run).
 SERVER_ITL_OVERHEAD_MAX = 1.1

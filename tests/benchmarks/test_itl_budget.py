@@ -1,11 +1,11 @@
-"""The ITL budget bench: runs every budget per trial and restores the engine's own budget (tiny model)."""
+"""benchmarks/itl_budget.py: runs every budget per trial and restores the engine's own budget (tiny model)."""
 
 from __future__ import annotations
 
 import pytest
 
+from benchmarks.itl_budget import BudgetTrial, measure_itl_budget, summarize
 from pcr_rag import ConfigError, EngineConfig, PCREngine
-from pcr_rag.bench.itl_budget import BudgetTrial, measure_itl_budget, summarize
 from pcr_rag.testing import tiny_model
 
 PASSAGES = [f"Passage {i} says that the river number {i} flows north through the valley of stones. " * 6

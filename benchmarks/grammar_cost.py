@@ -7,7 +7,7 @@ switched off for the run so that no row leaves early. Reported: the mean step ti
 ``constrained / plain - 1``, and the time spent inside the grammar (mask + advance, summed over the rows of a
 step) as a fraction of the plain step.
 
-Run: ``python -m pcr_rag.bench.grammar_cost`` (default model, 8 rows) or call `measure_grammar_cost`.
+Run: ``python benchmarks/grammar_cost.py`` (default model, 8 rows) or call `measure_grammar_cost`.
 """
 
 from __future__ import annotations
@@ -86,11 +86,12 @@ class _StepTimer:
         executor = engine.executor
         decode = executor._decode
 
-        def timed_decode(decoding: list) -> None:
+        def timed_decode(decoding: list) -> bool:
             t0 = time.perf_counter()
-            decode(decoding)
+            moved = decode(decoding)  # the executor reads it: False = no row moved (a stuck row fails)
             if len(decoding) == self.rows:
                 self.steps.append(time.perf_counter() - t0)
+            return moved
         executor._decode = timed_decode
 
     def wrap_matcher(self) -> Callable[[], None]:

@@ -6,7 +6,7 @@ longest gap between two tokens over its median gap (what the budget bounds) and 
 trial runs each budget once (``budgets``; None = whole prefill steps), in rotated order, each with its own
 passages (timings on a shared machine are noisy; ratios within one trial hold).
 
-Run: ``python -m pcr_rag.bench.itl_budget`` (default model, budgets None, 3 and 4) or call `measure_itl_budget`.
+Run: ``python benchmarks/itl_budget.py`` (default model, budgets None, 3 and 4) or call `measure_itl_budget`.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def summarize(trials: Sequence[BudgetTrial]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pcr_rag.bench.itl_budget", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python benchmarks/itl_budget.py", description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--documents", type=int, default=3, help="passages in the cold prompt")
     parser.add_argument("--budgets", default="none,3,4", help="comma-separated; none = whole prefill steps")

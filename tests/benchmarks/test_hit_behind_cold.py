@@ -1,12 +1,12 @@
-"""The hit-behind-cold bench: every (fraction, schedule) runs once per trial in rotated order, and the engine's
+"""benchmarks/hit_behind_cold.py: every (fraction, schedule) runs once per trial in rotated order, and the engine's
 schedule is restored (tiny model)."""
 
 from __future__ import annotations
 
 import pytest
 
+from benchmarks.hit_behind_cold import HitTrial, measure_hit_behind_cold, summarize
 from pcr_rag import ConfigError, EngineConfig, PCREngine
-from pcr_rag.bench.hit_behind_cold import HitTrial, measure_hit_behind_cold, summarize
 from pcr_rag.testing import tiny_model
 
 PASSAGES = [f"Passage {i} says that the river number {i} flows north through the valley of stones. " * 4

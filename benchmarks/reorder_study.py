@@ -1,8 +1,8 @@
 """Cache-aware document order (`PCREngine.order_for_reuse`) on the stdlib retrieval workload: what it costs and
 what it does to the answers.
 
-    python -m pcr_rag.bench.reorder_study cost      # order_for_reuse time for k = 4..10 documents
-    python -m pcr_rag.bench.reorder_study answers   # relevance vs cache-aware order on the default model
+    python benchmarks/reorder_study.py cost      # order_for_reuse time for k = 4..10 documents
+    python benchmarks/reorder_study.py answers   # relevance vs cache-aware order on the default model
 
 ``cost`` times the walk on a tiny random model with the default model's tokenizer (the walk never runs the
 model): nothing cached (the walk stops at the first position) and a whole k-document chain cached in reverse order
@@ -201,7 +201,7 @@ def measure_answers(*, top_k: int = 4, max_new_tokens: int = 32, tokens_per_pass
 
 # ---------------------------------------------------------------------------------------------------- CLI
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m pcr_rag.bench.reorder_study", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python benchmarks/reorder_study.py", description=__doc__.split("\n")[0])
     parser.add_argument("what", choices=("cost", "answers"))
     parser.add_argument("--top-k", type=int, default=4, help="passages per question (answers)")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="answer length cap (answers)")

@@ -1,7 +1,7 @@
 """Server overhead: TTFT and inter-token latency through `pcr-rag serve` against a local engine, same requests.
 
-    python -m pcr_rag.bench.server_overhead                  # the default model
-    python -m pcr_rag.bench.server_overhead --tiny --rounds 3
+    python benchmarks/server_overhead.py                  # the default model
+    python benchmarks/server_overhead.py --tiny --rounds 3
 
 One run: a server subprocess and a local `PCREngine` built from the same `ServerEngineOptions` (so the same
 weights, dtype, chunk size and rows) get the same request sequence - RAG chat requests over ``--topics`` document
@@ -150,7 +150,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pcr_rag.bench.server_overhead",
+    parser = argparse.ArgumentParser(prog="python benchmarks/server_overhead.py",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="alias or HF dir (default: the default model)")
     parser.add_argument("--tiny", action="store_true", help="a tiny random model instead")

@@ -9,7 +9,7 @@ the whole cold prompt; under ``cache-aware`` it should not, wherever it arrives 
 prefill's own steps count as waiting only against requests that were already there). The schedule is switched on
 the running engine (its scheduler's and executor's), and restored after.
 
-Run: ``python -m pcr_rag.bench.hit_behind_cold`` (default model, one torch thread as in the serving bench) or call
+Run: ``python benchmarks/hit_behind_cold.py`` (default model, one torch thread as in the serving bench) or call
 `measure_hit_behind_cold`.
 """
 
@@ -122,7 +122,7 @@ def summarize(trials: Sequence[HitTrial]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pcr_rag.bench.hit_behind_cold",
+    parser = argparse.ArgumentParser(prog="python benchmarks/hit_behind_cold.py",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--fractions", default="0.1,0.6,0.8", help="comma-separated arrival points in [0, 1)")
