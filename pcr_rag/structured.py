@@ -15,7 +15,10 @@ JSON object ``{"name": "<tool name>", "arguments": {...}}`` whose arguments matc
   renders ``tool_calls`` and ``tool`` messages itself (`template_renders_tool_calls`), they are passed in the
   Hugging Face message format; otherwise a call is the assistant's content in the format above and a result is a
   user turn ``Result of <tool> (call <id>): <content>``.
-- `parse_tool_call`: the call in a finished answer, None for plain text.
+- `with_tools`: a conversation prepared for tools (the instruction added, the answer's grammar), the one step the
+  LangChain model and the OpenAI-compatible server share so both send the engine the same prompt and grammar.
+- `parse_tool_call`: the call in a finished answer, None for plain text; `scan_tool_call`: the call's name and the
+  span of its arguments' JSON text in a finished or unfinished answer (what a stream sends as argument deltas).
 
 Object schemas are closed (``additionalProperties: false`` where a schema leaves it open), as in OpenAI's strict
 mode, so the model cannot invent keys.
@@ -37,6 +40,7 @@ from pcr_rag.runtime.grammar import JSON_OPTIONS, ResponseFormat
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "CallScan",
     "ToolCall",
     "ToolSpec",
     "add_instruction",
@@ -44,12 +48,14 @@ __all__ = [
     "new_call_id",
     "normalize_tool_choice",
     "parse_tool_call",
+    "scan_tool_call",
     "schema_instruction",
     "template_renders_tool_calls",
     "tool_call_format",
     "tool_call_text",
     "tool_history_turns",
     "tools_instruction",
+    "with_tools",
 ]
 
 AUTO, ANY, NONE = "auto", "any", "none"
@@ -215,6 +221,15 @@ def add_instruction(turns: list[dict[str, Any]], text: str, tokenizer: Any) -> l
     return [*head, {**last, "content": f"{last['content']}\n\n{text}"}]
 
 
+def with_tools(turns: list[dict[str, Any]], tools: Sequence[ToolSpec], choice: str,
+               tokenizer: Any) -> tuple[list[dict[str, Any]], ResponseFormat | None]:
+    """``turns`` with the tools' instruction after the conversation (`add_instruction`) and the answer's grammar
+    under ``choice`` (`tool_call_format`; None for "none"). No tools: ``turns`` unchanged and no grammar."""
+    if not tools:
+        return turns, None
+    return add_instruction(turns, tools_instruction(tools, choice), tokenizer), tool_call_format(tools, choice)
+
+
 # ---------------------------------------------------------------------------------------------------- templates
 def _render(tokenizer: Any, messages: list[dict[str, Any]]) -> str | None:
     try:
@@ -270,3 +285,66 @@ def parse_tool_call(text: str, tools: Sequence[ToolSpec]) -> ToolCall | None:
     if not isinstance(obj, dict) or obj.get("name") not in names or not isinstance(obj.get("arguments"), dict):
         raise ValueError(f"not a call of a bound tool: {body[:200]}")
     return ToolCall(obj["name"], obj["arguments"], new_call_id())
+
+
+_DECODER = json.JSONDecoder()
+
+
+@dataclass(frozen=True)
+class CallScan:
+    """What `scan_tool_call` found in an answer that starts a call: the tool's name once its string is complete,
+    where the arguments' JSON text starts once its key is written, and where it ends once the value is complete
+    (offsets into the scanned text); ``complete``: the call object is closed."""
+
+    name: str | None = None
+    args_start: int | None = None
+    args_end: int | None = None
+    complete: bool = False
+
+
+def _skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\n\r":
+        i += 1
+    return i
+
+
+def scan_tool_call(text: str) -> CallScan | None:
+    """The top-level keys of a call object ``{"name": ..., "arguments": {...}}`` in ``text``, finished or not; None
+    when ``text`` does not start (after whitespace) with ``{``. Values are read whole with the JSON decoder, so a
+    name or an arguments object is reported only once complete; the arguments' start is known as soon as their
+    key and colon are written (a stream sends the text from there as it grows)."""
+    i = _skip_ws(text, 0)
+    if i >= len(text) or text[i] != "{":
+        return None
+    i += 1
+    name: str | None = None
+    args_start: int | None = None
+    args_end: int | None = None
+    while True:
+        i = _skip_ws(text, i)
+        if i >= len(text):
+            break
+        if text[i] == "}":
+            return CallScan(name, args_start, args_end, complete=True)
+        if text[i] == ",":
+            i += 1
+            continue
+        try:
+            key, i = _DECODER.raw_decode(text, i)
+        except ValueError:
+            break
+        i = _skip_ws(text, i)
+        if i >= len(text) or text[i] != ":" or not isinstance(key, str):
+            break
+        i = _skip_ws(text, i + 1)
+        if key == "arguments" and i < len(text):
+            args_start = i
+        try:
+            value, i = _DECODER.raw_decode(text, i)
+        except ValueError:
+            break
+        if key == "name" and isinstance(value, str):
+            name = value
+        elif key == "arguments" and isinstance(value, dict):
+            args_end = i
+    return CallScan(name, args_start, args_end)

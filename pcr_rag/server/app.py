@@ -43,7 +43,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pcr_rag.engine import PCREngine
 from pcr_rag.errors import EngineClosedError, RequestCancelledError
-from pcr_rag.requests import GenerationResult, RequestHandle
+from pcr_rag.requests import GenerationResult, RequestHandle, StreamChunk
 from pcr_rag.runtime.announcements import Ticket
 from pcr_rag.server import openapi as api_components
 from pcr_rag.server.auth import Authenticator, MetricsGuard, Tenant
@@ -63,10 +63,12 @@ from pcr_rag.server.schemas import (
     parse_body,
     parse_chat_request,
     parse_completion_request,
+    request_documents,
     usage_body,
 )
 from pcr_rag.server.settings import ServerSettings
 from pcr_rag.server.streaming import DONE, SSEResponse, sse
+from pcr_rag.server.tools import ToolCallStream, answer_message
 
 log = logging.getLogger(__name__)
 
@@ -136,34 +138,42 @@ class ServerState:
                                 f"retrieve fewer or shorter documents", param=param,
                            code="context_length_exceeded")
 
-    def prepare(self, kind: str, raw: bytes, tenant: Tenant) -> tuple[GenerationRequest, RequestHandle]:
-        """Parse, check and submit one generation request (on a request thread: this tokenizes)."""
-        req = parse_chat_request(raw) if kind == "chat" else parse_completion_request(raw)
+    def prepare(self, kind: str, raw: bytes, tenant: Tenant) -> tuple[GenerationRequest, list[RequestHandle]]:
+        """Parse, check and submit one generation request, one engine request per choice (on a request thread:
+        this tokenizes). A choice the engine refuses cancels the choices already submitted."""
+        req = (parse_chat_request(raw, self.engine.tokenizer) if kind == "chat"
+               else parse_completion_request(raw))
         param = "messages" if kind == "chat" else "prompt"
         self.check_accepting()
         self.check_model(req.model)
         self.check_chars(req.prompt_chars, param)
+        handles: list[RequestHandle] = []
         try:
-            handle = self.engine.submit(req.prompt, req.params, namespace=tenant.namespace)
+            for index in range(req.n):
+                handles.append(self.engine.submit(req.prompt, req.choice_params(index), namespace=tenant.namespace))
         except Exception as exc:  # noqa: BLE001 - every pre-compute rejection becomes an API error
+            for handle in handles:
+                handle.close()
             error = from_engine_error(exc)
             if error.code == "context_length_exceeded":
                 error.param = param
             raise error from None
-        return req, handle
+        return req, handles
 
-    def track(self, handle: RequestHandle) -> None:
-        """Track an accepted request until its response ends; one submitted while the server began to drain is
+    def track(self, handles: list[RequestHandle]) -> None:
+        """Track accepted requests until their response ends; ones submitted while the server began to drain are
         cancelled instead (503)."""
         if self.draining:
-            handle.close()
+            for handle in handles:
+                handle.close()
             raise APIError.unavailable("the server is shutting down; retry against another instance")
-        self.inflight.add(handle)
+        self.inflight.update(handles)
 
-    def finished(self, handle: RequestHandle) -> None:
-        """The response is over: cancel the request unless it finished, stop tracking it."""
-        handle.close()
-        self.inflight.discard(handle)
+    def finished(self, handles: list[RequestHandle]) -> None:
+        """The response is over: cancel the requests that did not finish, stop tracking them."""
+        for handle in handles:
+            handle.close()
+            self.inflight.discard(handle)
 
     def observe(self, result: GenerationResult) -> None:
         self.metrics.observe(result)
@@ -297,17 +307,17 @@ def create_app(engine: PCREngine, settings: ServerSettings | None = None, *, own
 
     def do_announce(raw: bytes, who: Tenant) -> tuple[int, Ticket]:
         body = parse_body(raw, AnnounceRequest)
+        docs = request_documents(body.documents, body.scopes)
         state.check_accepting()
         state.check_model(body.model)
-        texts = (*body.documents, body.query or "", body.system or "", body.prefix or "")
+        texts = (*(d.text for d in docs), body.query or "", body.system or "", body.prefix or "")
         state.check_chars(sum(len(t.strip()) for t in texts), "documents")
         try:
-            ticket = engine.announce(body.documents, layout=body.layout, namespace=who.namespace,
-                                     query=body.query, system=body.system, prefix=body.prefix,
-                                     separator=body.separator)
+            ticket = engine.announce(docs, layout=body.layout, namespace=who.namespace, query=body.query,
+                                     system=body.system, prefix=body.prefix, separator=body.separator)
         except Exception as exc:  # noqa: BLE001
             raise from_engine_error(exc) from None
-        return len(body.documents), ticket
+        return len(docs), ticket
 
     @app.post("/v1/pcr/announce", openapi_extra=api_components.body(AnnounceRequest),
               response_model=api_components.Announcement, responses=_errors(400, 401, 404, 408, 413, 500, 503))
@@ -353,62 +363,88 @@ def create_app(engine: PCREngine, settings: ServerSettings | None = None, *, own
 
     # ------------------------------------------------------------------------------------------ generation
     async def respond(request: Request, kind: str, raw: bytes, who: Tenant) -> Response:
-        req, handle = await state.off_loop(state.prepare, kind, raw, who, orphan=lambda r: r[1].close())
-        state.track(handle)
+        def orphan(prepared: tuple[GenerationRequest, list[RequestHandle]]) -> None:
+            for handle in prepared[1]:
+                handle.close()
+
+        req, handles = await state.off_loop(state.prepare, kind, raw, who, orphan=orphan)
+        state.track(handles)
         rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         if req.stream:
-            return SSEResponse(stream_events(handle, req, rid, created), on_close=lambda: state.finished(handle))
+            return SSEResponse(stream_events(handles, req, rid, created), on_close=lambda: state.finished(handles))
         try:
-            result = await result_or_disconnect(request, handle)
+            results = await results_or_disconnect(request, handles)
         except Exception as exc:  # noqa: BLE001 - failed or cancelled while running
             raise _failure(exc) from None
         finally:
-            state.finished(handle)
-        state.observe(result)
-        build = chat_response if req.kind == "chat" else completion_response
-        return JSONResponse(build(rid, created, state.model_name, result, req.return_token_ids))
+            state.finished(handles)
+        for result in results:
+            state.observe(result)
+        if req.kind == "chat":
+            answers = [answer_message(r.text, r.finish_reason, req.tools) for r in results]
+            body = chat_response(rid, created, state.model_name, results, req.return_token_ids, answers)
+        else:
+            body = completion_response(rid, created, state.model_name, results, req.return_token_ids)
+        return JSONResponse(body)
 
-    async def stream_events(handle: RequestHandle, req: GenerationRequest, rid: str,
+    async def stream_events(handles: list[RequestHandle], req: GenerationRequest, rid: str,
                             created: int) -> AsyncIterator[bytes]:
         model = state.model_name
         chat = req.kind == "chat"
         usage_field = {"usage": None} if req.include_usage else {}
+        calls = [ToolCallStream(req.tools) for _ in handles]
 
-        def chunk(text: str, finish: str | None = None, token_ids: list[int] | None = None,
+        def chunk(index: int, text: str, finish: str | None = None, token_ids: list[int] | None = None,
                   delta: dict[str, Any] | None = None) -> bytes:
             if chat:
                 body = chat_chunk(rid, created, model, delta if delta is not None else {"content": text}, finish,
-                                  token_ids)
+                                  token_ids, index=index)
             else:
-                body = completion_chunk(rid, created, model, text, finish, token_ids)
+                body = completion_chunk(rid, created, model, text, finish, token_ids, index=index)
             return sse({**body, **usage_field})
 
         if chat:
-            yield chunk("", delta={"role": "assistant", "content": ""})
-        result: GenerationResult | None = None
+            for index in range(len(handles)):
+                yield chunk(index, "", delta={"role": "assistant", "content": ""})
+        results: list[GenerationResult | None] = [None] * len(handles)
         try:
-            async for piece in handle:
+            async for index, piece in merge_streams(handles):
                 if piece.is_final:
-                    result = piece.result
-                    break
-                if piece.text or req.return_token_ids:
-                    yield chunk(piece.text, token_ids=[piece.token_id] if req.return_token_ids else None)
-        except Exception as exc:  # noqa: BLE001 - the request failed mid-stream: say so in the stream
+                    result = results[index] = piece.result
+                    state.observe(result)
+                    if not chat:
+                        yield chunk(index, "", finish=result.finish_reason)
+                        continue
+                    deltas, finish = calls[index].finish(result.text, result.finish_reason)
+                    for delta in deltas:
+                        yield chunk(index, "", delta=delta)
+                    yield chunk(index, "", finish=finish, delta={})
+                    continue
+                token_ids = [piece.token_id] if req.return_token_ids else None
+                if not chat:
+                    if piece.text or token_ids:
+                        yield chunk(index, piece.text, token_ids=token_ids)
+                    continue
+                deltas = calls[index].feed(piece.text)
+                if not deltas and token_ids:  # one chunk per token: a held call's token gets an empty delta
+                    deltas = [{} if calls[index].calling else {"content": ""}]
+                for i, delta in enumerate(deltas):
+                    yield chunk(index, "", delta=delta, token_ids=token_ids if i == 0 else None)
+        except Exception as exc:  # noqa: BLE001 - a request failed mid-stream: say so in the stream
             error = _failure(exc)
             state.metrics.count_error(error.status)
             yield sse(error.body())
             yield DONE
             return
-        assert result is not None
-        state.observe(result)
-        yield chunk("", finish=result.finish_reason, delta={} if chat else None)
+        done = [r for r in results if r is not None]
+        assert len(done) == len(handles)
         if req.include_usage:
             tail: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                                     "created": created, "model": model, "choices": [],
-                                    "usage": usage_body(result)}
+                                    "usage": usage_body(done)}
             if req.return_token_ids and chat:
-                tail["prompt_token_ids"] = list(result.prompt_token_ids)
+                tail["prompt_token_ids"] = list(done[0].prompt_token_ids)
             yield sse(tail)
         yield DONE
 
@@ -438,23 +474,65 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
-async def result_or_disconnect(request: Request, handle: RequestHandle) -> GenerationResult:
-    """The handle's result; cancels the request (and raises a 499 `APIError`) when the client disconnects first."""
-    result = asyncio.ensure_future(handle.aresult())
+async def results_or_disconnect(request: Request, handles: list[RequestHandle]) -> list[GenerationResult]:
+    """The handles' results, in order; cancels the requests (and raises a 499 `APIError`) when the client
+    disconnects first. The first failure raises; the caller's `ServerState.finished` cancels the others."""
+    results = asyncio.ensure_future(asyncio.gather(*(handle.aresult() for handle in handles)))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
-        done, _ = await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({results, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for task in (gone, result):
+        for task in (gone, results):
             if not task.done():
                 task.cancel()  # aresult cancels the engine request
-        for task in (gone, result):
+        for task in (gone, results):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-    if result not in done:
-        handle.cancel()
+    if results not in done:
+        for handle in handles:
+            handle.cancel()
         raise APIError.client_closed()
-    return result.result()
+    return list(results.result())
+
+
+async def merge_streams(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, StreamChunk]]:
+    """Every handle's pieces as they come, tagged with the handle's index, up to each one's final piece; a failed
+    request raises here. One handle is iterated directly; several by a task each, cancelled (which cancels their
+    engine requests) when the consumer stops or is cancelled."""
+    if len(handles) == 1:
+        async for piece in handles[0]:
+            yield 0, piece
+            if piece.is_final:
+                return
+        raise RuntimeError("the request's stream ended without its result")
+    queue: asyncio.Queue[tuple[int, StreamChunk | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, handle: RequestHandle) -> None:
+        try:
+            async for piece in handle:
+                queue.put_nowait((index, piece, None))
+                if piece.is_final:
+                    return
+            raise RuntimeError("the request's stream ended without its result")
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which answers it
+            queue.put_nowait((index, None, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, handle)) for i, handle in enumerate(handles)]
+    try:
+        remaining = len(handles)
+        while remaining:
+            index, piece, error = await queue.get()
+            if error is not None:
+                raise error
+            assert piece is not None
+            yield index, piece
+            remaining -= piece.is_final
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
 
 async def _disconnected(request: Request) -> None:

@@ -65,9 +65,23 @@ class Usage(_Open):
     pcr: dict[str, Any]
 
 
+class FunctionCallOut(_Open):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(_Open):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
 class ChatMessageOut(_Open):
+    """The answer: ``content`` is null when it is a tool call."""
+
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(_Open):

@@ -10,15 +10,31 @@ OpenAI field names and bounds and are the API's published schema (``/openapi.jso
 before the whole body is valid. The OpenAI sampling names map through `SamplingParams.from_kwargs`
 (``max_tokens`` / ``max_completion_tokens``, ``temperature`` (below ``GREEDY_BELOW``: greedy, as vLLM), ``top_p``,
 ``stop``, ``seed``). Options with no
-equivalent here (``n > 1``, tools, logprobs, penalties, ...) are rejected when set to anything but their neutral
-value; fields this server does not know are accepted and ignored (logged at debug level), as vLLM's models do
-(``extra="allow"``). Chat's ``response_format`` (``text``, ``json_object``, ``json_schema``; also vLLM-style
-``regex`` / ``grammar``) constrains the output with the engine's grammar-constrained decoding
-(`pcr_rag.runtime.grammar`); a schema the grammar library rejects is a 400 naming ``response_format``.
+equivalent here (logprobs, penalties, legacy ``functions``, ...) are rejected when set to anything but their
+neutral value; fields this server does not know are accepted and ignored (logged at debug level), as vLLM's models
+do (``extra="allow"``). ``response_format`` (both endpoints, as vLLM: ``text``, ``json_object``, ``json_schema``;
+also vLLM-style ``regex`` / ``grammar``) constrains the output with the engine's grammar-constrained decoding
+(`pcr_rag.runtime.grammar`), exactly as the engine's own ``response_format`` (no instruction is added to the
+prompt); a schema the grammar library rejects is a 400 naming ``response_format``.
+
+``n`` (1 to ``MAX_CHOICES``): n independent requests of the same prompt; choice ``i`` samples with the seed
+``seed + i`` (wrapped into the signed 64-bit range), so it equals a single request sent with that seed, whoever else
+is decoding; without a seed every choice draws a fresh one.
+
+Tools (chat): ``tools``, ``tool_choice`` (``auto``, ``none``, ``required``, or ``{"type": "function", "function":
+{"name": ...}}``) and ``parallel_tool_calls`` run exactly as the LangChain model `ChatPCR` runs them
+(`pcr_rag.structured.with_tools`): the tools' instruction after the conversation and the answer constrained by a
+grammar to one call (or, under ``auto``, a call or plain text). An answer holds at most one call whatever
+``parallel_tool_calls`` says. History turns (assistant ``tool_calls``, ``tool`` results) render as
+`pcr_rag.structured.tool_history_turns` does, natively when the chat template renders tool calls itself.
 
 Extensions (OpenAI clients send them through ``extra_body``):
-- ``documents: [str, ...]``: the retrieved documents, each found verbatim in the messages/prompt and cached as its
-  own token run (`ChatPrompt` / `FlatPrompt`, as the engine's ``generate_messages`` / ``generate_prompt``);
+- ``documents: [str | {"text": str, "scope": "shared" | "private" | null}, ...]``: the retrieved documents, each
+  found verbatim in the messages/prompt and cached as its own token run (`ChatPrompt` / `FlatPrompt`, as the
+  engine's ``generate_messages`` / ``generate_prompt``); ``scope`` is the document's sharing scope (`pcr_rag.Doc`:
+  a tenant's request reuses another tenant's KV only up to its first document not marked "shared");
+- ``scopes: ["shared" | "private" | null, ...]``: the scopes as a list parallel to ``documents`` (an object's own
+  scope must agree with its entry);
 - ``return_token_ids: bool``: the choices carry ``token_ids`` (and ``prompt_token_ids``), as vLLM's extension; a
   stream then sends one chunk per generated token, text or not;
 - completions only: ``chat_template: bool`` (default False: the prompt is continued as raw text, as OpenAI's
@@ -30,16 +46,30 @@ included) and ``usage.pcr``: the request's reuse by tier and its TTFT, queue and
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pcr_rag.errors import InvalidRequestError
+from pcr_rag.prompt import Doc, split_documents
 from pcr_rag.requests import ChatPrompt, FlatPrompt, GenerationResult, SamplingParams
 from pcr_rag.runtime.grammar import ResponseFormat
 from pcr_rag.server.errors import APIError
+from pcr_rag.server.tools import AnswerMessage
+from pcr_rag.structured import (
+    NONE,
+    ToolCall,
+    ToolSpec,
+    normalize_tool_choice,
+    template_renders_tool_calls,
+    tool_history_turns,
+    with_tools,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +78,7 @@ __all__ = [
     "ChatCompletionRequest",
     "CompletionRequest",
     "GenerationRequest",
+    "MAX_CHOICES",
     "TokenizeRequest",
     "chat_chunk",
     "chat_response",
@@ -63,22 +94,23 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # the sampler's seed is a signed 64-bi
 # temperatures below this sample greedily (vLLM's convention): dividing fp32 logits by a vanishing temperature
 # overflows them to inf and the sampler's probabilities to NaN
 GREEDY_BELOW = 1e-5
+# choices per request at most: each is a request of its own in the engine's queue, so one body cannot fill it
+MAX_CHOICES = 8
 
 _CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_TURN_ROLES = frozenset({*_CHAT_ROLES, "tool"})
 
 # OpenAI options this server cannot honour, and the values that mean "off" (accepted silently).
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"),
     "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "audio": (None,),
     "modalities": (None, ["text"]), "prediction": (None,), "best_of": (None, 1), "echo": (None, False),
     "suffix": (None, ""),
 }
 _WHAT_TO_DO = {
-    "tools": "tool calling is not supported; remove 'tools' and describe the task in the messages",
-    "functions": "function calling is not supported; remove 'functions'",
-    "tool_choice": "tool calling is not supported; remove 'tool_choice'",
-    "function_call": "function calling is not supported; remove 'function_call'",
+    "functions": "legacy function calling is not supported; send 'tools' instead",
+    "function_call": "legacy function calling is not supported; send 'tool_choice' instead",
     "logprobs": "log probabilities are not returned by this server; remove 'logprobs'",
     "top_logprobs": "log probabilities are not returned by this server; remove 'top_logprobs'",
     "logit_bias": "logit_bias is not supported; remove it",
@@ -92,7 +124,7 @@ _WHAT_TO_DO = {
     "suffix": "suffix (insertion) is not supported; remove it",
 }
 # fields whose errors name the element inside them (messages[2].content); others name the top-level field
-_DEEP_PARAMS = ("messages", "stream_options")
+_DEEP_PARAMS = ("messages", "stream_options", "tools", "tool_choice")
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -107,16 +139,65 @@ def _documents(value: Any) -> Any:
     if value is None:
         return None
     if not isinstance(value, list):
-        raise ValueError(f"'documents' must be a list of strings, got {_json_type(value)}")
+        raise ValueError(f"'documents' must be a list of strings or {{'text', 'scope'}} objects, got "
+                         f"{_json_type(value)}")
     for i, doc in enumerate(value):
-        if not isinstance(doc, str):
-            raise ValueError(f"documents[{i}] is {_json_type(doc)}, not a string; send each document's text")
+        if not isinstance(doc, (str, dict)):
+            raise ValueError(f"documents[{i}] is {_json_type(doc)}; send each document's text, or "
+                             f"{{'text': ..., 'scope': 'shared' | 'private' | null}}")
     return value
 
 
-Documents = Annotated[list[str] | None, Field(
-    None, description="pcr extension: the retrieved documents, each found verbatim in the prompt and cached as its "
-                      "own token run")]
+Scope = Literal["shared", "private"] | None
+
+
+class DocumentIn(_Body):
+    """A retrieved document with its sharing scope (`pcr_rag.Doc`); null: the request's default (private for a
+    tenant's request)."""
+
+    text: str
+    scope: Scope = None
+
+
+Documents = Annotated[list[str | DocumentIn] | None, Field(
+    None, description="pcr extension: the retrieved documents (a text, or {text, scope}), each found verbatim in the "
+                      "prompt and cached as its own token run")]
+Scopes = Annotated[list[Scope] | None, Field(
+    None, description="pcr extension: one sharing scope per document ('shared', 'private' or null)")]
+
+
+class ToolCallFunction(_Body):
+    name: str
+    arguments: str = Field(description="the call's arguments: a JSON object as text")
+
+
+class ToolCallIn(_Body):
+    """An assistant's earlier tool call, as the API returned it."""
+
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
+class FunctionDef(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="as OpenAI: letters, digits, _ and -, 64 at most")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="the arguments' JSON schema (an object schema)")
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class TextPart(_Body):
@@ -127,11 +208,15 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    """One turn: ``developer`` counts as ``system``; tool and function turns are not supported."""
+    """One turn: ``developer`` counts as ``system``; an assistant turn may carry ``tool_calls`` (its content may
+    then be null), a ``tool`` turn is a call's result (``tool_call_id`` names the call); legacy ``function`` turns
+    are not supported."""
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -141,15 +226,19 @@ class ChatMessage(_Body):
         role = value.get("role")
         if not isinstance(role, str):
             raise ValueError(f"role must be one of {sorted(_CHAT_ROLES)}, got {_json_type(role)}")
-        if role in ("tool", "function"):
-            raise ValueError(f"role {role!r}: tool calling is not supported; send the tool's output as a user "
-                             f"message")
-        if role not in _CHAT_ROLES:
-            raise ValueError(f"role must be one of {sorted(_CHAT_ROLES)}, got {_short(role)}")
-        if value.get("tool_calls"):
-            raise ValueError("tool_calls are not supported")
+        if role == "function":
+            raise ValueError("role 'function' (legacy function calling) is not supported; send the result as a "
+                             "'tool' message with its 'tool_call_id'")
+        if role not in _TURN_ROLES:
+            raise ValueError(f"role must be one of {sorted(_TURN_ROLES)}, got {_short(role)}")
+        if value.get("tool_calls") is not None and role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not {role!r} ones")
+        if role == "tool" and not isinstance(value.get("tool_call_id"), str):
+            raise ValueError("a 'tool' message needs the 'tool_call_id' (a string) of the call it answers")
         content = value.get("content")
-        if isinstance(content, list):
+        if content is None and role == "assistant" and value.get("tool_calls"):
+            pass  # a call without text
+        elif isinstance(content, list):
             for part in content:
                 if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"),
                                                                                               str)):
@@ -161,6 +250,8 @@ class ChatMessage(_Body):
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
@@ -173,12 +264,14 @@ class _Generation(_Body):
 
     model: str = Field(min_length=1, description="the id GET /v1/models lists")
     documents: Documents = None
+    scopes: Scopes = None
     max_tokens: int | None = Field(None, ge=1, description="new tokens at most (default: the server's)")
     temperature: float | None = Field(None, ge=0, le=2, description=f"0 (or below {GREEDY_BELOW}) = greedy")
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, description="sampling seed (signed 64-bit)")
-    n: int | None = Field(None, ge=1, description="choices per request: only 1 is supported")
+    n: int | None = Field(None, ge=1, description=f"choices per request (at most {MAX_CHOICES}); choice i samples with "
+                                                  f"seed + i")
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = Field(None, description="vLLM extension: the choices carry token ids")
@@ -187,29 +280,13 @@ class _Generation(_Body):
     logprobs: bool | int | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    response_format: dict[str, Any] | None = Field(
+        None, description="{'type': 'text' | 'json_object' | 'json_schema' | 'regex' | 'grammar', ...}")
 
     @field_validator("documents", mode="before")
     @classmethod
     def _document_texts(cls, value: Any) -> Any:
         return _documents(value)
-
-
-class ChatCompletionRequest(_Generation):
-    """``POST /v1/chat/completions``."""
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    response_format: dict[str, Any] | None = Field(
-        None, description="{'type': 'text' | 'json_object' | 'json_schema' | 'regex' | 'grammar', ...}")
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0)
-    tools: list[dict[str, Any]] | None = None
-    functions: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    function_call: str | dict[str, Any] | None = None
-    audio: dict[str, Any] | None = None
-    modalities: list[str] | None = None
-    prediction: dict[str, Any] | None = None
 
     @field_validator("response_format", mode="before")
     @classmethod
@@ -218,6 +295,23 @@ class ChatCompletionRequest(_Generation):
             raise ValueError("'response_format' must be an object such as {'type': 'json_object'} or "
                              "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}")
         return value
+
+
+class ChatCompletionRequest(_Generation):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0)
+    tools: list[Tool] | None = Field(None, description="functions the model may call (one call per answer)")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = Field(None, description="accepted; an answer holds at most one call")
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -252,7 +346,9 @@ class CompletionRequest(_Generation):
 class AnnounceRequest(_Body):
     """``POST /v1/pcr/announce``: a retrieval's documents, before the LLM call that uses them."""
 
-    documents: list[str] = Field(min_length=1, description="the retrieved documents, in prompt order")
+    documents: list[str | DocumentIn] = Field(min_length=1, description="the retrieved documents (a text, or "
+                                                                       "{text, scope}), in prompt order")
+    scopes: Scopes = None
     model: str | None = None
     query: str | None = None
     system: str | None = None
@@ -290,6 +386,16 @@ class GenerationRequest:
     include_usage: bool
     return_token_ids: bool
     prompt_chars: int = 0
+    n: int = 1
+    tools: tuple[ToolSpec, ...] = ()  # what an answer may call (empty: plain text, e.g. tool_choice "none")
+
+    def choice_params(self, index: int) -> SamplingParams:
+        """Choice ``index``'s sampling: the request's, with the seed ``seed + index`` wrapped into the signed
+        64-bit range (vLLM's rule); without a seed each choice draws a fresh one."""
+        seed = self.params.seed
+        if seed is None or index == 0:
+            return self.params
+        return dataclasses.replace(self.params, seed=(seed + index - SEED_MIN) % 2**64 + SEED_MIN)
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -308,19 +414,31 @@ def parse_body(raw: bytes, model: type[M]) -> M:
     return parsed
 
 
-def parse_chat_request(raw: bytes) -> GenerationRequest:
-    """A `/v1/chat/completions` body -> `GenerationRequest`; `APIError` (400) on anything invalid."""
+def parse_chat_request(raw: bytes, tokenizer: Any) -> GenerationRequest:
+    """A `/v1/chat/completions` body -> `GenerationRequest`; `APIError` (400) on anything invalid. ``tokenizer``:
+    the engine's (its chat template decides how tool turns and the tools' instruction are rendered)."""
     body = parse_body(raw, ChatCompletionRequest)
     _check_unsupported(body, ChatCompletionRequest)
     max_tokens = _max_tokens(body, "max_tokens", "max_completion_tokens")
     response_format = _response_format(body.response_format)
-    turns = [{"role": _CHAT_ROLES[m.role], "content": m.text} for m in body.messages]
+    docs = request_documents(body.documents, body.scopes)
+    turns = chat_turns(body.messages, tokenizer)
+    if not any(t["content"].strip() for t in turns):
+        raise APIError.bad_request("all messages are empty; send a non-empty question", param="messages")
+    tools, choice = _tools(body)
+    if tools and response_format is not None:
+        raise APIError.bad_request("send either 'tools' or 'response_format', not both", param="response_format")
+    try:
+        turns, tool_format = with_tools(turns, tools, choice, tokenizer)
+    except InvalidRequestError as exc:  # a parameters schema the grammar library rejects
+        raise APIError.bad_request(f"tools: {exc}", param="tools") from None
     chars = sum(len(t["content"].strip()) for t in turns)
     try:
-        prompt = ChatPrompt(tuple(turns), tuple(body.documents or ()))
+        prompt = ChatPrompt(tuple(turns), docs)
     except InvalidRequestError as exc:
         raise APIError.bad_request(str(exc), param="messages") from None
-    return _request("chat", body, prompt, max_tokens, chars, response_format)
+    callable_tools = tools if choice != NONE else ()
+    return _request("chat", body, prompt, max_tokens, chars, tool_format or response_format, callable_tools)
 
 
 def parse_completion_request(raw: bytes) -> GenerationRequest:
@@ -333,19 +451,94 @@ def parse_completion_request(raw: bytes) -> GenerationRequest:
         raise APIError.bad_request("'system' needs 'chat_template': true (a raw prompt has no system turn); "
                                    "put the system text into the prompt instead", param="system")
     max_tokens = _max_tokens(body, "max_tokens")
+    response_format = _response_format(body.response_format)
+    docs = request_documents(body.documents, body.scopes)
     chars = len(text.strip()) + len((body.system or "").strip())
     try:
-        prompt = FlatPrompt(text, tuple(body.documents or ()), chat, body.system)
+        prompt = FlatPrompt(text, docs, chat, body.system)
     except InvalidRequestError as exc:
         raise APIError.bad_request(str(exc), param="prompt") from None
-    return _request("completion", body, prompt, max_tokens, chars)
+    return _request("completion", body, prompt, max_tokens, chars, response_format)
+
+
+def request_documents(documents: list[str | DocumentIn] | None, scopes: list[str | None] | None) -> tuple[Doc, ...]:
+    """The body's ``documents`` (texts or ``{text, scope}`` objects) and ``scopes`` as `pcr_rag.Doc`; a 400 naming
+    ``scopes`` when the list does not fit the documents or disagrees with an object's own scope."""
+    given = [d if isinstance(d, str) else Doc(d.text, d.scope) for d in documents or ()]
+    if scopes is not None and documents is None:
+        raise APIError.bad_request("'scopes' without 'documents': send one scope per document", param="scopes")
+    try:
+        texts, found = split_documents(given, scopes)
+    except InvalidRequestError as exc:
+        raise APIError.bad_request(str(exc), param="scopes" if scopes is not None else "documents") from None
+    return tuple(Doc(text, scope) for text, scope in zip(texts, found))
+
+
+def chat_turns(messages: list[ChatMessage], tokenizer: Any) -> list[dict[str, Any]]:
+    """The messages as chat-template turns, rendered as the LangChain model renders the same history
+    (``to_chat_turns``): assistant tool calls and tool results through `tool_history_turns`, natively when the
+    conversation has tool turns and the template renders them itself; a result without a ``name`` takes the name
+    of the call its ``tool_call_id`` names."""
+    has_tool_turns = any(m.role == "tool" or m.tool_calls for m in messages)
+    native = has_tool_turns and template_renders_tool_calls(tokenizer)
+    names: dict[str, str] = {}
+    turns: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if m.role == "assistant" and m.tool_calls:
+            calls = [ToolCall(c.function.name, _arguments(c.function.arguments, i, j), c.id)
+                     for j, c in enumerate(m.tool_calls)]
+            names.update((c.id, c.name) for c in calls)
+            turns.append(tool_history_turns("assistant", m.text, tool_calls=calls, native=native))
+        elif m.role == "tool":
+            turns.append(tool_history_turns("tool", m.text, tool_name=m.name or names.get(m.tool_call_id or ""),
+                                            tool_call_id=m.tool_call_id, native=native))
+        else:
+            turns.append({"role": _CHAT_ROLES[m.role], "content": m.text})
+    return turns
+
+
+def _arguments(text: str, message: int, call: int) -> dict[str, Any]:
+    """A history call's arguments (JSON text) as the dict the template and the call format render."""
+    param = f"messages[{message}].tool_calls[{call}].function.arguments"
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        raise APIError.bad_request(f"{param} is not valid JSON; send the call's arguments as a JSON object's text",
+                                   param=param) from None
+    if not isinstance(value, dict):
+        raise APIError.bad_request(f"{param} must be a JSON object's text, got {_json_type(value)}", param=param)
+    return value
+
+
+def _tools(body: ChatCompletionRequest) -> tuple[tuple[ToolSpec, ...], str]:
+    """The request's tools and its normalized tool choice (`normalize_tool_choice`: "auto", "any", "none" or a
+    tool's name); 400 naming ``tools`` / ``tool_choice``."""
+    try:
+        tools = tuple(ToolSpec.from_openai(t.model_dump()) for t in body.tools or ())
+    except InvalidRequestError as exc:
+        raise APIError.bad_request(f"tools: {exc}", param="tools") from None
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise APIError.bad_request(f"tools: two tools share a name ({', '.join(names)}); give each its own",
+                                   param="tools")
+    raw = body.tool_choice
+    if isinstance(raw, NamedToolChoice):
+        raw = raw.model_dump()
+    if not tools and raw not in (None, "auto", "none"):
+        raise APIError.bad_request(f"tool_choice={_short(raw)} needs 'tools'", param="tool_choice")
+    try:
+        return tools, normalize_tool_choice(raw, names)
+    except InvalidRequestError as exc:
+        raise APIError.bad_request(str(exc), param="tool_choice") from None
 
 
 def _request(kind: Literal["chat", "completion"], body: _Generation, prompt: ChatPrompt | FlatPrompt,
-             max_tokens: int | None, chars: int, response_format: ResponseFormat | None = None) -> GenerationRequest:
-    if body.n is not None and body.n != 1:
-        raise APIError.bad_request(f"n={body.n!r} is not supported: this server returns one choice per request; "
-                                   f"send {body.n} requests (with different seeds when sampling)", param="n")
+             max_tokens: int | None, chars: int, response_format: ResponseFormat | None = None,
+             tools: tuple[ToolSpec, ...] = ()) -> GenerationRequest:
+    n = 1 if body.n is None else body.n
+    if n > MAX_CHOICES:
+        raise APIError.bad_request(f"n={n} is more than this server's {MAX_CHOICES} choices per request; send "
+                                   f"several requests (with different seeds when sampling)", param="n")
     stream = bool(body.stream)
     include_usage = False
     if body.stream_options is not None:
@@ -366,7 +559,7 @@ def _request(kind: Literal["chat", "completion"], body: _Generation, prompt: Cha
         raise APIError.bad_request(str(exc)) from None
     return GenerationRequest(kind=kind, model=body.model, prompt=prompt, params=params, stream=stream,
                              include_usage=include_usage, return_token_ids=bool(body.return_token_ids),
-                             prompt_chars=chars)
+                             prompt_chars=chars, n=n, tools=tools)
 
 
 def _max_tokens(body: _Generation, *names: str) -> int | None:
@@ -387,7 +580,7 @@ def _check_unsupported(body: _Generation, model: type[_Generation]) -> None:
 
 
 def _response_format(fmt: dict[str, Any] | None) -> ResponseFormat | None:
-    """Chat's ``response_format`` -> the engine's `ResponseFormat` (None: free text); a 400 on what the grammar
+    """The ``response_format`` -> the engine's `ResponseFormat` (None: free text); a 400 on what the grammar
     library rejects, before any compute."""
     if fmt is None or fmt.get("type") == "text":
         return None
@@ -435,7 +628,8 @@ def _param(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-_FIELD_NAMES = frozenset(name for m in (ChatMessage, TextPart, StreamOptions) for name in m.model_fields)
+_FIELD_NAMES = frozenset(name for m in (ChatMessage, TextPart, StreamOptions, ToolCallIn, ToolCallFunction, Tool,
+                                        FunctionDef, NamedToolChoice, FunctionName) for name in m.model_fields)
 
 
 def _short(value: Any, limit: int = 80) -> str:
@@ -451,10 +645,13 @@ def _json_type(value: Any) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ responses
-def usage_body(result: GenerationResult) -> dict[str, Any]:
-    """OpenAI usage plus ``prompt_tokens_details.cached_tokens`` (reused prompt tokens) and the ``pcr`` object."""
-    m = result.metrics
-    completion = len(result.token_ids)
+def usage_body(results: Sequence[GenerationResult]) -> dict[str, Any]:
+    """OpenAI usage plus ``prompt_tokens_details.cached_tokens`` (reused prompt tokens) and the ``pcr`` object, of
+    a request's choices: the prompt counts once (the first choice's prompt and reuse figures, as OpenAI counts
+    it), the completion tokens of every choice are summed."""
+    first = results[0]
+    m = first.metrics
+    completion = sum(len(r.token_ids) for r in results)
     return {
         "prompt_tokens": m.prompt_tokens,
         "completion_tokens": completion,
@@ -471,48 +668,55 @@ def usage_body(result: GenerationResult) -> dict[str, Any]:
             "load_wait_s": m.load_wait_s,
             "e2e_s": m.e2e_s,
             "tpot_s": m.tpot_s,
-            "documents_found": result.documents_found,
+            "documents_found": first.documents_found,
             "prefetch_hit_chunks": m.prefetch_hit_chunks,
             "announcement_claimed": m.announced,
         },
     }
 
 
-def chat_response(rid: str, created: int, model: str, result: GenerationResult,
-                  return_token_ids: bool) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                              "logprobs": None, "finish_reason": result.finish_reason}
+def chat_response(rid: str, created: int, model: str, results: Sequence[GenerationResult], return_token_ids: bool,
+                  answers: Sequence[AnswerMessage]) -> dict[str, Any]:
+    """A chat completion: choice ``i`` is ``results[i]``, its message ``answers[i]`` (text or tool call)."""
+    choices: list[dict[str, Any]] = []
+    for index, (result, answer) in enumerate(zip(results, answers)):
+        choice: dict[str, Any] = {"index": index, "message": answer.message(), "logprobs": None,
+                                  "finish_reason": answer.finish_reason}
+        if return_token_ids:
+            choice["token_ids"] = list(result.token_ids)
+        choices.append(choice)
+    body = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+            "usage": usage_body(results)}
     if return_token_ids:
-        choice["token_ids"] = list(result.token_ids)
-    body = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
-            "usage": usage_body(result)}
-    if return_token_ids:
-        body["prompt_token_ids"] = list(result.prompt_token_ids)
+        body["prompt_token_ids"] = list(results[0].prompt_token_ids)
     return body
 
 
-def completion_response(rid: str, created: int, model: str, result: GenerationResult,
+def completion_response(rid: str, created: int, model: str, results: Sequence[GenerationResult],
                         return_token_ids: bool) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "text": result.text, "logprobs": None,
-                              "finish_reason": result.finish_reason}
-    if return_token_ids:
-        choice["token_ids"] = list(result.token_ids)
-        choice["prompt_token_ids"] = list(result.prompt_token_ids)
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice],
-            "usage": usage_body(result)}
+    choices: list[dict[str, Any]] = []
+    for index, result in enumerate(results):
+        choice: dict[str, Any] = {"index": index, "text": result.text, "logprobs": None,
+                                  "finish_reason": result.finish_reason}
+        if return_token_ids:
+            choice["token_ids"] = list(result.token_ids)
+            choice["prompt_token_ids"] = list(result.prompt_token_ids)
+        choices.append(choice)
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+            "usage": usage_body(results)}
 
 
 def chat_chunk(rid: str, created: int, model: str, delta: dict[str, Any], finish_reason: str | None = None,
-               token_ids: list[int] | None = None) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+               token_ids: list[int] | None = None, *, index: int = 0) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
 
 
 def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason: str | None = None,
-                     token_ids: list[int] | None = None) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+                     token_ids: list[int] | None = None, *, index: int = 0) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}

@@ -44,7 +44,7 @@ from pcr_rag.structured import (
     template_renders_tool_calls,
     tool_call_format,
     tool_history_turns,
-    tools_instruction,
+    with_tools,
 )
 
 logger = logging.getLogger(__name__)
@@ -116,8 +116,7 @@ class ChatPCR(PCRModelParams, BaseChatModel):
         if tools:
             if kwargs.get("response_format") is not None:
                 raise ValueError("pass either tools or response_format, not both")
-            turns = add_instruction(turns, tools_instruction(tools, choice), self.get_engine().tokenizer)
-            kwargs["response_format"] = tool_call_format(tools, choice)
+            turns, kwargs["response_format"] = with_tools(turns, tools, choice, self.get_engine().tokenizer)
         elif kwargs.get("response_format") is not None:
             fmt = ResponseFormat.of(kwargs["response_format"])
             if fmt.kind == "json_schema":  # the model sees the schema; after the documents
