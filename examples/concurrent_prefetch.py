@@ -15,19 +15,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import tempfile
+from pathlib import Path
 
 from pcr_rag import EngineConfig, PCREngine
-from pcr_rag.corpus import split_passages, stdlib_corpus
 
-MODULES = ["heapq", "bisect", "textwrap", "base64"]
+DATA = Path(__file__).resolve().parent / "data"
+#: each question with the two files of examples/data its request carries as documents
+REQUESTS = [("heapq", "collections"), ("bisect", "itertools"), ("textwrap", "json"), ("functools", "pathlib")]
 
 
-def requests_for(tokenizer) -> list[tuple[str, list[str]]]:
-    out = []
-    for name in MODULES:
-        passages = split_passages(stdlib_corpus([name]), tokens_per_passage=250, tokenizer=tokenizer)
-        out.append((f"What is the {name} module for?", [p.text for p in passages[:2]]))
-    return out
+def requests_for(folder: Path = DATA) -> list[tuple[str, list[str]]]:
+    return [(f"What is the {name} module for?",
+             [(folder / f"{n}.txt").read_text(encoding="utf-8") for n in (name, other)])
+            for name, other in REQUESTS]
 
 
 async def run_all(engine: PCREngine, requests) -> list:
@@ -40,7 +40,7 @@ def main(model: str | None = None, cache_dir: str | None = None) -> dict:
     cache_dir = cache_dir or tempfile.mkdtemp(prefix="pcr-prefetch-")
     config = EngineConfig(cache_dir=cache_dir, max_new_tokens=8)
     with PCREngine(model, config=config) as engine:  # 1. warm the SSD tier
-        requests = requests_for(engine.tokenizer)
+        requests = requests_for()
         for query, docs in requests:
             engine.generate(query, documents=docs)
         engine.flush()

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+from pathlib import Path
 
 from pcr_rag import EngineConfig, PCREngine
-from pcr_rag.corpus import split_passages, stdlib_corpus
+
+DATA = Path(__file__).resolve().parent / "data"
 
 QUESTION = "How do I wrap a long paragraph to 40 columns with textwrap?"
 
@@ -30,7 +32,7 @@ def answer(model: str | None, cache_dir: str, documents: list[str]) -> dict:
 
 def main(model: str | None = None, cache_dir: str | None = None) -> list[dict]:
     cache_dir = cache_dir or tempfile.mkdtemp(prefix="pcr-persist-")
-    documents = [p.text for p in split_passages(stdlib_corpus(["textwrap"]), tokens_per_passage=300)][:2]
+    documents = [(DATA / name).read_text(encoding="utf-8") for name in ("textwrap.txt", "functools.txt")]
     runs = []
     for run in (1, 2):
         r = answer(model, cache_dir, documents)
