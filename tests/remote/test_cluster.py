@@ -245,3 +245,26 @@ def test_a_dead_shard_never_opens_the_tier_breaker():
             client.get_many(["k"])
     io = client.counters()
     assert client.available() and io["breaker_open"] == 0 and io["breaker_trips"] == 0 and io["errors"] == 5
+
+
+def test_a_moved_slot_is_followed_in_the_same_call_and_patched(valkey_cluster):
+    """The slot of a value moves to another primary (CLUSTER SETSLOT ... MIGRATE, as resharding does) after the
+    store read the slot map: the read gets MOVED, follows it once in the same call and routes there from then on."""
+    cluster = valkey_cluster
+    store = ClusterStore(RemoteConfig(cluster.url(), secret=SECRET))
+    try:
+        store.probe(["warm-up"], 1)  # reads the slot map
+        name = next(f"m{i}" for i in itertools.count() if store.node_of(f"m{i}") == cluster.node_name(1))
+        assert store.set_nx(name, b"value", 0)
+        src, dst = cluster.primaries[1].client(), cluster.primaries[2].client()
+        slot = src.execute_command("CLUSTER", "KEYSLOT", name)
+        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", cluster.ids[1])
+        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", cluster.ids[2])
+        src.execute_command("MIGRATE", "127.0.0.1", cluster.primaries[2].port, name, 0, 5000)
+        for p in cluster.primaries:
+            p.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", cluster.ids[2])
+        assert store.get_many([name]) == [b"value"]
+        assert store.node_of(name) == cluster.node_name(2) and store.node_counters()["redirects"] == 1
+        assert store.get_many([name]) == [b"value"] and store.node_counters()["redirects"] == 1
+    finally:
+        store.close()

@@ -175,6 +175,8 @@ class ClusterStore:
     # ------------------------------------------------------------------ one call
     def _execute(self, ops: Sequence[_Op]) -> None:
         """Run ``ops``, one round trip per node involved (and one more for the commands a MOVED redirected)."""
+        if not ops:
+            return
         nodes = self._client()
         todo = list(range(len(ops)))
         for follow in (True, False):
@@ -195,6 +197,8 @@ class ClusterStore:
                 continue
             batch = groups.get(node.name)
             if batch is None:
+                if node.redis_connection is None:  # a node first named by a MOVED reply: its pool (no connect)
+                    manager.create_redis_connections([node])
                 batch = groups[node.name] = _NodeBatch(node, [])
             batch.ops.append(i)
         live: list[_NodeBatch] = []
