@@ -4,7 +4,9 @@ both endpoints, cached_tokens on a repeated document set, answers identical to a
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import re
 
 import httpx
 import openai
@@ -93,6 +95,75 @@ def test_completion_matches_the_local_engine(client, engine, reference, h) -> No
     r = client.completions.create(model=engine.loaded.name, prompt=prompt, max_tokens=8,
                                   extra_body={"documents": [h.DOCS[2]], "chat_template": True, "system": "Be brief."})
     assert r.choices[0].text == want_chat.text
+
+
+def test_completions_take_response_format_as_the_local_engine(client, engine, reference, h) -> None:
+    """vLLM accepts ``response_format`` on /v1/completions; it was silently ignored here before."""
+    prompt = "Context: " + h.DOCS[0] + "\nQ: name three letters.\nA:"
+    fmt = {"type": "regex", "regex": "[a-c]{3,6}"}
+    want = reference.submit(FlatPrompt(prompt, (h.DOCS[0],), chat=False),
+                            SamplingParams(max_new_tokens=8, response_format=fmt)).result()
+    free = local(reference, FlatPrompt(prompt, (h.DOCS[0],), chat=False))
+    assert free.token_ids != want.token_ids, "the tiny model's free answer must differ, or this proves nothing"
+    r = client.completions.create(model=engine.loaded.name, prompt=prompt, max_tokens=8,
+                                  extra_body={"documents": [h.DOCS[0]], "response_format": fmt,
+                                              "return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == want.token_ids
+    assert re.fullmatch("[a-c]{3,6}", r.choices[0].text)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    want_json = reference.submit(FlatPrompt(prompt, (h.DOCS[0],), chat=False),
+                                 SamplingParams(max_new_tokens=24, response_format=schema)).result()
+    r = client.completions.create(model=engine.loaded.name, prompt=prompt, max_tokens=24,
+                                  extra_body={"documents": [h.DOCS[0]], "response_format": {
+                                      "type": "json_schema", "json_schema": {"name": "ok", "schema": schema}}})
+    assert r.choices[0].text == want_json.text
+    bad = httpx.post(str(client.base_url) + "completions", json={
+        "model": engine.loaded.name, "prompt": prompt, "response_format": {"type": "regex", "regex": "("}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completion"])
+def test_n_choices_each_equal_a_single_request_with_the_derived_seed(client, engine, reference, h,
+                                                                     endpoint) -> None:
+    """n > 1: choice i samples with seed + i, so it equals one request sent with that seed (the local engine's
+    answer), whatever else decodes beside it; the usage sums the completion tokens; a stream carries each choice
+    under its index and reassembles to the same texts."""
+    docs = [d + " (n)" for d in h.DOCS[:2]]
+    messages = h.rag_messages(docs)
+    seed, n, sampling = 11, 3, {"temperature": 1.0, "max_tokens": 8}
+    if endpoint == "chat":
+        prompt = ChatPrompt(messages, docs)
+        make = functools.partial(client.chat.completions.create, messages=messages)
+    else:
+        text = "Q: " + docs[0] + "\nA:"
+        prompt = FlatPrompt(text, (docs[0],), chat=False)
+        docs = docs[:1]
+        make = functools.partial(client.completions.create, prompt=text)
+    wants = [reference.submit(prompt, SamplingParams(max_new_tokens=8, temperature=1.0, seed=seed + i)).result()
+             for i in range(n)]
+    assert len({tuple(w.token_ids) for w in wants}) > 1, "the seeds must give different samples, or this proves nothing"
+    r = make(model=engine.loaded.name, n=n, seed=seed, **sampling,
+             extra_body={"documents": docs, "return_token_ids": True})
+    assert [c.index for c in r.choices] == list(range(n))
+    assert [c.model_extra["token_ids"] for c in r.choices] == [w.token_ids for w in wants]
+    assert r.usage.completion_tokens == sum(len(w.token_ids) for w in wants)
+    assert r.usage.prompt_tokens == len(wants[0].prompt_token_ids)
+    texts = [""] * n
+    finishes: list[str | None] = [None] * n
+    for chunk in make(model=engine.loaded.name, n=n, seed=seed, stream=True, **sampling,
+                      extra_body={"documents": docs}):
+        for c in chunk.choices:
+            texts[c.index] += (c.delta.content or "") if endpoint == "chat" else c.text
+            finishes[c.index] = c.finish_reason or finishes[c.index]
+    assert texts == [w.text for w in wants]
+    assert finishes == [w.finish_reason for w in wants]
+    # the seed wraps within the signed 64-bit range: choice 1 of seed 2**63 - 1 samples with -2**63
+    top = make(model=engine.loaded.name, n=2, seed=2**63 - 1, **sampling, extra_body={"return_token_ids": True,
+                                                                                      "documents": docs})
+    wrapped = reference.submit(prompt, SamplingParams(max_new_tokens=8, temperature=1.0, seed=-(2**63))).result()
+    assert top.choices[1].model_extra["token_ids"] == wrapped.token_ids
+    assert h.wait_until(lambda: h.idle(engine))
 
 
 def test_streams_match_the_local_stream_and_end_with_usage(client, engine, reference, h) -> None:
