@@ -268,3 +268,25 @@ def test_a_moved_slot_is_followed_in_the_same_call_and_patched(valkey_cluster):
         assert store.get_many([name]) == [b"value"] and store.node_counters()["redirects"] == 1
     finally:
         store.close()
+
+
+def test_auth_from_the_cluster_url_reaches_every_node(valkey_cluster):
+    cluster = valkey_cluster
+    for v in cluster.primaries:
+        v.client().config_set("requirepass", "clu5ter-pw")
+    names = [f"a{i}" for i in range(12)]
+    store = ClusterStore(RemoteConfig(cluster.url().replace("://", "://:clu5ter-pw@"), secret=SECRET))
+    try:
+        for n in names:
+            assert store.set_nx(n, n.encode(), 0)
+        assert store.get_many(names) == [n.encode() for n in names]
+        assert len({store.node_of(n) for n in names}) == 3 and "clu5ter-pw" not in store.describe()
+    finally:
+        store.close()
+    wrong = ClusterStore(RemoteConfig(cluster.url().replace("://", "://:wrong@"), secret=SECRET))
+    try:
+        with pytest.raises(RemoteUnavailableError) as err:  # the whole cluster refuses: a tier-wide error
+            wrong.get_many(names)
+        assert not isinstance(err.value, RemoteNodeUnavailableError)
+    finally:
+        wrong.close()
