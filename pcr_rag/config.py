@@ -24,7 +24,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 
 
 _BOOL_FIELDS = ("layerwise", "prefetch", "enable_cache", "compile", "warmup", "freeze_gc", "remote_insecure",
-                "remote_encrypt", "ssd_encrypt")
+                "remote_encrypt", "ssd_encrypt", "allow_download")
 _STR_FIELDS = ("namespace", "remote_namespace", "schedule", "weights", "eviction")
 
 
@@ -139,6 +139,16 @@ class EngineConfig:
         ssd_encrypt: encrypt SSD chunk files the same way (AES-GCM, key derived from ``remote_secret`` or
             ``$PCR_RAG_REMOTE_SECRET``), so a reader of the cache directory learns nothing and a writer cannot
             forge a chunk. Needs a secret.
+        allow_download: a model given as a Hugging Face repo id ("org/name") that is not in the local HF cache
+            (``$HF_HOME/hub``) may be downloaded from the hub. Off by default: pcr-rag contacts no model hub, and
+            a cached repo loads offline either way; ``HF_HUB_OFFLINE=1`` in the environment forbids downloads.
+        chat_template: the chat template (Jinja, as a string or the path of a file holding it, as vLLM's
+            ``--chat-template``) replacing the tokenizer's own; None keeps the tokenizer's. A model without one
+            refuses chat requests (`pcr_rag.prompt.ChatTemplateMissingError`) unless this is ``"plain"``: chats
+            are then rendered as plain text (base models such as ``gemma3-270m``). Changes the prompt text, so a
+            new template means new prompt tokens, never stale KV.
+        chat_template_kwargs: extra variables for the chat template in every chat (e.g.
+            ``{"enable_thinking": False}``); a request's own ``ChatPrompt.chat_template_kwargs`` update them.
     """
 
     cache_dir: str | Path | None = None
@@ -183,6 +193,9 @@ class EngineConfig:
     ssd_encrypt: bool = False
     system_prompt_scope: str = "shared"
     token_cache_bytes: int | str = "64MiB"
+    allow_download: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -236,9 +249,25 @@ class EngineConfig:
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device={self.device!r} but CUDA is not available; use device='cpu' or 'auto'")
+        self._check_chat_template()
         _ = self.torch_dtype  # validates
         _ = self.remote_config  # validates
         self.cache_dir = Path(self.cache_dir).expanduser() if self.cache_dir is not None else default_cache_dir()
+
+    def _check_chat_template(self) -> None:
+        """``chat_template`` names a template that compiles (or "plain"); ``chat_template_kwargs`` is a dict of
+        JSON-like variables without the engine's own arguments."""
+        from pcr_rag.prompt import check_template_kwargs
+        from pcr_rag.runtime.model import PLAIN_TEMPLATE, read_chat_template
+
+        if isinstance(self.chat_template, os.PathLike):
+            self.chat_template = os.fspath(self.chat_template)
+        try:
+            if read_chat_template(self.chat_template) == PLAIN_TEMPLATE:
+                self.chat_template = PLAIN_TEMPLATE  # " plain " too
+            check_template_kwargs(self.chat_template_kwargs)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
 
     @property
     def torch_device(self) -> torch.device:

