@@ -219,6 +219,10 @@ class ClusterStore:
             for batch in live:
                 if batch.error is None:
                     batch.read(ops, self._io_errors, rexc.ResponseError)
+        except BaseException:  # not an I/O error (a bug, an interrupt): hand every trial call back, then raise
+            for batch in live:
+                self.breakers.get(batch.node.name).failure()
+            raise
         finally:
             for batch in live:
                 batch.release()
@@ -235,7 +239,10 @@ class ClusterStore:
             for i in batch.ops:
                 r = ops[i].result
                 if follow and isinstance(r, rexc.MovedError):
-                    manager.move_slot(r)
+                    try:
+                        manager.move_slot(r)
+                    except (KeyError, ValueError):  # a slot the map does not cover: the refresh will
+                        continue
                     moved.append(i)
         if moved:
             self._count("redirects", len(moved))
