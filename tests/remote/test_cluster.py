@@ -290,3 +290,57 @@ def test_auth_from_the_cluster_url_reaches_every_node(valkey_cluster):
         assert not isinstance(err.value, RemoteNodeUnavailableError)
     finally:
         wrong.close()
+
+
+class _FakeNode:
+    """A cluster node whose connection fails with ``error`` when a batch is sent (no network)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.name = "fake:1"
+        error_to_raise = error
+
+        class Conn:
+            def pack_commands(self, commands):
+                return commands
+
+            def send_packed_command(self, packed):
+                raise error_to_raise
+
+            def disconnect(self):
+                pass
+
+        class Pool:
+            def get_connection(self):
+                return Conn()
+
+            def release(self, conn):
+                pass
+
+        self.redis_connection = type("R", (), {"connection_pool": Pool()})()
+
+
+class _FakeManager:
+    def __init__(self, node) -> None:
+        self.node = node
+
+    def get_node_from_slot(self, slot):
+        return self.node
+
+    def get_nodes_by_server_type(self, kind):
+        return [self.node]
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("error", [RuntimeError("a bug"), ConnectionRefusedError("refused")])
+def test_every_failure_of_a_node_call_is_accounted_to_its_breaker(error):
+    store = ClusterStore(RemoteConfig("redis+cluster://fake:1", secret=SECRET, breaker_errors=1))
+    store._nodes = _FakeManager(_FakeNode(error))  # noqa: SLF001 - no network: the slot map is injected
+    with pytest.raises((RuntimeError, RemoteNodeUnavailableError)):
+        store.get_many(["k"])
+    assert store.node_counters()["nodes_open"] == 1  # the call counted: the next one skips the node
+    with pytest.raises(RemoteNodeUnavailableError) as err:
+        store.get_many(["k"])
+    assert err.value.skipped
+    store.close()
