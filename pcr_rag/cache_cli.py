@@ -136,7 +136,8 @@ def _when(ts: float) -> str:
 
 def _group_dict(g: RootGroup) -> dict[str, Any]:
     return {"identity": None if g.identity is None else g.identity.as_dict(), "current": g.current,
-            "namespaces": g.namespaces, "roots": [r.hex() for r in g.roots], "chunks": g.usage.chunks,
+            "namespaces": g.namespaces, "roots": [r.hex() for r in g.roots], "hosts": list(g.hosts),
+            "chunks": g.usage.chunks,
             "bytes": g.usage.nbytes, "oldest": g.usage.oldest, "newest": g.usage.newest}
 
 
@@ -166,6 +167,8 @@ def _info(args: argparse.Namespace, out: Any) -> int:
                                                                    f"no manifest)"
         print(f"{mark} {who}: {g.namespaces} namespace(s), {g.usage.chunks} chunks, {_mib(g.usage.nbytes)}, "
               f"written {_when(g.usage.oldest)} .. {_when(g.usage.newest)}", file=out)
+        if g.hosts:
+            print(f"    written on: {'; '.join(g.hosts)}", file=out)
     if orphans:
         print(f"  orphans (chain broken; dropped at the next start): {orphans.chunks} chunks, {_mib(orphans.nbytes)}",
               file=out)

@@ -91,6 +91,7 @@ def test_info_shows_each_root_identity_with_its_counts_and_marks_the_current_one
     assert info["current"]["root"] in a["roots"] and info["current"]["chunk_size"] == 16
     assert a["identity"]["plan"] == info["current"]["plan"] and "tile=256" in a["identity"]["plan"]
     assert a["identity"]["dtype"] == "float32" and b["identity"]["model"] == a["identity"]["model"]
+    assert len(a["hosts"]) == 1 and "threads, torch" in a["hosts"][0]  # who wrote it: the sharing rule's inputs
     code, text = _cli(capsys, "info", "--cache-dir", str(cache_dir), *_flags(model_dir, 32))
     current = [line for line in text.splitlines() if line.startswith("*")]
     assert len(current) == 1 and "chunk size 32" in current[0] and f"{len(files_b)} chunks" in current[0]
@@ -193,3 +194,44 @@ def test_a_cache_written_before_manifests_counts_as_unknown_until_its_engine_nam
     with _engine(model_dir, cache_dir, 16):  # its own root has chunks on disk: the manifest is written at once
         pass
     assert len(list((cache_dir / MANIFEST_DIR).glob("*.json"))) == 1
+
+
+def test_verify_with_the_secret_catches_a_forgery_that_checksums_pass(tmp_path, written, capsys, monkeypatch):
+    """An encrypted directory: a payload byte changed and its layer checksum and header sum rewritten passes the
+    checksum-only check, but not the MAC/AES-GCM check with the engine's secret."""
+    import struct
+
+    import xxhash
+
+    from pcr_rag.cache.tiers.chunk_file import _FIXED
+
+    secret = "x" * 32
+    model_dir = written[0]
+    cache_dir = tmp_path / "sealed"
+    with PCREngine(model=str(model_dir), config=EngineConfig(
+            cache_dir=cache_dir, chunk_size=16, dtype="float32", device="cpu", max_new_tokens=2,
+            ssd_capacity="64MiB", remote_secret=secret, ssd_encrypt=True)) as eng:
+        eng.generate(QUESTION, DOCS)
+        eng.flush()
+    files = sorted(_chunk_files(cache_dir))
+    monkeypatch.setenv("PCR_TEST_SECRET", secret)
+    code, out = _cli(capsys, "verify", "--cache-dir", str(cache_dir), "--secret-env", "PCR_TEST_SECRET")
+    assert code == 0 and "MACs" in out and ", 0 bad" in out
+    path = cache_dir / files[0]
+    raw = bytearray(path.read_bytes())
+    header = decode_header(bytes(raw[:4096]))
+    assert header.encrypted
+    layer = header.shape[0] - 1
+    at = header.data_offset + layer * header.layer_nbytes
+    raw[at] ^= 0x01
+    core_len = _FIXED.size + 8 * len(header.shape)
+    struct.pack_into("<Q", raw, core_len + 8 * layer,
+                     xxhash.xxh3_64_intdigest(bytes(raw[at: at + header.layer_nbytes])))
+    hlen = _FIXED.unpack_from(raw, 0)[3]
+    struct.pack_into("<Q", raw, hlen - 8, xxhash.xxh3_64_intdigest(bytes(raw[: hlen - 8])))
+    path.write_bytes(bytes(raw))
+    code, out = _cli(capsys, "verify", "--cache-dir", str(cache_dir), "--secret-env", "UNSET_PCR_VAR")
+    assert code == 0 and ", 0 bad" in out  # checksums alone cannot tell
+    code, out = _cli(capsys, "verify", "--json", "--cache-dir", str(cache_dir), "--secret-env", "PCR_TEST_SECRET")
+    bad = json.loads(out)["bad"]
+    assert code == 1 and [b["name"] for b in bad] == [files[0]] and "forged" in bad[0]["reason"]

@@ -144,6 +144,7 @@ class RootGroup:
     roots: tuple[bytes, ...]
     usage: RootUsage
     current: bool
+    hosts: tuple[str, ...] = ()  # the hosts whose engines wrote the manifests (`roots.host_description`)
 
     @property
     def namespaces(self) -> int:
@@ -174,7 +175,9 @@ def summarize(found: DirScan, identity: RootIdentity | None = None,
             merged = RootUsage(u.chunks + usage.chunks, u.nbytes + usage.nbytes, min(u.oldest, usage.oldest),
                                max(u.newest, usage.newest))
             groups[group_key] = (prev[0], [*prev[1], root], merged, prev[3] or current)
-    out = [RootGroup(ident, tuple(sorted(roots)), usage, current) for ident, roots, usage, current in groups.values()]
+    out = [RootGroup(ident, tuple(sorted(roots)), usage, current,
+                     tuple(sorted({found.manifests[r].host for r in roots if r in found.manifests} - {""})))
+           for ident, roots, usage, current in groups.values()]
     return sorted(out, key=lambda g: (not g.current, -g.usage.nbytes))
 
 

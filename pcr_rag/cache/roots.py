@@ -21,6 +21,7 @@ Invariant: two roots hold interchangeable KV for equal tokens exactly when their
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -40,6 +41,7 @@ __all__ = [
     "RootUsage",
     "attribute",
     "foreign_chunks_note",
+    "host_description",
     "manifest_name",
     "namespace_hash",
     "root_of_manifest_name",
@@ -90,6 +92,15 @@ class RootIdentity:
         return (self.fingerprint, self.dtype, self.chunk_size, self.plan) == (
             other.fingerprint, other.dtype, other.chunk_size, other.plan)
 
+    def difference(self, other: RootIdentity) -> str:
+        """What in ``other`` differs from this identity, e.g. "plan X" or "chunk size 32, dtype float32"."""
+        parts = [f"{name} {theirs}" for name, ours, theirs in (
+            ("model", self.fingerprint, other.fingerprint), ("dtype", self.dtype, other.dtype),
+            ("chunk size", self.chunk_size, other.chunk_size), ("plan", self.plan, other.plan)) if ours != theirs]
+        if parts and parts[0].startswith("model "):
+            parts[0] = f"model {other.model} ({other.fingerprint[:12]})"
+        return ", ".join(parts) or "nothing"
+
     def describe(self) -> str:
         return (f"model {self.model} (fingerprint {self.fingerprint[:12]}), dtype {self.dtype}, chunk size "
                 f"{self.chunk_size}, plan {self.plan}")
@@ -116,23 +127,51 @@ def root_of_manifest_name(name: str) -> bytes | None:
     return bytes.fromhex(m.group(1)) if m else None
 
 
+@functools.lru_cache(maxsize=1)
+def _cpu_name() -> str:
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def host_description() -> str:
+    """The CPU, its vector ISA as PyTorch sees it, the torch thread count and version: what, besides the plan, can
+    change a GEMM's bits (so KV is shared only between replicas on the same CPU type and thread count)."""
+    import torch
+
+    isa = torch.backends.cpu.get_cpu_capability()
+    return f"{_cpu_name()} ({isa}), {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
 @dataclass(frozen=True)
 class RootManifest:
-    """The manifest of one root: its identity, the hash of its namespace salt and when it was written (unix s)."""
+    """The manifest of one root: its identity, the hash of its namespace salt, when it was written (unix s), and
+    the host that wrote it (`host_description`; shown by ``pcr-rag cache info``, not part of the identity)."""
 
     root: bytes
     identity: RootIdentity
     namespace_hash: str
     written_at: float
+    host: str = ""
 
     @classmethod
-    def new(cls, identity: RootIdentity, namespace: str = "", request_namespace: str = "") -> RootManifest:
+    def new(cls, identity: RootIdentity, namespace: str = "", request_namespace: str = "", *,
+            host: str | None = None) -> RootManifest:
+        """The manifest of ``identity``'s root for the namespace; ``host`` None: this host (`host_description`)."""
         return cls(identity.root(namespace, request_namespace), identity,
-                   namespace_hash(namespace, request_namespace), time.time())
+                   namespace_hash(namespace, request_namespace), time.time(),
+                   host_description() if host is None else host)
 
     def encode(self) -> bytes:
         body = {"version": MANIFEST_VERSION, "root": self.root.hex(), **self.identity.as_dict(),
-                "namespace_hash": self.namespace_hash, "written_at": self.written_at}
+                "namespace_hash": self.namespace_hash, "written_at": self.written_at, "host": self.host}
         return json.dumps(body, sort_keys=True).encode("utf-8") + b"\n"
 
     @classmethod
@@ -149,8 +188,9 @@ class RootManifest:
                 model=_field(body, "model", str), fingerprint=_field(body, "fingerprint", str),
                 dtype=_field(body, "dtype", str), chunk_size=_field(body, "chunk_size", int),
                 plan=_field(body, "plan", str), weights=_field(body, "weights", str))
+            host = body.get("host", "")
             manifest = cls(bytes.fromhex(_field(body, "root", str)), identity, _field(body, "namespace_hash", str),
-                           float(_field(body, "written_at", (int, float))))
+                           float(_field(body, "written_at", (int, float))), host if isinstance(host, str) else "")
         except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
             if isinstance(exc, ManifestError):
                 raise
@@ -249,15 +289,13 @@ def foreign_chunks_note(tier: Any, identity: RootIdentity, own_roots: Iterable[b
             unknown = RootUsage(unknown.chunks + usage.chunks, unknown.nbytes + usage.nbytes, 0.0, 0.0)
         else:
             other = RootUsage(other.chunks + usage.chunks, other.nbytes + usage.nbytes, 0.0, 0.0)
-            theirs = manifest.identity
-            plans.add(theirs.plan if theirs.plan != identity.plan else
-                      f"{theirs.model}/{theirs.dtype}/chunk {theirs.chunk_size}")
+            plans.add(identity.difference(manifest.identity))
     total = other.chunks + unknown.chunks
     if not total:
         return None
     parts = []
     if other.chunks:
-        parts.append(f"{other.chunks} of other plans or models ({'; '.join(sorted(plans))})")
+        parts.append(f"{other.chunks} of other plans or models (their {'; '.join(sorted(plans))})")
     if unknown.chunks:
         parts.append(f"{unknown.chunks} of unknown origin (no root manifest)")
     return (f"{where} holds {total} chunks ({_mib(other.nbytes + unknown.nbytes)}) this engine cannot use: "
