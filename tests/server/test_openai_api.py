@@ -166,6 +166,31 @@ def test_n_choices_each_equal_a_single_request_with_the_derived_seed(client, eng
     assert h.wait_until(lambda: h.idle(engine))
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "waiting"])
+def test_a_client_leaving_cancels_every_choice(base_url, engine, h, stream) -> None:
+    """n > 1 runs n engine requests: a client that disconnects (mid-stream, or while waiting for the answer)
+    cancels all of them, and none keeps a row or a pinned chunk."""
+    cancelled = engine.stats().requests["requests_cancelled"]
+    body = {"model": engine.loaded.name, "messages": [{"role": "user", "content": "tell me a long story"}],
+            "max_tokens": 900, "n": 3, "stream": stream}  # greedy: no choice samples an early end
+    if stream:
+        with httpx.Client(base_url=base_url, timeout=30) as c, \
+                c.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            seen = 0
+            for line in response.iter_lines():  # bounded: we leave after a few content events
+                seen += line.startswith("data:")
+                if seen >= 8:
+                    break
+            assert engine.stats().running == 3
+    else:
+        with httpx.Client(base_url=base_url, timeout=httpx.Timeout(0.5, connect=5)) as c, \
+                pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/chat/completions", json=body)
+    assert h.wait_until(lambda: h.idle(engine), timeout=10)
+    assert engine.stats().requests["requests_cancelled"] == cancelled + 3
+
+
 def test_streams_match_the_local_stream_and_end_with_usage(client, engine, reference, h) -> None:
     docs = [d + " (stream)" for d in h.DOCS]
     messages = h.rag_messages(docs)
