@@ -5,9 +5,11 @@ Request flow: authenticate (401) -> read the body within ``max_body_bytes`` (413
 `pcr_rag.server.schemas`), check the model (404), reject a prompt whose text alone is over the character bound
 (400 ``context_length_exceeded``, `pcr_rag.server.prompt_bound`), then `PCREngine.submit` (tokenizes, compiles a
 grammar; 400 ``context_length_exceeded``, 429 queue full, 503 closing). Every rejection happens before the request
-reaches the engine's queue, so none of them pins a chunk. Accepted requests are tracked until they end; a client
-that disconnects cancels its request (stream or not; counted as 499), and shutdown cancels whatever is still
-running.
+reaches the engine's queue, so none of them pins a chunk. A request with ``n`` choices is ``n`` engine requests
+(choice ``i`` seeded ``seed + i``, `GenerationRequest.choice_params`); a choice the engine refuses cancels the ones
+already submitted. Accepted requests are tracked until they end; a client that disconnects cancels its requests
+(stream or not; counted as 499), and shutdown cancels whatever is still running. With tools bound, each choice's
+answer becomes a message or a stream of deltas through `pcr_rag.server.tools`.
 
 The event loop only moves bytes and awaits: parsing, rendering, tokenizing, grammar compiling and announcing run
 on ``request_threads`` worker threads (`ServerState.off_loop`), so ``/health`` and other requests' tokens keep
