@@ -13,11 +13,14 @@ The steps, in vLLM's order, on one row's float32 logits:
    divided by r, a negative one multiplied by it: HF / vLLM); then OpenAI's
    ``logit[j] -= frequency_penalty * c[j] + presence_penalty * (c[j] > 0)``, c[j] = times token j was generated;
 4. a temperature below `GREEDY_BELOW` (0 included) picks the argmax (a tiny temperature would overflow the scaled
-   logits to inf and the softmax to NaN); else the logits divided by the temperature, ``top_k`` (the k highest and
-   their ties), then ``top_p`` (the smallest head of the sorted distribution whose mass reaches top_p), sampled.
+   logits to inf and the softmax to NaN); else the logits divided by the temperature, ``top_k`` (the k highest,
+   ties at the k-th as `torch.topk` orders them), then ``top_p`` (the smallest head of the sorted distribution
+   whose mass reaches top_p), sampled.
 
-Cost: a request without penalties or logprobs runs exactly the steps it ran before they existed; each option costs
-one or two vector operations over the vocabulary, on its own row only.
+Cost: a request without penalties, top_k or logprobs runs exactly the steps it ran before they existed. Penalties
+read and write only the tokens the request has seen (plus one copy of its row's logits); top_k draws from k
+entries instead of the vocabulary; logprobs cost a log-softmax (and a top-k) of the row. All on the request's own
+row only.
 """
 
 from __future__ import annotations
@@ -76,8 +79,9 @@ class TokenSampler:
         self._repetition = params.repetition_penalty != 1.0
         self._additive = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
         self._prompt_ids = tuple(prompt_token_ids) if self._repetition else ()
-        self._counts: torch.Tensor | None = None  # [vocab] float32: times each token was generated (penalties on)
-        self._seen: torch.Tensor | None = None    # [vocab] bool: prompt or generated (repetition_penalty on)
+        self._counts: dict[int, int] = {}  # generated token -> times (presence / frequency penalty on)
+        self._seen: set[int] = set()  # prompt and generated tokens (repetition_penalty on) ...
+        self._seen_ids: torch.Tensor | None = None  # ... as a tensor, built at the first choice, grown per new token
         self._pending: RawLogprob | None = None
         self.logprobs: list[RawLogprob] = []
 
@@ -105,9 +109,13 @@ class TokenSampler:
     def _sample(self, scores: torch.Tensor) -> int:
         p = self.params
         scaled = scores / p.temperature
-        if 0 < p.top_k < scaled.shape[-1]:
-            kth = torch.topk(scaled, p.top_k).values[-1]
-            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        if 0 < p.top_k < scaled.shape[-1]:  # only the k best take part: a k-long softmax, top-p and draw
+            values, ids = torch.topk(scaled, p.top_k)  # sorted, highest first
+            head = torch.softmax(values, dim=-1).cpu()
+            if p.top_p < 1.0:
+                head = head * (torch.cumsum(head, 0) - head < p.top_p)
+                head = head / head.sum()
+            return int(ids.cpu()[torch.multinomial(head, 1, generator=self._gen)].item())
         probs = torch.softmax(scaled, dim=-1).cpu()
         if p.top_p < 1.0:
             sorted_p, idx = torch.sort(probs, descending=True)
@@ -119,21 +127,23 @@ class TokenSampler:
 
     def _penalize(self, scores: torch.Tensor) -> torch.Tensor:
         """The penalized logits (a new tensor): repetition over prompt + answer, then frequency and presence over
-        the answer's counts (see the module docstring)."""
+        the answer's counts (see the module docstring). Sparse: only the tokens seen so far are read and written,
+        so the cost grows with the request's distinct tokens, not with the vocabulary."""
         p = self.params
-        if self._counts is None:
-            self._counts = torch.zeros(scores.shape[-1], dtype=torch.float32, device=scores.device)
-            if self._repetition:
-                self._seen = torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device)
-                ids = [t for t in self._prompt_ids if 0 <= t < scores.shape[-1]]
-                if ids:
-                    self._seen[torch.tensor(ids, dtype=torch.long, device=scores.device)] = True
+        vocab = scores.shape[-1]
+        scores = scores.clone()
         if self._repetition:
-            r = p.repetition_penalty
-            scores = torch.where(self._seen, torch.where(scores > 0, scores / r, scores * r), scores)
-        if self._additive:
-            counts = self._counts
-            scores = scores - (counts * p.frequency_penalty + (counts > 0).float() * p.presence_penalty)
+            if self._seen_ids is None:
+                self._seen.update(t for t in self._prompt_ids if 0 <= t < vocab)
+                self._seen_ids = torch.tensor(sorted(self._seen), dtype=torch.long, device=scores.device)
+            if self._seen_ids.numel():
+                r = p.repetition_penalty
+                seen = scores[self._seen_ids]
+                scores[self._seen_ids] = torch.where(seen > 0, seen / r, seen * r)
+        if self._additive and self._counts:
+            ids = torch.tensor(list(self._counts), dtype=torch.long, device=scores.device)
+            counts = torch.tensor(list(self._counts.values()), dtype=torch.float32, device=scores.device)
+            scores[ids] -= counts * p.frequency_penalty + p.presence_penalty
         return scores
 
     def _record(self, logprobs: torch.Tensor, token: int) -> RawLogprob:
@@ -146,10 +156,12 @@ class TokenSampler:
     def accept(self, token_id: int) -> None:
         if self.constraint is not None:
             self.constraint.accept(token_id)
-        if self._counts is not None and 0 <= token_id < self._counts.shape[-1]:
-            self._counts[token_id] += 1
-            if self._seen is not None:
-                self._seen[token_id] = True
+        if self._additive:
+            self._counts[token_id] = self._counts.get(token_id, 0) + 1
+        if self._repetition and token_id not in self._seen:
+            self._seen.add(token_id)
+            if self._seen_ids is not None:
+                self._seen_ids = torch.cat([self._seen_ids, self._seen_ids.new_tensor([token_id])])
         if self._pending is not None:
             self.logprobs.append(self._pending)
             self._pending = None
