@@ -314,3 +314,21 @@ class EngineConfig:
     def with_overrides(self, **changes: Any) -> EngineConfig:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
+
+
+def with_chat_template(config: EngineConfig | None, chat_template: str | os.PathLike | None) -> EngineConfig | None:
+    """``config`` (the defaults when None) with ``chat_template`` set, for wrappers that build an engine (the
+    LangChain / LlamaIndex integrations' ``chat_template=``); ``config`` itself when ``chat_template`` is None.
+
+    Raises:
+        ConfigError: the template is bad, or ``config`` already names a different one.
+    """
+    if chat_template is None:
+        return config
+    chat_template = os.fspath(chat_template)
+    if config is None:
+        return EngineConfig(chat_template=chat_template)
+    if config.chat_template is not None and config.chat_template != chat_template:
+        raise ConfigError("chat_template is given twice (as an argument and in config), with different values; "
+                          "pass one of them")
+    return config.with_overrides(chat_template=chat_template)

@@ -103,3 +103,57 @@ def test_the_options_are_documented_config_fields():
     assert {"chat_template", "chat_template_kwargs", "allow_download"} <= names
     for name in ("chat_template:", "chat_template_kwargs:", "allow_download:"):
         assert name in EngineConfig.__doc__
+
+
+# ------------------------------------------------------------------------------------------------ integrations
+def _integration_config(tmp_path) -> EngineConfig:
+    return EngineConfig(cache_dir=tmp_path / "kv", ssd_capacity=0, device="cpu", dtype="float32", max_active=1,
+                        enable_cache=False, warmup=False, max_new_tokens=2)
+
+
+def _prompt_tokens(tok, text: str) -> int:
+    return len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def test_chatpcr_passes_chat_template_and_kwargs_to_the_engine_it_builds(tmp_path):
+    pytest.importorskip("langchain_pcr")
+    from langchain_pcr import ChatPCR
+
+    from pcr_rag.shared import close_shared_engines
+
+    model, tok = tiny_model("llama")
+    tok.chat_template = None
+    try:
+        llm = ChatPCR(model=model, tokenizer=tok, config=_integration_config(tmp_path), chat_template=TEMPLATE,
+                      chat_template_kwargs={"greeting": "a longer greeting than none"})
+        msg = llm.invoke("hi")
+        assert llm.get_engine().config.chat_template == TEMPLATE
+        want = "[user|a longer greeting than none]hi[assistant]"
+        assert msg.usage_metadata["input_tokens"] == _prompt_tokens(tok, want)
+        with pytest.raises(ValueError, match="chat_template"):
+            ChatPCR(engine=llm.get_engine(), chat_template="plain")
+    finally:
+        close_shared_engines()
+
+
+def test_pcrllm_passes_chat_template_and_kwargs_to_the_engine_it_builds(tmp_path):
+    pytest.importorskip("llama_index.llms.pcr")
+    from llama_index.core.llms import ChatMessage
+    from llama_index.llms.pcr import PCRLLM
+
+    from pcr_rag.shared import close_shared_engines
+
+    model, tok = tiny_model("llama")
+    tok.chat_template = None
+    try:
+        llm = PCRLLM(model=model, tokenizer=tok, config=_integration_config(tmp_path), chat_template=TEMPLATE,
+                     chat_template_kwargs={"greeting": "a longer greeting than none"}, retrieval_hook=False)
+        response = llm.chat([ChatMessage(role="user", content="hi")])
+        assert llm._engine.config.chat_template == TEMPLATE
+        want = "[user|a longer greeting than none]hi[assistant]"
+        assert response.raw["usage"]["prompt_tokens"] == _prompt_tokens(tok, want)
+        assert llm.complete("hi").text is not None  # a str chat_template still wraps complete() prompts
+        with pytest.raises(ValueError, match="chat_template"):
+            PCRLLM(engine=llm._engine, chat_template="plain")
+    finally:
+        close_shared_engines()

@@ -45,6 +45,7 @@ class PCRModelParams(BaseModel):
     seed: int | None = None
     stop: list[str] | None = Field(default=None, alias="stop_sequences")
     timeout: float | None = Field(default=None, gt=0)
+    chat_template_kwargs: dict[str, Any] | None = None  # extra chat-template variables (ChatPrompt's)
     # base_url mode (langchain_pcr._remote): a pcr-rag server instead of a local engine
     base_url: str | None = None
     api_key: SecretStr | None = Field(default=None, exclude=True)
@@ -56,6 +57,7 @@ class PCRModelParams(BaseModel):
     def _check_engine_args(cls, values: Any) -> Any:
         if isinstance(values, dict) and values.get("engine") is not None:
             clash = [k for k in ("model", "tokenizer", "config") if values.get(k) is not None]
+            clash += ["chat_template"] if isinstance(values.get("chat_template"), str) else []
             if clash:
                 raise ValueError(f"pass either engine= or {clash} (they configure the engine), not both")
         return values

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 
+from pcr_rag.config import with_chat_template
 from pcr_rag.requests import GenerationResult
 from pcr_rag.shared import shared_engine
 
@@ -69,7 +70,9 @@ class EngineHolder:
                 if owner.engine is not None:
                     self._engine = owner.engine
                 else:
-                    self._engine = shared_engine(owner.model, owner.tokenizer, owner.config)
+                    template = getattr(owner, "chat_template", None)  # ChatPCR's str; PCRLLM's is a bool
+                    config = with_chat_template(owner.config, template if isinstance(template, str) else None)
+                    self._engine = shared_engine(owner.model, owner.tokenizer, config)
         return self._engine
 
 

@@ -68,6 +68,9 @@ class ChatPCR(PCRModelParams, BaseChatModel):
             directory, or a transformers model object (then pass ``tokenizer``).
         engine: a `PCREngine` to use; otherwise one engine per model/config is shared in the process.
         config: `pcr_rag.EngineConfig` for the shared engine (cache dir, tier capacities, ...).
+        chat_template: the shared engine's chat template (Jinja text, a ``.jinja`` file, or "plain" for a model
+            without one; `pcr_rag.EngineConfig.chat_template`); not with ``engine=``.
+        chat_template_kwargs: extra chat-template variables for every call (e.g. ``{"enable_thinking": False}``).
         max_tokens: tokens to generate at most (alias ``max_new_tokens``; None = the engine's default).
         temperature: 0 = greedy. top_p, seed: sampling controls.
         stop: stop strings (the answer ends before the first one).
@@ -94,6 +97,7 @@ class ChatPCR(PCRModelParams, BaseChatModel):
     """
 
     streaming: bool = False
+    chat_template: str | None = None
     _ls_model_type: ClassVar[str] = "chat"
 
     @property
@@ -122,7 +126,8 @@ class ChatPCR(PCRModelParams, BaseChatModel):
             if fmt.kind == "json_schema":  # the model sees the schema; after the documents
                 turns = add_instruction(turns, schema_instruction(fmt.schema), self.get_engine().tokenizer)
             kwargs["response_format"] = fmt
-        call = self._submit(lambda docs: ChatPrompt(turns, docs), text, stop, run_manager, kwargs)
+        call = self._submit(lambda docs: ChatPrompt(turns, docs, chat_template_kwargs=self.chat_template_kwargs),
+                            text, stop, run_manager, kwargs)
         return ToolModelCall(call.engine, call.handle, call.documents, tuple(tools) if choice != "none" else ())
 
     def _chat_result(self, result: GenerationResult, call: ModelCall) -> ChatResult:

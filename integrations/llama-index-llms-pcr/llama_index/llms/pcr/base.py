@@ -45,6 +45,7 @@ from llama_index.llms.pcr.structured import (
     tool_specs,
 )
 
+from pcr_rag.config import with_chat_template
 from pcr_rag.errors import InvalidRequestError
 from pcr_rag.prompt import Doc
 from pcr_rag.requests import (
@@ -150,6 +151,10 @@ class PCRLLM(FunctionCallingLLM):
         temperature / top_p / seed: sampling (temperature 0 = greedy). stop: stop strings.
         timeout: seconds a call may take (streams included); the request is then cancelled and `TimeoutError`
             raised.
+        chat_template: True wraps ``complete`` prompts in the chat template, False continues the raw text; a str
+            (Jinja text, a ``.jinja`` file, or "plain") is also the template of the engine built
+            (`pcr_rag.EngineConfig.chat_template`; not with ``engine=``). chat_template_kwargs: extra template
+            variables for every chat (e.g. ``{"enable_thinking": False}``).
         reorder: "relevance" (default) keeps the retriever's document order; "cache-aware" announces and prompts
             the documents in the engine's cache-aware order (`llama_index.llms.pcr.reorder`; the answer can differ
             from the relevance-ordered one).
@@ -175,7 +180,11 @@ class PCRLLM(FunctionCallingLLM):
     seed: int | None = Field(default=None)
     stop: list[str] | None = Field(default=None, description="stop strings")
     timeout: float | None = Field(default=None, gt=0, description="seconds a call may take (None: no limit)")
-    chat_template: bool = Field(default=True, description="wrap complete() prompts in the chat template")
+    chat_template: bool | str = Field(
+        default=True, description="wrap complete() prompts in the chat template; a str (Jinja text, a .jinja file, "
+                                  "or 'plain') is also the engine's template (EngineConfig.chat_template)")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="extra chat-template variables for every chat (ChatPrompt.chat_template_kwargs)")
     is_chat_model: bool = Field(default=True, description="synthesizers use chat() (the model's chat template)")
     retrieval_hook: bool = Field(default=True, description="install the retrieval -> prefetch hook")
     reorder: Literal["relevance", "cache-aware"] = Field(
@@ -193,13 +202,16 @@ class PCRLLM(FunctionCallingLLM):
     def __init__(self, engine: Any = None, **kwargs: Any) -> None:
         if engine is not None:
             clash = [k for k in ("model", "tokenizer", "config") if kwargs.get(k) is not None]
+            clash += ["chat_template"] if isinstance(kwargs.get("chat_template"), str) else []
             if clash:
                 raise ValueError(f"pass either engine= or {clash} (they configure the engine), not both")
         super().__init__(**kwargs)
         if self.base_url is not None:
             self._engine = remote_engine(self, engine)
         else:
-            self._engine = engine if engine is not None else shared_engine(self.model, self.tokenizer, self.config)
+            template = self.chat_template if isinstance(self.chat_template, str) else None
+            self._engine = engine if engine is not None else shared_engine(
+                self.model, self.tokenizer, with_chat_template(self.config, template))
         retrieval_hook().register_llm(self)
         if self.retrieval_hook:
             install_retrieval_hook()
@@ -314,7 +326,8 @@ class PCRLLM(FunctionCallingLLM):
             kwargs["response_format"] = fmt
         callable_tools = tools if choice != "none" else ()
         handle = self._submit(
-            lambda docs, units: ChatPrompt([{**t, "content": u} for t, u in zip(turns, units)], docs),
+            lambda docs, units: ChatPrompt([{**t, "content": u} for t, u in zip(turns, units)], docs,
+                                           chat_template_kwargs=self.chat_template_kwargs),
             [t["content"] for t in turns], kwargs)
         return handle, functools.partial(_chat_response, tools=callable_tools), callable_tools
 
