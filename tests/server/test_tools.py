@@ -228,3 +228,19 @@ def test_bad_tool_requests_are_400s_naming_the_field(base_url, engine, h) -> Non
     assert param(r) == "messages[2].tool_calls[0].function.arguments"
     assert chat(messages=[*turns, {"role": "tool", "content": "18 C", "tool_call_id": "call_1"}],
                 tools=TOOLS).status_code == 200
+
+
+def test_documents_stay_reused_whatever_the_tools(client, engine, h) -> None:
+    """The tools' instruction comes after the conversation, so the documents' cached KV serves a request with other
+    tools (or none)."""
+    docs = [d + " (tools)" for d in h.DOCS]
+    body = {"model": engine.loaded.name, "messages": h.rag_messages(docs), "max_tokens": 4,
+            "extra_body": {"documents": docs}}
+    first = client.chat.completions.create(**body, tools=TOOLS, tool_choice="auto")
+    other = client.chat.completions.create(**body, tools=[CLOCK], tool_choice="required")
+    plain = client.chat.completions.create(**body)
+    assert first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens
+    doc_tokens = sum(len(engine.tokenizer(d, add_special_tokens=False)["input_ids"]) for d in docs)
+    for r in (other, plain):
+        assert r.usage.model_extra["pcr"]["documents_found"] == 3
+        assert r.usage.prompt_tokens_details.cached_tokens >= doc_tokens - 16 * len(docs)
