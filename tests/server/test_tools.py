@@ -244,3 +244,30 @@ def test_documents_stay_reused_whatever_the_tools(client, engine, h) -> None:
     for r in (other, plain):
         assert r.usage.model_extra["pcr"]["documents_found"] == 3
         assert r.usage.prompt_tokens_details.cached_tokens >= doc_tokens - 16 * len(docs)
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_argument_deltas_concatenate_to_the_call_whatever_the_pieces(step) -> None:
+    """Braces and escaped quotes inside strings do not end the arguments early; the closing brace of the call is
+    never sent; a call cut before its name is complete comes back as text, as the non-streamed answer does."""
+    from pcr_rag.server.tools import ToolCallStream, answer_message
+    from pcr_rag.structured import ToolSpec
+
+    tools = [ToolSpec.from_openai(t) for t in TOOLS]
+    text = '{"name": "get_weather", "arguments": {"city": "P}a{r\\"is", "unit": {"nested": [1, "}"]}}}'
+    stream, deltas = ToolCallStream(tools), []
+    for i in range(0, len(text), step):
+        deltas += stream.feed(text[i:i + step])
+    last, finish = stream.finish(text, "stop")
+    deltas += last
+    whole = answer_message(text, "stop", tools)
+    assert finish == whole.finish_reason == "tool_calls" and whole.content is None
+    assert deltas[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    args = "".join(d["tool_calls"][0]["function"].get("arguments", "") for d in deltas)
+    assert args == whole.tool_calls[0]["function"]["arguments"] == text[len('{"name": "get_weather", "arguments": '):-1]
+    cut = text[:12]
+    stream = ToolCallStream(tools)
+    assert stream.feed(cut) == []
+    assert stream.finish(cut, "length") == ([{"content": cut}], "length")
+    assert answer_message(cut, "length", tools).content == cut
+    assert ToolCallStream(tools).feed("plain") == [{"content": "plain"}]
