@@ -63,6 +63,8 @@ __all__ = [
     "StreamChunk",
     "TokenLogprob",
     "TopLogprob",
+    "chat_logprobs",
+    "completion_logprobs",
 ]
 
 
@@ -364,8 +366,8 @@ class TopLogprob:
     logprob: float
 
     def as_openai(self) -> dict[str, Any]:
-        """``{"token", "logprob", "bytes"}`` as OpenAI's chat API (a -inf logprob stays -inf: clamp to send)."""
-        return {"token": self.token, "logprob": self.logprob, "bytes": list(self.bytes)}
+        """``{"token", "logprob", "bytes"}`` as OpenAI's chat API (JSON-safe: see `json_logprob`)."""
+        return {"token": self.token, "logprob": json_logprob(self.logprob), "bytes": list(self.bytes)}
 
 
 @dataclass(frozen=True)
@@ -380,9 +382,36 @@ class TokenLogprob:
     top_logprobs: tuple[TopLogprob, ...] = ()
 
     def as_openai(self) -> dict[str, Any]:
-        """One entry of OpenAI's ``choices[].logprobs.content``."""
-        return {"token": self.token, "logprob": self.logprob, "bytes": list(self.bytes),
+        """One entry of OpenAI's ``choices[].logprobs.content`` (JSON-safe: see `json_logprob`)."""
+        return {"token": self.token, "logprob": json_logprob(self.logprob), "bytes": list(self.bytes),
                 "top_logprobs": [t.as_openai() for t in self.top_logprobs]}
+
+
+LOGPROB_FLOOR = -9999.0  # what a -inf logprob (a token the response format forbids) is sent as, as vLLM does
+
+
+def json_logprob(logprob: float) -> float:
+    """``logprob`` as JSON can carry it: -inf (and NaN, which never occurs) become `LOGPROB_FLOOR`."""
+    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    """OpenAI's chat ``choices[].logprobs`` (also a stream chunk's, for its tokens): ``{"content": [...],
+    "refusal": None}``."""
+    return {"content": [e.as_openai() for e in entries], "refusal": None}
+
+
+def completion_logprobs(entries: list[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:
+    """OpenAI's legacy completions ``choices[].logprobs``: parallel lists ``tokens``, ``token_logprobs``,
+    ``top_logprobs`` (one ``{token: logprob}`` dict per token) and ``text_offset`` (each token's character offset
+    in the answer, from ``text_offset``; a token inside a multi-byte character counts its U+FFFD text)."""
+    offsets, at = [], text_offset
+    for e in entries:
+        offsets.append(at)
+        at += len(e.token)
+    return {"tokens": [e.token for e in entries], "token_logprobs": [json_logprob(e.logprob) for e in entries],
+            "top_logprobs": [{t.token: json_logprob(t.logprob) for t in e.top_logprobs} for e in entries],
+            "text_offset": offsets}
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,14 @@ import torch
 
 from pcr_rag import EngineConfig, PCREngine
 from pcr_rag.errors import InvalidRequestError
-from pcr_rag.requests import RagPrompt, SamplingParams
+from pcr_rag.requests import (
+    RagPrompt,
+    SamplingParams,
+    TokenLogprob,
+    TopLogprob,
+    chat_logprobs,
+    completion_logprobs,
+)
 from pcr_rag.runtime.sampling import TokenSampler
 from pcr_rag.testing import TEST_DEVICE, tiny_model
 
@@ -173,3 +180,14 @@ def test_each_option_keeps_a_request_independent_of_its_batch_company(tmp_path, 
                 assert busy[i].token_ids == alone[i].token_ids, i
                 assert busy[i].logprobs == alone[i].logprobs, i  # bit for bit: floats compared with ==
         assert eng.executor.decode_steps < sum(len(r.token_ids) for r in alone) * 2, "decode must be batched"
+
+
+def test_openai_shapes_are_json_safe():
+    entry = TokenLogprob(7, "ab", (97, 98), -0.5, (TopLogprob(7, "ab", (97, 98), -0.5),
+                                                    TopLogprob(9, "c", (99,), float("-inf"))))
+    chat = chat_logprobs([entry, entry])
+    assert chat["refusal"] is None and len(chat["content"]) == 2
+    assert chat["content"][0]["top_logprobs"][1] == {"token": "c", "logprob": -9999.0, "bytes": [99]}
+    legacy = completion_logprobs([entry, entry], text_offset=3)
+    assert legacy == {"tokens": ["ab", "ab"], "token_logprobs": [-0.5, -0.5],
+                      "top_logprobs": [{"ab": -0.5, "c": -9999.0}] * 2, "text_offset": [3, 5]}
