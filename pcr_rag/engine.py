@@ -319,10 +319,12 @@ class PCREngine:
                           max_new_tokens: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
                           stop: Sequence[str] | str | None = None, seed: int | None = None,
                           response_format: Any = None, timeout: float | None = None, namespace: str | None = None,
-                          scopes: Sequence[str | None] | None = None) -> GenerationResult:
-        """A chat conversation ([{"role", "content"}]) rendered with the chat template; ``documents`` found in
-        the rendered text get their own token runs."""
-        return self.submit(ChatPrompt(messages, documents, scopes),
+                          scopes: Sequence[str | None] | None = None,
+                          chat_template_kwargs: dict[str, Any] | None = None) -> GenerationResult:
+        """A chat conversation ([{"role", "content"}]) rendered with the chat template (``chat_template_kwargs``:
+        this request's extra template variables); ``documents`` found in the rendered text get their own token
+        runs."""
+        return self.submit(ChatPrompt(messages, documents, scopes, chat_template_kwargs),
                            SamplingParams(max_new_tokens, temperature, top_p, stop, seed, response_format),
                            timeout=timeout, namespace=namespace).result()
 
@@ -341,9 +343,10 @@ class PCREngine:
 
     def stream_messages(self, messages: Sequence[Mapping[str, Any]], documents: Sequence[str | Doc] = (), *,
                         timeout: float | None = None, namespace: str | None = None,
-                        scopes: Sequence[str | None] | None = None, **sampling: Any) -> RequestHandle:
-        return self.submit(ChatPrompt(messages, documents, scopes), SamplingParams.from_kwargs(**sampling),
-                           timeout=timeout, namespace=namespace)
+                        scopes: Sequence[str | None] | None = None,
+                        chat_template_kwargs: dict[str, Any] | None = None, **sampling: Any) -> RequestHandle:
+        return self.submit(ChatPrompt(messages, documents, scopes, chat_template_kwargs),
+                           SamplingParams.from_kwargs(**sampling), timeout=timeout, namespace=namespace)
 
     async def agenerate(self, query: str, documents: Sequence[str | Doc] = (), **kwargs: Any) -> GenerationResult:
         """`generate` without blocking the event loop; cancelling the task cancels the request."""

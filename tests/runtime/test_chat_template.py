@@ -77,6 +77,9 @@ def test_template_kwargs_reach_the_template_engine_wide_and_per_request(tmp_path
         assert _prompt_text(eng, ChatPrompt(chat)) == "[user|hello]hi[assistant]"
         assert _prompt_text(eng, ChatPrompt(chat, chat_template_kwargs={"greeting": "yo"})) == "[user|yo]hi[assistant]"
         assert _prompt_text(eng, ChatPrompt(chat)) == "[user|hello]hi[assistant]"  # per request, not sticky
+        for result in (eng.generate_messages(chat, chat_template_kwargs={"greeting": "yo"}, max_new_tokens=1),
+                       eng.stream_messages(chat, chat_template_kwargs={"greeting": "yo"}, max_new_tokens=1).result()):
+            assert eng.loaded.tokenizer.decode(result.prompt_token_ids) == "[user|yo]hi[assistant]"
 
 
 @pytest.mark.parametrize("kwargs", [{"tokenize": True}, {"add_generation_prompt": False}, {"messages": []},
