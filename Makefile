@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 INTEGRATIONS := integrations/llama-index-llms-pcr integrations/langchain-pcr
 DEPS := pyproject.toml $(wildcard integrations/*/pyproject.toml) Makefile
 
-.PHONY: install demo test test-fast lint bench bench-quick simulate clean
+.PHONY: install demo test test-fast lint docs bench bench-quick simulate clean
 
 install: $(STAMP)
 
@@ -33,6 +33,10 @@ test-fast: install
 
 lint: install
 	$(PY) -m ruff check .
+
+# the docs site (MkDocs + Material) into site/; --strict: a broken link or a page missing from the nav fails
+docs: install
+	$(VENV)/bin/mkdocs build --strict
 
 bench-quick: install
 	$(VENV)/bin/pcr-rag bench --quick --json results/bench-quick.json

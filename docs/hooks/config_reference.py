@@ -1,0 +1,114 @@
+"""MkDocs hook: writes the Configuration reference page (``configuration.md``) at build time.
+
+The page is generated from the dataclasses themselves, never kept by hand, so it cannot drift from the code:
+`EngineConfig` (the engine), `ServerSettings` and `ServeOptions` (``pcr-rag serve``), each field with its
+default, its ``pcr-rag serve`` flag and config-file key, and its text from the class docstring (the same
+`FlagSpec` list ``pcr-rag serve --help`` is built from, `pcr_rag.server.cli.flag_specs`). A field without a
+docstring entry is a warning, which ``mkdocs build --strict`` turns into a failed build.
+
+The page exists only in the build (a generated `File`); nothing is written under ``docs/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from mkdocs.config.defaults import MkDocsConfig
+from mkdocs.structure.files import File, Files
+
+PAGE = "configuration.md"
+log = logging.getLogger("mkdocs.hooks.config_reference")  # under "mkdocs": --strict counts its warnings
+
+INTRO = """\
+# Configuration reference
+
+Generated when the site is built, from the dataclasses' fields and docstrings (the same source as
+`pcr-rag serve --help`), so it always matches the installed code.
+
+- **Python**: `PCREngine(config=EngineConfig(...))`; the integrations take `config=` too.
+- **`pcr-rag serve`**: every field is a flag (the column below; `--x / --no-x` for switches), or a key in a TOML
+  file given with `--config pcr.toml` (`[engine]` and `[server]` tables; `model` and `log_level` at the top).
+  Precedence, lowest first: the dataclass default, serve's own default, the file, the command line.
+- **Secrets** never take a value on the command line (it would show in `ps`): `remote_secret` is read from
+  `--remote-secret-file PATH` (key `remote_secret_file`), a file only its owner can read, else from
+  `$PCR_RAG_REMOTE_SECRET`.
+- **Sizes** are bytes, as an int or a string such as `"2GiB"`.
+
+```toml
+model = "smollm2-135m-instruct"
+
+[engine]
+cache_dir = "/var/cache/pcr"
+dram_capacity = "8GiB"
+remote_url = "redis://cache.internal:6379/0"
+remote_secret_file = "/etc/pcr-rag/remote-secret"
+
+[server]
+host = "0.0.0.0"
+shutdown_timeout_s = 60
+```
+"""
+
+SECTIONS: tuple[tuple[str, str, str], ...] = (
+    ("engine", "EngineConfig", "`pcr_rag.EngineConfig`: the engine (model placement, cache tiers, batching, "
+                               "scheduling, the remote tier, encryption)."),
+    ("server", "ServerSettings", "`pcr_rag.server.ServerSettings`: how `pcr-rag serve` listens, authenticates, "
+                                 "limits requests and shuts down."),
+    ("serve", "ServeOptions", "What `pcr-rag serve` needs besides the two above (top-level keys of the "
+                              "config file)."),
+)
+
+
+def _cell(text: str) -> str:
+    """Markdown table cell: pipes escaped, lines joined."""
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _default(value: Any) -> str:
+    if value is None:
+        return "`None`"
+    if isinstance(value, (tuple, dict)) and not value:
+        return "(none)"
+    return f"`{value!r}`"
+
+
+def render() -> str:
+    """The page's Markdown, from the installed pcr_rag."""
+    from pcr_rag.server.cli import SECTIONS as CLASSES
+    from pcr_rag.server.cli import SERVE_ENGINE_DEFAULTS, flag_specs
+
+    specs = flag_specs()
+    out = [INTRO]
+    for section, name, blurb in SECTIONS:
+        cls = CLASSES[section]
+        defaults = {f.name: (f.default if f.default is not dataclasses.MISSING else
+                             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+                    for f in dataclasses.fields(cls)}
+        out += [f"## {name}", "", blurb, "", "| field and `pcr-rag serve` flag | default | meaning |", "|---|---|---|"]
+        for spec in specs[section]:
+            if spec.help == spec.field.replace("_", " "):
+                log.warning("%s.%s has no entry in the class docstring: document it there (the Configuration "
+                            "reference and `pcr-rag serve --help` are generated from it)", name, spec.field)
+            default = _default(defaults[spec.field])
+            if section == "engine" and spec.field in SERVE_ENGINE_DEFAULTS:
+                default += f" (serve: `{SERVE_ENGINE_DEFAULTS[spec.field]!r}`)"
+            if spec.kind == "bool":
+                flags = f"`--{spec.key.replace('_', '-')}` / `--no-{spec.key.replace('_', '-')}`"
+            else:
+                flags = f"`{spec.flag} {spec.metavar}`"
+            if spec.aliases:
+                flags += " (also " + ", ".join(f"`{a}`" for a in spec.aliases) + ")"
+            out.append(f"| **`{spec.field}`**<br>{_cell(flags)} | {_cell(default)} | {_cell(spec.help)} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def on_files(files: Files, config: MkDocsConfig) -> Files:
+    """Add the generated page to the build (replacing a stale file of the same name, if any)."""
+    old = files.get_file_from_path(PAGE)
+    if old is not None:
+        files.remove(old)
+    files.append(File.generated(config, PAGE, content=render()))
+    return files
