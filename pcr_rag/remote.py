@@ -14,7 +14,8 @@ send raises `InvalidRequestError` before any call, so nothing is dropped silentl
 ``extra_body`` too: ``documents`` (each a string, or ``{"text", "scope"}`` when it has a sharing scope, see
 `pcr_rag.Doc`), ``return_token_ids``, ``chat_template``, ``system``. The server's own routes (``/v1/pcr/announce``,
 its ``DELETE``, ``/tokenize``) go through the SDK client's raw ``post`` / ``delete``; the model card through
-``client.models.list()``.
+``client.models.list()``. A request with documents carries ``X-PCR-Route`` (`pcr_rag.routing`: a hash of its first
+document and the head before it), so a proxy hashing on it sends it to the replica that holds those documents.
 
 `RemoteHandle` behaves as `RequestHandle`: one stream per handle (sync or async) of `StreamChunk`s closed by a
 chunk carrying the `GenerationResult` (text, token ids, finish reason, usage, the server's per-request metrics),
@@ -45,7 +46,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,7 +64,17 @@ from pcr_rag.errors import (
 )
 from pcr_rag.metrics import TIERS, RequestMetrics
 from pcr_rag.prompt import Doc, split_documents
-from pcr_rag.requests import ChatPrompt, FlatPrompt, GenerationResult, Prompt, SamplingParams, StreamChunk
+from pcr_rag.requests import (
+    ChatPrompt,
+    FlatPrompt,
+    GenerationResult,
+    Prompt,
+    SamplingParams,
+    StreamChunk,
+    TokenLogprob,
+    TopLogprob,
+)
+from pcr_rag.routing import prompt_route
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +90,6 @@ DEFAULT_MAX_RETRIES = 2        # the SDK's default
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "seed": "seed", "presence_penalty": "presence_penalty",
                  "frequency_penalty": "frequency_penalty"}
 _VLLM_NAMES = ("top_k", "min_p", "repetition_penalty")
-_DEFAULTS = SamplingParams()
 # no Authorization without a key (the SDK insists on one otherwise), and never the environment's OpenAI org/project
 _NO_KEY_HEADERS = {"Authorization": openai.Omit()}
 _PRIVATE_HEADERS = {"OpenAI-Organization": openai.Omit(), "OpenAI-Project": openai.Omit()}
@@ -114,9 +124,10 @@ class RemoteModelInfo:
 
 @dataclass
 class RemoteTicket:
-    """An announcement the server holds; ``claimed``/``expired`` as the local `Ticket`'s (set when withdrawn)."""
+    """An announcement the server holds; ``claimed``/``expired`` as the local `Ticket`'s (set when withdrawn).
+    ``ticket_id`` is None while an `RemoteEngine.announce_task` announcement is on its way."""
 
-    ticket_id: int
+    ticket_id: int | None
     documents: tuple[str, ...]
     chunks: int
     claimed: bool = False
@@ -207,6 +218,7 @@ class RemoteEngine:
         self._info: RemoteModelInfo | None = None
         self._info_lock = threading.Lock()
         self._closed = False
+        self._tasks: set[asyncio.Task[None]] = set()
         self.tokenizer = RemoteTokenizer(self)
 
     @property
@@ -285,7 +297,7 @@ class RemoteEngine:
             extra["documents"] = wire_documents(prompt.documents, prompt.scopes)
         args.update(sampling_arguments(params, chat, extra))
         return chat, {"model": self.model or self.loaded.name, **args, "extra_body": extra,
-                      "extra_headers": self.headers}
+                      "extra_headers": {**self.headers, **prompt_route(prompt)}}
 
     # ------------------------------------------------------------------------------------------ announcements
     def _announce_body(self, documents: Sequence[str | Doc], query: str | None, system: str | None,
@@ -314,26 +326,64 @@ class RemoteEngine:
                         layout: str = "auto", scopes: Sequence[str | None] | None = None) -> RemoteTicket:
         """`announce` for asyncio: the event loop runs on while the server answers."""
         texts, body = self._announce_body(documents, query, system, prefix, separator, layout, scopes)
-        try:
-            async with self.async_client() as client:
-                response = await client.post("/pcr/announce", cast_to=httpx.Response, body=body,
-                                             options=self._raw_options(ANNOUNCE_TIMEOUT_S, 0))
-        except Exception as exc:  # noqa: BLE001 - every failure maps onto the project's errors
-            raise remote_error(exc, self.base_url) from None
-        data = response.json()
-        return RemoteTicket(int(data["id"]), texts, int(data.get("chunks", 0)))
+        ticket = RemoteTicket(None, texts, 0)
+        await self._announce_into(ticket, body)
+        return ticket
+
+    def announce_task(self, documents: Sequence[str | Doc], query: str | None = None, *,
+                      system: str | None = None, prefix: str | None = None, separator: str | None = None,
+                      layout: str = "auto", scopes: Sequence[str | None] | None = None,
+                      withdraw_if: Callable[[], bool] | None = None) -> RemoteTicket:
+        """`aannounce` as a task of the running event loop, for synchronous code running on it (a framework's
+        event handler): returns at once a ticket whose ``ticket_id`` and ``chunks`` are filled in when the server
+        answers. One withdrawn before that (`cancel_announcement`), or whose ``withdraw_if()`` is true then (the
+        model call it was for already went out, so the server may never claim it), is withdrawn on the server
+        when its id arrives (its prefetched chunks stay cached); a failed one is logged and marked expired (it
+        only cost the prefetch).
+
+        Raises:
+            RuntimeError: no event loop runs in this thread (call `announce`).
+            InvalidRequestError: bad documents (before anything is sent).
+        """
+        loop = asyncio.get_running_loop()
+        texts, body = self._announce_body(documents, query, system, prefix, separator, layout, scopes)
+        ticket = RemoteTicket(None, texts, 0)
+
+        async def run() -> None:
+            try:
+                await self._announce_into(ticket, body, withdraw_if)
+            except Exception as exc:  # noqa: BLE001 - a prefetch lost, never an error of the caller
+                ticket.expired = True
+                log.warning("announcing %d documents to %s failed: %s", len(texts), self.base_url, exc)
+
+        task = loop.create_task(run())
+        self._tasks.add(task)  # the loop holds its tasks weakly
+        task.add_done_callback(self._tasks.discard)
+        return ticket
+
+    async def _announce_into(self, ticket: RemoteTicket, body: dict[str, Any],
+                             withdraw_if: Callable[[], bool] | None = None) -> None:
+        data = await self._araw("post", "/pcr/announce", body, timeout=ANNOUNCE_TIMEOUT_S, max_retries=0)
+        ticket.ticket_id, ticket.chunks = int(data["id"]), int(data.get("chunks", 0))
+        if ticket.expired or (withdraw_if is not None and withdraw_if()):  # withdrawn, or too late, on its way
+            ticket.expired = True
+            with contextlib.suppress(PCRError, TimeoutError):
+                await self._araw("delete", f"/pcr/announce/{ticket.ticket_id}", None, timeout=ANNOUNCE_TIMEOUT_S,
+                                 max_retries=0)
 
     def cancel_announcement(self, ticket: RemoteTicket) -> bool:
-        """Withdraw an announcement nobody will claim; True if the server still held it."""
+        """Withdraw an announcement nobody will claim; True if the server still held it (False for one still on
+        its way: it is withdrawn when it arrives)."""
         if ticket.claimed or ticket.expired:
+            return False
+        ticket.expired = True
+        if ticket.ticket_id is None:
             return False
         try:
             data = self._raw("delete", f"/pcr/announce/{ticket.ticket_id}", None, timeout=ANNOUNCE_TIMEOUT_S,
                              max_retries=0)
         except InvalidRequestError:  # 404: claimed or expired on the server meanwhile
-            ticket.expired = True
             return False
-        ticket.expired = True
         return bool(data.get("withdrawn"))
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -369,16 +419,19 @@ class RemoteEngine:
     def _raw(self, method: str, path: str, body: dict[str, Any] | None, *, timeout: float | None = None,
              max_retries: int | None = None) -> Any:
         """A route of the server's own through the SDK's raw request (its retries, its errors), as JSON."""
-        options = self._raw_options(timeout, max_retries)
         try:
-            call = getattr(self._client, method)
-            if body is None:
-                response = call(path, cast_to=httpx.Response, options=options)
-            else:
-                response = call(path, cast_to=httpx.Response, body=body, options=options)
+            return _raw_call(self._client, method, path, body, self._raw_options(timeout, max_retries)).json()
         except Exception as exc:  # noqa: BLE001 - every failure maps onto the project's errors
             raise remote_error(exc, self.base_url) from None
-        return response.json()
+
+    async def _araw(self, method: str, path: str, body: dict[str, Any] | None, *, timeout: float | None = None,
+                    max_retries: int | None = None) -> Any:
+        try:
+            async with self.async_client() as client:
+                response = await _raw_call(client, method, path, body, self._raw_options(timeout, max_retries))
+            return response.json()
+        except Exception as exc:  # noqa: BLE001
+            raise remote_error(exc, self.base_url) from None
 
     def _fetch_info(self) -> RemoteModelInfo:
         try:
@@ -397,6 +450,13 @@ class RemoteEngine:
                                max_new_tokens=int(pcr.get("max_new_tokens") or 128))
 
 
+def _raw_call(client: OpenAI | AsyncOpenAI, method: str, path: str, body: dict[str, Any] | None,
+              options: dict[str, Any]) -> Any:
+    """``client.post`` / ``delete`` (``body`` None: no body) of ``path`` -> the `httpx.Response` (or its awaitable)."""
+    extra = {} if body is None else {"body": body}
+    return getattr(client, method)(path, cast_to=httpx.Response, options=options, **extra)
+
+
 def wire_documents(texts: Sequence[str], scopes: Sequence[str | None] = ()) -> list[str | dict[str, Any]]:
     """Documents as the server takes them: the text, or ``{"text", "scope"}`` for one with a sharing scope."""
     scopes = tuple(scopes) or (None,) * len(texts)
@@ -413,7 +473,7 @@ def sampling_arguments(params: SamplingParams, chat: bool, extra: dict[str, Any]
     out: dict[str, Any] = {"temperature": params.temperature, "top_p": params.top_p}
     for f in dataclasses.fields(params):
         name, value = f.name, getattr(params, f.name)
-        if name in ("temperature", "top_p") or value == getattr(_DEFAULTS, name):
+        if name in ("temperature", "top_p") or value == _default(f):
             continue
         if name in _OPENAI_NAMES:
             out[_OPENAI_NAMES[name]] = value
@@ -429,6 +489,12 @@ def sampling_arguments(params: SamplingParams, chat: bool, extra: dict[str, Any]
             raise InvalidRequestError(f"SamplingParams.{name}={value!r} cannot be sent to a pcr-rag server by this "
                                       f"client; leave it at its default for a remote engine")
     return out
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING
 
 
 def _logprobs(params: SamplingParams, chat: bool) -> dict[str, Any]:
@@ -690,6 +756,7 @@ class _Decoder:
     prompt_token_ids: list[int] = field(default_factory=list)
     finish_reason: str = "stop"
     usage: dict[str, Any] | None = None
+    logprobs: list[TokenLogprob] | None = None
 
     def feed(self, event: dict[str, Any]) -> list[StreamChunk]:
         self.request_id = event.get("id", self.request_id)
@@ -707,9 +774,10 @@ class _Decoder:
                 self.finish_reason = choice["finish_reason"]
             if not ids and text:  # a server without return_token_ids: text only
                 ids = [-2]
+            logprobs = self._logprobs(choice, ids)
             for j, token_id in enumerate(ids):
                 piece = text if j == 0 else ""
-                out.append(StreamChunk(token_id, piece, self.index))
+                out.append(StreamChunk(token_id, piece, self.index, logprobs=logprobs[j] if logprobs else None))
                 self.index += 1
                 self.pieces.append(piece)
                 if token_id >= 0:
@@ -730,7 +798,29 @@ class _Decoder:
         self.prompt_token_ids = list(data.get("prompt_token_ids") or choice.get("prompt_token_ids") or ())
         self.finish_reason = choice.get("finish_reason") or "stop"
         self.usage = data.get("usage") or {}
+        self._logprobs(choice, self.token_ids)
         return self._result(text or "")
+
+    def _logprobs(self, choice: dict[str, Any], ids: list[int]) -> list[TokenLogprob] | None:
+        """The choice's logprobs (OpenAI's chat ``content`` list, or the completions endpoint's parallel lists),
+        one `TokenLogprob` per token of ``ids``; kept for the result. An alternative's id is -1 unless the server
+        sends ``token_id``."""
+        lp = choice.get("logprobs")
+        if not lp:
+            return None
+        if "content" in lp:  # chat: [{"token", "logprob", "bytes", "top_logprobs": [{...}]}]
+            rows = [(e, e.get("top_logprobs") or ()) for e in lp["content"] or ()]
+        else:  # completions: parallel lists, each position's alternatives as {token: logprob}
+            tokens = lp.get("tokens") or []
+            tops = lp.get("top_logprobs") or [None] * len(tokens)
+            rows = [({"token": t, "logprob": v}, [{"token": k, "logprob": x} for k, x in (top or {}).items()])
+                    for t, v, top in zip(tokens, lp.get("token_logprobs") or (), tops)]
+        out = [TokenLogprob(token_id, e["token"], _bytes(e), float(e["logprob"]),
+                            tuple(TopLogprob(t.get("token_id", -1), t["token"], _bytes(t), float(t["logprob"]))
+                                  for t in top))
+               for token_id, (e, top) in zip(ids, rows)]
+        self.logprobs = (self.logprobs or []) + out
+        return out
 
     def _result(self, text: str) -> GenerationResult:
         usage = self.usage or {}
@@ -752,7 +842,12 @@ class _Decoder:
         )
         return GenerationResult(text=text, token_ids=list(self.token_ids), prompt_token_ids=list(self.prompt_token_ids),
                                 metrics=metrics, finish_reason=self.finish_reason,
-                                documents_found=int(pcr.get("documents_found", 0)))
+                                documents_found=int(pcr.get("documents_found", 0)), logprobs=self.logprobs)
+
+
+def _bytes(entry: dict[str, Any]) -> tuple[int, ...]:
+    raw = entry.get("bytes")
+    return tuple(raw) if raw is not None else tuple(entry["token"].encode())
 
 
 # ------------------------------------------------------------------------------------------------ errors

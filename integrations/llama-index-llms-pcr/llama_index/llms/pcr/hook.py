@@ -35,6 +35,7 @@ knows the LLMs without importing their class; it installs the hook too (``retrie
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import threading
@@ -216,7 +217,7 @@ class PCRRetrievalHook:
         key = getattr(llm, "scope_metadata_key", None) or SCOPE_METADATA_KEY
         ann = Announcement(documents=texts, query=query_str, origin=str(event.span_id), ancestors=tuple(chain[1:]),
                            scopes=node_scopes(event.nodes, key))
-        ann.announce_to([llm.engine] if llm is not None else self.live_engines())
+        self._announce(ann, [llm.engine] if llm is not None else self.live_engines())
         root = chain[-1] if chain else str(event.span_id)
         evicted: list[Announcement] = []
         with self._lock:
@@ -230,6 +231,25 @@ class PCRRetrievalHook:
         if len(chain) <= 1:  # a bare retriever call: only a later call with these documents can use it
             evicted.append(ann)
         self._orphan(evicted)
+
+    def _announce(self, ann: Announcement, engines: list[Any]) -> None:
+        """Announce ``ann`` to ``engines``. An async retriever emits its event on the event loop: there an engine
+        with ``announce_task`` (a `pcr_rag.remote.RemoteEngine`) announces from a task, so its HTTP call never
+        blocks the loop; the ticket it returns at once is filled in when the server answers, and withdrawn then if
+        the model call already took it (the server saw the call first and will not claim it)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            ann.announce_to(engines)
+            return
+        ann.announce_to([e for e in engines if not hasattr(e, "announce_task")])
+        for engine in (e for e in engines if hasattr(e, "announce_task")):
+            try:
+                ticket = engine.announce_task(list(ann.with_scopes(ann.documents)), query=ann.query or None,
+                                              withdraw_if=lambda key=id(engine): key in ann.claimed)
+                ann.tickets[id(engine)] = (engine, ticket)
+            except Exception:  # noqa: BLE001 - never fail the retrieval for a prefetch
+                logger.exception("announcing retrieved documents to the PCR engine failed")
 
     @staticmethod
     def _cache_aware(engine: Any, texts: tuple[str, ...]) -> tuple[str, ...]:
