@@ -206,10 +206,10 @@ class SamplingParams:
         ``{"type": "json_schema", "json_schema": {"schema": ...}}``, ``{"type": "json_object"}``,
         ``{"type": "regex", "regex": ...}``, ``{"type": "grammar", "grammar": <Lark>}``; stored as a
         `ResponseFormat`. A format the grammar library rejects raises `InvalidRequestError` here.
-    top_k: sample among the k most likely tokens (and their ties) only; 0 or -1 = all (vLLM's convention; -1 is
-        stored as 0).
-    repetition_penalty: > 0; every token of the prompt or the answer so far has its logit divided by it when
-        positive, multiplied by it when negative (HF / vLLM); 1 = off, > 1 discourages repeats.
+    top_k: sample among the k most likely tokens only; 0 or -1 = all (vLLM's convention; -1 is stored as 0).
+    repetition_penalty: in [0.01, 100] (vLLM takes any > 0, but a tiny one overflows the logits); every token of
+        the prompt or the answer so far has its logit divided by it when positive, multiplied by it when negative
+        (HF / vLLM); 1 = off, > 1 discourages repeats.
     presence_penalty / frequency_penalty: in [-2, 2] (OpenAI's range and formula): a generated token's logit
         loses ``presence_penalty`` once it appeared and ``frequency_penalty`` per time it appeared.
     logprobs: return each generated token's logprob (`GenerationResult.logprobs`, `StreamChunk.logprobs`).
@@ -292,8 +292,9 @@ def _check_penalties_and_logprobs(p: SamplingParams) -> None:
         raise InvalidRequestError(f"top_k must be an int >= 1, or 0 / -1 for all tokens, got {k!r}")
     object.__setattr__(p, "top_k", max(0, k))
     r = p.repetition_penalty
-    if not _is_number(r) or not 0 < r < math.inf:
-        raise InvalidRequestError(f"repetition_penalty must be a finite number > 0 (1 = off), got {r!r}")
+    if not _is_number(r) or not REPETITION_PENALTY_MIN <= r <= REPETITION_PENALTY_MAX:
+        raise InvalidRequestError(f"repetition_penalty must be a number in [{REPETITION_PENALTY_MIN:g}, "
+                                  f"{REPETITION_PENALTY_MAX:g}] (1 = off), got {r!r}")
     object.__setattr__(p, "repetition_penalty", float(r))
     for name in ("presence_penalty", "frequency_penalty"):
         v = getattr(p, name)
@@ -310,6 +311,9 @@ def _check_penalties_and_logprobs(p: SamplingParams) -> None:
 
 
 GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily (vLLM's _SAMPLING_EPS)
+# repetition_penalty's range: vLLM takes any r > 0, but a positive logit divided by a tiny r overflows float32 to
+# inf and the sampling softmax to NaN (1e-300 failed the request at decode); nobody means more than 100x either way
+REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX = 0.01, 100.0
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 SEED_MIN, SEED_END = -(2**63), 2**63  # accepted seeds: [SEED_MIN, SEED_END), a signed 64-bit int (as vLLM)
 

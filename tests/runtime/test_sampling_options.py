@@ -42,6 +42,7 @@ def _engine(tiny, path, **kw) -> PCREngine:
 # ------------------------------------------------------------------------------------------------ validation
 @pytest.mark.parametrize("bad", [
     dict(top_k=-2), dict(top_k=1.5), dict(top_k=True), dict(repetition_penalty=0), dict(repetition_penalty=-1.0),
+    dict(repetition_penalty=1e-300), dict(repetition_penalty=0.0099), dict(repetition_penalty=100.5),
     dict(repetition_penalty=math.inf), dict(repetition_penalty=math.nan), dict(presence_penalty=2.5),
     dict(frequency_penalty=-2.01), dict(frequency_penalty=math.nan), dict(presence_penalty="1"),
     dict(logprobs=1), dict(top_logprobs=21), dict(top_logprobs=-1), dict(top_logprobs=3),
@@ -125,7 +126,7 @@ def test_options_change_a_repetitive_greedy_answer_and_top_k_1_is_greedy(tiny, t
         assert _repeats(greedy) > 0, "the test needs a greedy answer that repeats a token"
         tiny_t = eng.submit(PROMPTS[1], SamplingParams(temperature=1e-7, seed=3)).result(timeout=120).token_ids
         top1 = eng.submit(PROMPTS[1], SamplingParams(temperature=1.3, top_k=1, seed=3)).result(timeout=120)
-        rep = eng.submit(PROMPTS[1], SamplingParams(repetition_penalty=1e4)).result(timeout=120).token_ids
+        rep = eng.submit(PROMPTS[1], SamplingParams(repetition_penalty=100.0)).result(timeout=120).token_ids
         freq = eng.submit(PROMPTS[1], SamplingParams(frequency_penalty=2.0)).result(timeout=120).token_ids
         pres = eng.submit(PROMPTS[1], SamplingParams(presence_penalty=2.0)).result(timeout=120).token_ids
     assert tiny_t == greedy and top1.token_ids == greedy
