@@ -33,6 +33,7 @@ test-fast: install
 
 lint: install
 	$(PY) -m ruff check .
+	$(PY) -m mypy  # the typed integrations ([tool.mypy] in pyproject.toml)
 
 # the docs site (MkDocs + Material) into site/; --strict: a broken link or a page missing from the nav fails
 docs: install

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing, closing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from langchain_core.language_models import LangSmithParams
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, model_validator
@@ -89,7 +89,7 @@ class PCRModelParams(BaseModel):
         return len(self.get_token_ids(text))
 
     # ------------------------------------------------------------------------------------------ metadata
-    _ls_model_type: ClassVar[str]  # "chat" or "llm"
+    _ls_model_type: ClassVar[Literal["chat", "llm"]]
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
@@ -124,7 +124,7 @@ class PCRModelParams(BaseModel):
         kwargs = dict(kwargs)
         explicit = kwargs.pop("documents", None)
         timeout = kwargs.pop("timeout", None) or self.timeout
-        defaults = SamplingParams(self.max_tokens, self.temperature, self.top_p, self.stop or (), self.seed)
+        defaults = SamplingParams(self.max_tokens, self.temperature, self.top_p, tuple(self.stop or ()), self.seed)
         params = SamplingParams.from_kwargs(defaults, stop=stop, **kwargs)
         engine = self._holder.get()
         docs = resolve_documents(engine, text, run_manager, explicit)
@@ -139,7 +139,7 @@ class PCRModelParams(BaseModel):
     def _chunk(self, piece: StreamChunk, call: ModelCall) -> Any:
         """The LangChain chunk for one engine `StreamChunk`: a text chunk, the closing chunk with the usage, or
         None for a token that added no text yet."""
-        if piece.is_final:
+        if piece.result is not None:  # the closing chunk (``is_final``)
             return self._final_chunk(piece.result, call)
         return self._text_chunk(piece.text) if piece.text else None
 

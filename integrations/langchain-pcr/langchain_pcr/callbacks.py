@@ -186,8 +186,8 @@ class PCRRetrievalCallback(BaseCallbackHandler):
                     evicted.extend(old)
             else:
                 evicted.append(ann)
-        for old in evicted:
-            old.release_unclaimed()
+        for stale in evicted:
+            stale.release_unclaimed()
         logger.debug("announced %d documents (retriever run %s)", len(texts), run_id)
 
     # ------------------------------------------------------------------------------------------ model side

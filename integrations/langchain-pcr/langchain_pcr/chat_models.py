@@ -7,7 +7,7 @@ import logging
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, cast
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
@@ -27,6 +27,7 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import BaseModel
 
 from langchain_pcr._base import ModelCall, PCRModelParams
 from langchain_pcr._common import generation_info, model_display_name, usage_metadata
@@ -98,7 +99,7 @@ class ChatPCR(PCRModelParams, BaseChatModel):
 
     streaming: bool = False
     chat_template: str | None = None
-    _ls_model_type: ClassVar[str] = "chat"
+    _ls_model_type: ClassVar[Literal["chat", "llm"]] = "chat"
 
     @property
     def _llm_type(self) -> str:
@@ -123,10 +124,10 @@ class ChatPCR(PCRModelParams, BaseChatModel):
             turns, kwargs["response_format"] = with_tools(turns, tools, choice, self.get_engine().tokenizer)
         elif kwargs.get("response_format") is not None:
             fmt = ResponseFormat.of(kwargs["response_format"])
-            if fmt.kind == "json_schema":  # the model sees the schema; after the documents
+            if fmt.kind == "json_schema" and fmt.schema is not None:  # the model sees the schema; after the documents
                 turns = add_instruction(turns, schema_instruction(fmt.schema), self.get_engine().tokenizer)
             kwargs["response_format"] = fmt
-        call = self._submit(lambda docs: ChatPrompt(turns, docs, chat_template_kwargs=self.chat_template_kwargs),
+        call = self._submit(lambda docs: ChatPrompt(tuple(turns), docs, chat_template_kwargs=self.chat_template_kwargs),
                             text, stop, run_manager, kwargs)
         return ToolModelCall(call.engine, call.handle, call.documents, tuple(tools) if choice != "none" else ())
 
@@ -164,11 +165,10 @@ class ChatPCR(PCRModelParams, BaseChatModel):
     def _chunk(self, piece: StreamChunk, call: ModelCall) -> ChatGenerationChunk | None:
         """As `PCRModelParams._chunk`; with tools bound, an answer that starts a call is held back and comes as
         one tool-call chunk with the closing chunk (plain-text answers stream as usual)."""
-        tools = _tools_of(call)
-        if not tools:
+        if not isinstance(call, ToolModelCall) or not call.tools:
             return super()._chunk(piece, call)
-        state = call.stream_state
-        if piece.is_final:
+        tools, state = call.tools, call.stream_state
+        if piece.result is not None:  # the closing chunk (``is_final``)
             # an incomplete call (cut by max_tokens) comes back as its text: a chunk's tool-call arguments would be
             # completed by LangChain's partial-JSON parser into a call the model never finished
             content, calls, _ = _answer(state.held, tools) if state.held else ("", [], [])
@@ -230,7 +230,7 @@ class ChatPCR(PCRModelParams, BaseChatModel):
         if method == "function_calling":
             name = convert_to_openai_tool(schema)["function"]["name"]
             llm = self.bind_tools([schema], tool_choice=name, ls_structured_output_format=ls_format)
-            parser = (PydanticToolsParser(tools=[schema], first_tool_only=True) if pydantic
+            parser = (PydanticToolsParser(tools=[cast("type[BaseModel]", schema)], first_tool_only=True) if pydantic
                       else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
         elif method in ("json_schema", "json_mode"):
             if method == "json_schema":
@@ -238,7 +238,8 @@ class ChatPCR(PCRModelParams, BaseChatModel):
             else:
                 fmt = ResponseFormat("json_object")
             llm = self.bind(response_format=fmt, ls_structured_output_format=ls_format)
-            parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()
+            parser = (PydanticOutputParser(pydantic_object=cast("type[BaseModel]", schema)) if pydantic
+                      else JsonOutputParser())
         else:
             raise ValueError(f"method must be 'json_schema', 'function_calling' or 'json_mode', got {method!r}")
         if not include_raw:

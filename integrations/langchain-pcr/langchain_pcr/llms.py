@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import LLM
@@ -37,7 +37,7 @@ class PCRLLM(PCRModelParams, LLM):
     chat_template: bool = True
     system: str | None = None
     streaming: bool = False
-    _ls_model_type: ClassVar[str] = "llm"
+    _ls_model_type: ClassVar[Literal["chat", "llm"]] = "llm"
 
     @property
     def _llm_type(self) -> str:
@@ -61,8 +61,10 @@ class PCRLLM(PCRModelParams, LLM):
 
     def _result(self, generations: list[Generation]) -> LLMResult:
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "cached_tokens": 0}
-        for g in generations:
-            u = g.generation_info["usage_metadata"]
+        for g in generations:  # each made by `_generation`, with its usage
+            u = (g.generation_info or {}).get("usage_metadata")
+            if u is None:
+                continue
             usage["prompt_tokens"] += u["input_tokens"]
             usage["completion_tokens"] += u["output_tokens"]
             usage["total_tokens"] += u["total_tokens"]

@@ -55,6 +55,12 @@ def test_structured_predict_sync_async_stream_and_structured_llm(llm) -> None:
     assert asyncio.run(llm.astructured_predict(Pet, PROMPT, name="rex")) == pet  # greedy: same tokens
     parts = list(llm.stream_structured_predict(Pet, PROMPT, name="rex"))
     assert parts[-1] == pet and len(parts) > 1, "partial objects come before the final one"
+
+    async def astream() -> list:
+        return [p async for p in await llm.astream_structured_predict(Pet, PROMPT, name="rex")]
+
+    aparts = asyncio.run(astream())
+    assert aparts[-1] == pet and len(aparts) == len(parts)
     sllm = llm.as_structured_llm(Pet)
     response = sllm.chat([ChatMessage(role=MessageRole.USER, content="Describe a pet called rex.")])
     assert isinstance(response.raw, Pet)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Sequence
 from contextlib import aclosing, closing
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -24,7 +24,7 @@ from llama_index.core.base.llms.types import (
     ThinkingBlock,
     ToolCallBlock,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.events.llm import (
     LLMStructuredPredictEndEvent,
@@ -77,7 +77,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["PCRLLM", "PCRRequestError"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-M = TypeVar("M")
+M = TypeVar("M", bound=BaseModel)
 dispatcher = get_dispatcher(__name__)
 
 
@@ -112,7 +112,7 @@ def _translate_errors(func: F) -> F:
 
     functools.update_wrapper(wrapper, func)
     del wrapper.__wrapped__
-    return wrapper  # type: ignore[return-value]
+    return wrapper
 
 _ROLES = {
     MessageRole.SYSTEM: "system",
@@ -257,7 +257,8 @@ class PCRLLM(FunctionCallingLLM):
         kwargs = dict(kwargs)
         explicit = kwargs.pop("documents", None)
         timeout = kwargs.pop("timeout", None) or self.timeout
-        defaults = SamplingParams(self.max_new_tokens, self.temperature, self.top_p, self.stop or (), self.seed)
+        defaults = SamplingParams(self.max_new_tokens, self.temperature, self.top_p, tuple(self.stop or ()),
+                                  self.seed)
         params = SamplingParams.from_kwargs(defaults, **kwargs)
         documents, units = self._documents(units, explicit)
         return self._engine.submit(make_prompt(documents, units), params, timeout=timeout)
@@ -293,7 +294,7 @@ class PCRLLM(FunctionCallingLLM):
         if not self.chat_template:
             chat, system = False, None
             if not formatted:
-                prompt = self.completion_to_prompt(prompt)
+                prompt = (self.completion_to_prompt or default_completion_to_prompt)(prompt)
         elif formatted:
             # LlamaIndex already ran completion_to_prompt and prepended system_prompt; wrap it in the chat
             # template unless a custom completion_to_prompt did the formatting itself
@@ -321,12 +322,12 @@ class PCRLLM(FunctionCallingLLM):
             kwargs["response_format"] = tool_call_format(tools, choice)
         elif kwargs.get("response_format") is not None:
             fmt = ResponseFormat.of(kwargs["response_format"])
-            if fmt.kind == "json_schema":  # the model sees the schema; after the documents
+            if fmt.kind == "json_schema" and fmt.schema is not None:  # the model sees the schema; after the documents
                 turns = add_instruction(turns, schema_instruction(fmt.schema), self._engine.tokenizer)
             kwargs["response_format"] = fmt
         callable_tools = tools if choice != "none" else ()
         handle = self._submit(
-            lambda docs, units: ChatPrompt([{**t, "content": u} for t, u in zip(turns, units)], docs,
+            lambda docs, units: ChatPrompt(tuple({**t, "content": u} for t, u in zip(turns, units)), docs,
                                            chat_template_kwargs=self.chat_template_kwargs),
             [t["content"] for t in turns], kwargs)
         return handle, functools.partial(_chat_response, tools=callable_tools), callable_tools
@@ -366,7 +367,7 @@ class PCRLLM(FunctionCallingLLM):
         return make(result.text, None, self._raw(result))
 
     def _responses(self, handle: RequestHandle, make: _MakeResponse,
-                   tools: Sequence[ToolSpec] = ()) -> Iterator[Any]:
+                   tools: Sequence[ToolSpec] = ()) -> Generator[Any, None, None]:
         """The one sync stream loop (see `_StreamResponses`). Closing the handle is a no-op once finished and
         cancels the request when the consumer stopped early."""
         convert = _StreamResponses(make, self._raw, tools)
@@ -374,7 +375,7 @@ class PCRLLM(FunctionCallingLLM):
             yield from (response for response in map(convert, handle) if response is not None)
 
     async def _aresponses(self, handle: RequestHandle, make: _MakeResponse,
-                          tools: Sequence[ToolSpec] = ()) -> AsyncIterator[Any]:
+                          tools: Sequence[ToolSpec] = ()) -> AsyncGenerator[Any, None]:
         """The one async stream loop (as `_responses`)."""
         convert = _StreamResponses(make, self._raw, tools)
         async with aclosing(handle):
@@ -481,13 +482,14 @@ class PCRLLM(FunctionCallingLLM):
         return result
 
     def _structured_stream_call(self, output_cls: type[M], prompt: BasePromptTemplate,
-                                llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> Iterator[Any]:
+                                llm_kwargs: dict[str, Any] | None = None,
+                                **prompt_args: Any) -> Generator[Any, None, None]:
         return GrammarProgram(self, output_cls, prompt).stream_call(llm_kwargs=llm_kwargs, **prompt_args)
 
     async def _structured_astream_call(self, output_cls: type[M], prompt: BasePromptTemplate,
                                        llm_kwargs: dict[str, Any] | None = None,
-                                       **prompt_args: Any) -> AsyncIterator[Any]:
-        return GrammarProgram(self, output_cls, prompt).astream_call(llm_kwargs=llm_kwargs, **prompt_args)
+                                       **prompt_args: Any) -> AsyncGenerator[Any, None]:
+        return await GrammarProgram(self, output_cls, prompt).astream_call(llm_kwargs=llm_kwargs, **prompt_args)
 
 
 _MakeResponse = Callable[[str, "str | None", "dict[str, Any] | None"], Any]
@@ -506,7 +508,7 @@ class _StreamResponses:
         self.calling: bool | None = None  # with tools: whether the answer is a call (held back until the end)
 
     def __call__(self, piece: StreamChunk) -> Any:
-        if piece.is_final:
+        if piece.result is not None:  # the closing chunk (``is_final``)
             return self.make(self.text, "", self.raw(piece.result))
         if not piece.text:
             return None

@@ -13,10 +13,11 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, Generator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.llms.types import ChatMessage, MessageRole, TextBlock, ToolCallBlock
+from llama_index.core.bridge.pydantic import BaseModel
 from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.program.utils import process_streaming_objects
 from llama_index.core.types import BasePydanticProgram, Model
@@ -113,7 +114,7 @@ def history_turn(message: ChatMessage, role: str, names: dict[str, str], native:
     return tool_history_turns("assistant", text, tool_calls=calls, native=native)
 
 
-def schema_format(output_cls: type) -> ResponseFormat:
+def schema_format(output_cls: type[BaseModel]) -> ResponseFormat:
     """``output_cls``'s JSON schema (objects closed) as a response format."""
     return ResponseFormat.json_schema(close_objects(output_cls.model_json_schema()))
 
@@ -160,9 +161,14 @@ class GrammarProgram(BasePydanticProgram[Model]):
 
     async def astream_call(self, *args: Any, llm_kwargs: dict[str, Any] | None = None,
                            **kwargs: Any) -> AsyncGenerator[Any, None]:
+        """As `stream_call`; awaited, it submits the request and returns the generator (as LlamaIndex awaits
+        ``program.astream_call(...)`` before iterating)."""
+        responses = await self._llm.astream_chat(self._messages(kwargs), **self._llm_kwargs(llm_kwargs))
+        return self._astream(responses)
+
+    async def _astream(self, responses: AsyncIterator[Any]) -> AsyncGenerator[Any, None]:
         current = None
         last = None
-        responses = await self._llm.astream_chat(self._messages(kwargs), **self._llm_kwargs(llm_kwargs))
         async for response in responses:
             last = response
             current = self._partial(response, current)
