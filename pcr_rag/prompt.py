@@ -477,8 +477,13 @@ class PromptBuilder:
             lines = [f"{m['role']}: {m['content']}" for m in messages]
             return "\n".join(lines) + "\nassistant:"
         extra = {**self.template_kwargs, **check_template_kwargs(template_kwargs)}
-        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
-                                                  **extra)
+        try:
+            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
+                                                      **extra)
+        except Exception as exc:  # noqa: BLE001 - the template refused this conversation or these variables
+            raise InvalidRequestError(
+                f"the chat template cannot render this conversation: {type(exc).__name__}: {exc} (check the roles "
+                f"and their order, and chat_template_kwargs: {sorted(extra)})") from exc
         if not isinstance(text, str):  # some tokenizers return a list for a single conversation
             text = text[0]
         return text

@@ -160,3 +160,15 @@ def test_pcrllm_passes_chat_template_and_kwargs_to_the_engine_it_builds(tmp_path
             PCRLLM(engine=llm._engine, chat_template="plain")
     finally:
         close_shared_engines()
+
+
+def test_a_conversation_the_template_refuses_is_a_request_error(tmp_path):
+    strict = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system turns') }}"
+              "{% endif %}{{ m.content }}{% endfor %}")
+    with _engine(tmp_path, chat_template=strict) as eng:
+        with pytest.raises(InvalidRequestError, match="no system turns"):
+            eng.submit(ChatPrompt([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]), ONE)
+        with pytest.raises(InvalidRequestError, match="cannot render"):  # a variable shadowing the template's helper
+            eng.submit(ChatPrompt([{"role": "system", "content": "s"}], chat_template_kwargs={"raise_exception": 1}),
+                       ONE)
+        assert _prompt_text(eng, ChatPrompt([{"role": "user", "content": "u"}])) == "u"
