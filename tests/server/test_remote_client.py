@@ -392,3 +392,53 @@ def test_an_announce_task_withdrawn_on_its_way_is_withdrawn_when_it_arrives(inte
     assert asyncio.run(run()) == before
     with pytest.raises(RuntimeError):
         RemoteEngine(url).announce_task(list(h.DOCS[:1]))
+
+
+def test_langchain_ainvoke_with_base_url_announces_off_the_loop_and_claims_it(interposed, h) -> None:
+    pytest.importorskip("langchain_pcr")
+    from langchain_core.documents import Document
+    from langchain_core.prompts import ChatPromptTemplate
+    from langchain_core.retrievers import BaseRetriever
+    from langchain_core.runnables import RunnablePassthrough
+    from langchain_pcr import ChatPCR, PCRRetrievalCallback
+
+    class Fixed(BaseRetriever):
+        def _get_relevant_documents(self, query, *, run_manager):
+            return [Document(page_content=d) for d in h.DOCS[:2]]
+
+    url, wrapper = interposed
+    engine = wrapper.state.engine
+    delay = 1.5
+    llm = ChatPCR(base_url=url, max_tokens=4)
+    template = ChatPromptTemplate.from_messages([("system", "Answer from the context."),
+                                                 ("human", "Context:\n{context}\n\nQuestion: {question}")])
+    chain = ({"context": Fixed() | (lambda docs: "\n\n".join(d.page_content for d in docs)),
+              "question": RunnablePassthrough()} | template | llm)
+    config = {"callbacks": [PCRRetrievalCallback(llm)]}
+    want = chain.invoke("What does pathlib do?", config=config).content
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        lags: list[float] = []
+        done = asyncio.Event()
+
+        async def ticker():
+            last = loop.time()
+            while not done.is_set():
+                await asyncio.sleep(0.01)
+                lags.append(loop.time() - last)
+                last = loop.time()
+
+        tick = asyncio.ensure_future(ticker())
+        await asyncio.sleep(0.05)
+        wrapper.plan["/v1/pcr/announce"] = [delay]
+        answer = await chain.ainvoke("What does pathlib do?", config=config)
+        done.set()
+        await tick
+        return answer.content, max(lags)
+
+    claimed = engine.stats().prefetch["claimed"]
+    answer, lag = asyncio.run(run())
+    assert answer == want and wrapper.count("/v1/pcr/announce", delay) == 1
+    assert lag < delay / 2, f"the event loop stalled {lag:.2f} s on announce"
+    assert engine.stats().prefetch["claimed"] == claimed + 1  # announced before the call, then claimed by it
