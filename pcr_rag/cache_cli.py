@@ -10,6 +10,10 @@
 
 The engine's identity is computed exactly as the engine does: the model is loaded and its forward's plan probed
 (no KV is computed), since a root hashes the weights' fingerprint and the plan. ``info --no-engine`` skips that.
+The plan comes from start-up probes of the GEMM library, whose summation order can change with the CPU type and
+the torch thread count (``--threads``): KV is shared only between engines with equal roots, so a directory or a
+remote store is worth sharing only between replicas on the same CPU type and thread count (``info`` lists the
+host each root was written on).
 Anything that deletes takes the directory's lock, so it refuses to run while an engine uses the directory.
 """
 
@@ -38,7 +42,7 @@ from pcr_rag.cache.maintenance import verify as verify_chunks
 from pcr_rag.cache.roots import RootIdentity
 from pcr_rag.cache.storage import LocalDirBackend
 from pcr_rag.config import EngineConfig, default_cache_dir
-from pcr_rag.errors import ConfigError
+from pcr_rag.errors import ConfigError, PCRError
 
 __all__ = ["add_arguments", "engine_identity", "parse_date", "run"]
 
@@ -240,6 +244,6 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     out = sys.stdout if out is None else out
     try:
         return {"info": _info, "prune": _prune, "verify": _verify}[args.action](args, out)
-    except (CacheDirLockedError, UnsafeCacheDirError, ConfigError, ValueError) as exc:
+    except (CacheDirLockedError, UnsafeCacheDirError, PCRError, ValueError) as exc:
         print(f"pcr-rag cache {args.action}: {exc}", file=sys.stderr)
         return 2

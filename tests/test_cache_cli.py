@@ -235,3 +235,25 @@ def test_verify_with_the_secret_catches_a_forgery_that_checksums_pass(tmp_path, 
     code, out = _cli(capsys, "verify", "--json", "--cache-dir", str(cache_dir), "--secret-env", "PCR_TEST_SECRET")
     bad = json.loads(out)["bad"]
     assert code == 1 and [b["name"] for b in bad] == [files[0]] and "forged" in bad[0]["reason"]
+
+
+def test_roots_keep_their_keys_across_the_upgrade(written, tmp_path):
+    """The engine's roots are the keys it computed before manifests existed (a cache written then stays usable)."""
+    from pcr_rag.cache.keys import namespace_key
+
+    model_dir = written[0]
+    with _engine(model_dir, tmp_path / "kv", 16) as eng:
+        plan, fp = eng.forward.plan_id, eng.loaded.fingerprint
+        assert eng.root_for(None) == namespace_key(fp, "float32", 16, f"{plan}|")
+        assert eng.root_for(TENANT) == namespace_key(fp, "float32", 16, f"{plan}||{TENANT}")
+
+
+def test_info_without_an_engine_lists_roots_without_loading_a_model(written, capsys):
+    _, cache_dir, files_a, files_b, _ = written
+    code, out = _cli(capsys, "info", "--no-engine", "--json", "--cache-dir", str(cache_dir),
+                     "--model", "/nonexistent/model")
+    info = json.loads(out)
+    assert code == 0 and info["current"] is None and not any(g["current"] for g in info["groups"])
+    assert sum(g["chunks"] for g in info["groups"]) == len(files_a) + len(files_b)
+    code = main(["cache", "info", "--cache-dir", str(cache_dir.parent / "missing")])
+    assert code == 2 and "no cache directory" in capsys.readouterr().err

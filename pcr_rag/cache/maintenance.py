@@ -126,6 +126,8 @@ def scan(backend: StorageBackend) -> DirScan:
             continue
         try:
             header, size = _read_header(backend, key)
+        except FileNotFoundError:
+            continue  # deleted since it was listed (an engine evicting)
         except (CorruptChunkError, OSError) as exc:
             unreadable.append((name, str(exc)))
             continue
@@ -309,6 +311,9 @@ def verify(backend: StorageBackend, *, sealer: Sealer | None = None, delete: boo
         checked += 1
         try:
             _verify_one(backend, key, sealer)
+        except FileNotFoundError:
+            checked -= 1  # deleted since it was listed
+            continue
         except ForgedChunkError as exc:
             bad.append((name, f"forged or written under another secret: {exc}"))
         except (CorruptChunkError, OSError) as exc:
