@@ -146,7 +146,7 @@ def documents_of(i: int, n_sets: int) -> list[str]:
     """Document set ``i``: its own topic first, then a neighbour's (so sets share second documents)."""
     def doc(t: str) -> str:
         return (f"The {t} of the world are studied by many scientists, who measure and map them each year, "
-                f"and who publish what they find about the {t} in open atlases. ") * 2
+                f"and who publish what they find about the {t} in open atlases. ") * 3
     return [doc(TOPICS[i % len(TOPICS)]), doc(TOPICS[(i + 1) % n_sets % len(TOPICS)])]
 
 

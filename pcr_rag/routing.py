@@ -47,8 +47,9 @@ from typing import Any
 
 from pcr_rag.errors import InvalidRequestError
 from pcr_rag.prompt import Doc
+from pcr_rag.requests import ChatPrompt, FlatPrompt
 
-__all__ = ["ROUTE_HEADER", "chat_head", "routing_key", "text_head"]
+__all__ = ["ROUTE_HEADER", "prompt_route", "routing_key"]
 
 #: The request header a proxy hashes on (deploy/haproxy/: ``balance hdr(X-PCR-Route)``).
 ROUTE_HEADER = "X-PCR-Route"
@@ -102,25 +103,44 @@ def routing_key(documents: Sequence[str | Doc], *, system: str | None = None, na
     return h.hexdigest()
 
 
-def text_head(text: str, first_document: str) -> str | None:
-    """The text before ``first_document`` in a prompt ``text`` (None when it does not occur there)."""
-    at = text.find(first_document)
-    return None if at < 0 else text[:at]
+def prompt_route(prompt: ChatPrompt | FlatPrompt) -> dict[str, str]:
+    """``{ROUTE_HEADER: key}`` for a prompt with documents, {} for one without (what `RemoteEngine` sends).
+
+    The leading document is the one that occurs first in the prompt (the messages' contents in order, or the
+    text), whatever the order of ``prompt.documents``, since that is where the KV chain leaves the head; the head
+    is the text before it (`chat_head`, or a completion's ``system`` and the text before it). A prompt in which no
+    document occurs routes by its first listed document, without a head."""
+    if not prompt.documents:
+        return {}
+    scopes = prompt.scopes or (None,) * len(prompt.documents)
+    best: tuple[tuple[int, int], int, str] | None = None  # ((message, offset), document index, head)
+    for i, document in enumerate(prompt.documents):
+        found = _locate(prompt, document)
+        if found is not None and (best is None or found[0] < best[0]):
+            best = (found[0], i, found[1])
+    if best is None:
+        return {ROUTE_HEADER: routing_key([Doc(prompt.documents[0], scopes[0])])}
+    _, i, head = best
+    return {ROUTE_HEADER: routing_key([Doc(prompt.documents[i], scopes[i])], system=head)}
 
 
-def chat_head(messages: Sequence[Mapping[str, Any]], first_document: str) -> str | None:
-    """The head of a chat before ``first_document``: each earlier message as ``role\\ncontent``, then the start of
-    the message that holds it (None when no message does). Template-independent: one chat template per server
-    renders equal heads equally. Content given as parts counts its text parts."""
-    before: list[str] = []
-    for message in messages:
-        role = str(message.get("role", ""))
-        content = message.get("content")
-        if isinstance(content, list):
-            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
-        content = "" if content is None else str(content)
-        at = content.find(first_document)
-        if at >= 0:
-            return "\x00".join([*before, f"{role}\n{content[:at]}"])
-        before.append(f"{role}\n{content}")
-    return None
+def _locate(prompt: ChatPrompt | FlatPrompt, document: str) -> tuple[tuple[int, int], str] | None:
+    """((message index, offset), head) of ``document``'s first occurrence in ``prompt``, or None."""
+    if isinstance(prompt, ChatPrompt):
+        before: list[str] = []
+        for m, message in enumerate(prompt.messages):
+            role, content = str(message.get("role", "")), _content_text(message.get("content"))
+            at = content.find(document)
+            if at >= 0:
+                return (m, at), "\x00".join([*before, f"{role}\n{content[:at]}"])
+            before.append(f"{role}\n{content}")
+        return None
+    at = prompt.text.find(document)
+    return None if at < 0 else ((0, at), f"{prompt.system or ''}\x00{prompt.text[:at]}")
+
+
+def _content_text(content: Any) -> str:
+    """A message's text: a string, or the text parts of a list of content parts."""
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+    return "" if content is None else str(content)
