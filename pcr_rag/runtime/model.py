@@ -477,8 +477,9 @@ def _resolve_source(model: str | os.PathLike, cache: ModelCache, *,
         try:
             snapshot = resolve_repo(repo, allow_download=allow_download)
         except FileNotFoundError as exc:  # ModelNotCachedError: say what else could have been meant
-            raise UnknownModelError(f"{exc}. Other model sources: a known alias ({_known_models_text()}), a local "
-                                    f"HF model directory or a .gguf file") from exc
+            raise UnknownModelError(f"{text!r} is no local file or directory; as a Hugging Face repo id: {exc}. Other "
+                                    f"model sources: a known alias ({_known_models_text()}), a local HF model "
+                                    f"directory or a .gguf file") from exc
         directory, _ = _model_directory(snapshot, cache)
         return directory, repo, f"hf:{repo}@{snapshot.name}"
     raise UnknownModelError(
