@@ -30,6 +30,7 @@ from pcr_rag.sim.experiment import (
     speed_check,
     sweep,
 )
+from pcr_rag.sim.fleet_cli import add_fleet_arguments, run_fleet_cli
 from pcr_rag.sim.profiles import PREFILL_STEP_MODES, ProfileError, get_profile, shipped_profile_names
 from pcr_rag.sim.remote_link import REMOTE_LINKS, get_link
 from pcr_rag.sim.replicas import two_replica_experiment
@@ -107,6 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --validate run: N > 1 runs quick's workload with N interleaved repeats of no-reuse, "
                         "dram-only and pcr only (about 8 minutes per repeat on 2 cores), so the paired interval of "
                         "the error narrows")
+    add_fleet_arguments(parser)
 
 
 def _budget(text: str) -> float | None:
@@ -142,6 +144,10 @@ def run(args: argparse.Namespace) -> int:
         if args.validate_repeats < 1 or (args.validate_repeats > 1 and args.validate != "run"):
             raise ValueError(f"--validate-repeats {args.validate_repeats}: a number >= 1, with --validate run "
                              "(a saved report keeps the repeats it was run with)")
+        if args.fleet_validate and not args.fleet:
+            raise ValueError("--fleet-validate goes with --fleet")
+        if args.fleet and (args.validate or args.two_replicas):
+            raise ValueError("--fleet runs on its own: leave out --validate and --two-replicas")
     except (ProfileError, UnknownSystemError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -154,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     settings = SimSettings(max_batch=max_batch, prefill_steps=args.prefill_steps, executor=executor,
                            itl_budget_steps=args.itl_budget)
+    if args.fleet:
+        return run_fleet_cli(args, profile, settings, say)
     if profile.device_is_host and args.systems is None:
         systems = [s for s in systems if not s.device_cache]  # a CPU has no device KV pool to cache in
     windows = list(args.windows)

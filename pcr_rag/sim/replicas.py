@@ -26,7 +26,7 @@ from pcr_rag.sim.systems import get_system
 __all__ = ["two_replica_experiment"]
 
 
-def _summary(res: SimResult) -> dict[str, Any]:
+def replica_summary(res: SimResult) -> dict[str, Any]:
     ttft = [o.ttft_s for o in res.outcomes]
     reused = {t: sum(o.reused.get(t, 0) for o in res.outcomes) for t in ("device", "dram", "ssd", "remote")}
     prompt = sum(o.prompt_tokens for o in res.outcomes)
@@ -63,7 +63,7 @@ def two_replica_experiment(profile: Profile, scenario: Scenario, settings: SimSe
     trace = at_rate(scenario.traces[slot], rate)
     warmup = at_rate(scenario.warmup, math.inf)
     base = settings.config(profile, system, scenario, chunk_size=chunk_size)
-    off = _summary(_serve(base, [trace]))
+    off = replica_summary(_serve(base, [trace]))
     out: dict[str, Any] = {"profile": profile.name, "rate": rate, "requests": len(trace), "cold_no_remote": off,
                            "links": {}}
     for link in links:
@@ -71,7 +71,7 @@ def two_replica_experiment(profile: Profile, scenario: Scenario, settings: SimSe
         cfg = replace(base, remote=link, remote_store=store)
         try:
             _serve(cfg, [warmup, trace] if warmup else [trace])  # replica A warms the store
-            cold = _summary(_serve(cfg, [trace]))  # replica B: empty local tiers, warm store
+            cold = replica_summary(_serve(cfg, [trace]))  # replica B: empty local tiers, warm store
         finally:
             MemoryRemoteStore.forget(store)
         cold["ttft_over_no_remote"] = cold["mean_ttft_s"] / off["mean_ttft_s"] if off["mean_ttft_s"] else math.nan

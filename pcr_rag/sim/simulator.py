@@ -45,7 +45,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -271,11 +271,19 @@ class Simulator:
             (
                 "prefetch_issued", "prefetch_loaded", "prefetch_wasted", "ssd_read_bytes", "ssd_read_busy_s",
                 "ssd_write_bytes", "ssd_write_busy_s", "h2d_bytes", "d2h_bytes", "compute_busy_s", "decode_steps",
-                "inserts_rejected", "max_queue", "prefetch_skipped", "remote_read_bytes", "remote_read_s",
+                "inserts_rejected", "max_queue", "prefetch_skipped", "remote_read_bytes", "remote_read_s", "remote_write_bytes",
             ),
             0,
         )
         self.trace: list[list[tuple[bytes, int, int]]] | None = [] if config.record_trace else None
+        #: How long fetching remote chunks takes: ``(now, [(key, bytes), ...]) -> seconds``; None: the link's
+        #: ``fetch_s`` of their bytes. A fleet sets it to its store's model (`pcr_rag.sim.fleet`: a node or the
+        #: shards of a cluster, shared by every replica).
+        self.remote_fetch: Callable[[float, list[tuple[bytes, int]]], float] | None = None
+        #: Chunks this replica offered to the remote tier (key -> bytes; with a remote tier only): every chunk
+        #: inserted locally is written through (`CacheEngine.insert`).
+        self.remote_offered: dict[bytes, int] = {}
+        self.remote_tracked = self.engine is not None and self.engine.remote is not None
         self._next_arrival = math.inf
         self._t_end = 0.0
 
@@ -312,36 +320,75 @@ class Simulator:
         cost. May be called again with another trace: the cache keeps its state (like a bench engine that serves
         warm-up and then every rate), and the new trace starts when the previous one has finished."""
         wall0 = time.perf_counter()
-        offset = self._t_end
-        for k in self.counters:
-            self.counters[k] = 0
-        if self.trace is not None:
-            self.trace = []
+        offset = self.open_trace()
         reqs = sorted(requests, key=lambda r: (r.arrival_s, r.rid))
-        self.outcomes = {}
         i = 0
         n = len(reqs)
         while True:
             t_arr = offset + reqs[i].arrival_s if i < n else math.inf
-            self._next_arrival = t_arr
-            t_ev = self._events[0][0] if self._events else math.inf
+            t_ev = self.next_event_s()
             if t_arr == math.inf and t_ev == math.inf:
                 break
             if t_arr <= t_ev:
-                self.clock.set(t_arr)
                 i += 1
-                self._next_arrival = offset + reqs[i].arrival_s if i < n else math.inf
-                self._on_arrival(reqs[i - 1], t_arr)
+                self.arrive(reqs[i - 1], t_arr, offset + reqs[i].arrival_s if i < n else math.inf)
                 continue
-            t, _, kind, data = heapq.heappop(self._events)
-            self.clock.set(t)
-            if kind == _PREFILL_DONE:
-                self._on_prefill_done(data, t)
-            elif kind == _EXEC_READY:
-                self.exec_busy = False
-                self._exec_ready(t, self._next_arrival)
-            elif kind == _PREFETCH_DONE:
-                self._on_prefetch_done(data, t)
+            self.step_event()
+        return self.close_trace(reqs, offset, wall0)
+
+    # The pieces of `run`, public so that `pcr_rag.sim.fleet` can interleave several simulators on one time line.
+    @property
+    def trace_end_s(self) -> float:
+        """When the last trace served ended (virtual seconds): a new trace's arrival times count from here."""
+        return self._t_end
+
+    def open_trace(self, offset: float | None = None) -> float:
+        """Start a trace at ``offset`` (default: the end of the previous one; never before it): counters and
+        outcomes reset. Returns the offset."""
+        offset = self._t_end if offset is None else max(offset, self._t_end)
+        self._t_end = offset
+        for k in self.counters:
+            self.counters[k] = 0
+        if self.trace is not None:
+            self.trace = []
+        self.outcomes = {}
+        return offset
+
+    def next_event_s(self) -> float:
+        """The virtual time of the next internal event (inf: none pending)."""
+        return self._events[0][0] if self._events else math.inf
+
+    def arrive(self, req: SimRequest, now: float, next_arrival: float) -> None:
+        """``req`` arrives at ``now`` (absolute virtual seconds); ``next_arrival``: when the next request may
+        arrive (the batched executors stop a decode run there to admit it; inf: no more)."""
+        self.clock.set(now)
+        self._next_arrival = next_arrival
+        self._on_arrival(req, now)
+
+    def set_next_arrival(self, next_arrival: float) -> None:
+        """When the next request may arrive (see `arrive`)."""
+        self._next_arrival = next_arrival
+
+    def step_event(self) -> None:
+        """Handle the next internal event (call only when `next_event_s` is finite)."""
+        t, _, kind, data = heapq.heappop(self._events)
+        self.clock.set(t)
+        if kind == _PREFILL_DONE:
+            self._on_prefill_done(data, t)
+        elif kind == _EXEC_READY:
+            self.exec_busy = False
+            self._exec_ready(t, self._next_arrival)
+        elif kind == _PREFETCH_DONE:
+            self._on_prefetch_done(data, t)
+
+    def load(self) -> int:
+        """Requests in this replica now: waiting, prefilling or decoding (what a least-loaded router counts)."""
+        busy = 1 if self._prefilling and self.cfg.executor_kind != "engine-steps" else 0
+        return len(self.waiting) + len(self.running) + len(self.rows) + busy
+
+    def close_trace(self, reqs: Sequence[SimRequest], offset: float, wall0: float) -> SimResult:
+        """The result of the trace opened at ``offset``, once every request of ``reqs`` (its requests, in arrival
+        order) is done; ``wall0``: the ``perf_counter`` reading when it started."""
         stats = self.engine.stats() if self.engine is not None else None
         outs = [self.outcomes[r.rid] for r in reqs]
         end = max((o.done_s for o in outs), default=offset)
@@ -488,7 +535,11 @@ class Simulator:
             cost = self.cm.prefill(work, overlap=self.sys.overlap)
             step_s, stall = list(cost.step_s), cost.stall_s
             if remote_tokens and self.cfg.remote is not None:  # fetched whole before the prefill starts
-                fetch = self.cfg.remote.fetch_s(remote_tokens * kb)
+                if self.remote_fetch is None:
+                    fetch = self.cfg.remote.fetch_s(remote_tokens * kb)
+                else:
+                    fetch = self.remote_fetch(now, [(plan[i].key, plan[i].num_tokens * kb) for i in ssd_read
+                                                    if tiers[i] is Tier.REMOTE])
                 step_s[0] += fetch
                 stall += fetch
                 self.counters["remote_read_bytes"] += remote_tokens * kb
@@ -535,7 +586,10 @@ class Simulator:
             self._store_computed(run, run.req.prompt_tokens, now)
             for i in run.ssd_read:
                 c = run.req.plan[i]
-                self.engine.insert(c, VirtualPayload(c.num_tokens * self.kv_bytes_per_token, self.num_layers))
+                fresh = self.remote_tracked and not self.engine.tiers_of(c.key)
+                payload = VirtualPayload(c.num_tokens * self.kv_bytes_per_token, self.num_layers)
+                if self.engine.insert(c, payload) and fresh:
+                    self._offered(c.key, c.num_tokens * self.kv_bytes_per_token)
             run.lease.release()
         self._refresh_prefetch(now)
 
@@ -547,8 +601,11 @@ class Simulator:
         written = ops = 0
         while run.stored < len(plan) and plan[run.stored].end <= position:
             c = plan[run.stored]
+            fresh = self.remote_tracked and not self.engine.tiers_of(c.key)
             if self.engine.insert(c, VirtualPayload(c.num_tokens * kb, self.num_layers)):
                 written += c.num_tokens * kb
+                if fresh:
+                    self._offered(c.key, c.num_tokens * kb)
             else:
                 self.counters["inserts_rejected"] += 1
             run.stored += 1
@@ -559,6 +616,12 @@ class Simulator:
             self.ssd_write_free = start + busy
             self.counters["ssd_write_bytes"] += written
             self.counters["ssd_write_busy_s"] += busy
+
+    def _offered(self, key: bytes, nbytes: int) -> None:
+        """A chunk new to this replica landed locally and went on to the store (its bytes cross the network:
+        ``SET NX`` sends the value whether or not another replica stored it first)."""
+        self.remote_offered[key] = nbytes
+        self.counters["remote_write_bytes"] += nbytes
 
     def _trim_device_cache(self) -> None:
         """Keep cached prefixes + running requests' KV within the device pool (the cache gives way)."""
