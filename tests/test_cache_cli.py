@@ -257,3 +257,29 @@ def test_info_without_an_engine_lists_roots_without_loading_a_model(written, cap
     assert sum(g["chunks"] for g in info["groups"]) == len(files_a) + len(files_b)
     code = main(["cache", "info", "--cache-dir", str(cache_dir.parent / "missing")])
     assert code == 2 and "no cache directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("body", [
+    "[" * 30_000 + "]" * 30_000,  # under the size limit, nested past the parser's recursion limit
+    "model-with-newline",  # a model name holding a line break and an escape sequence (log and terminal injection)
+    "nan-time",
+    "other-root",
+])
+def test_a_hostile_manifest_leaves_its_root_of_unknown_origin(copy, capsys, caplog, body):
+    model_dir, cache_dir, files_a, files_b, _ = copy
+    victim = next(p for p in (cache_dir / MANIFEST_DIR).glob("*.json") if '"chunk_size": 32' in p.read_text())
+    good = json.loads(victim.read_text())
+    if body == "model-with-newline":
+        body = json.dumps({**good, "model": "x\nERROR forged line \x1b[2J"})
+    elif body == "nan-time":
+        body = json.dumps({**good, "written_at": float("nan")})
+    elif body == "other-root":
+        body = json.dumps({**good, "root": "00" * 16})
+    victim.write_text(body)
+    code, out = _cli(capsys, "info", "--json", "--cache-dir", str(cache_dir), *_flags(model_dir))
+    groups = json.loads(out)["groups"]
+    assert code == 0 and [g["identity"] for g in groups if not g["current"]] == [None]
+    with caplog.at_level(logging.WARNING, logger="pcr_rag"), _engine(model_dir, cache_dir, 16):
+        pass
+    lines = [r.getMessage() for r in caplog.records if "cannot use" in r.getMessage()]
+    assert len(lines) == 1 and f"{len(files_b)} of unknown origin" in lines[0] and "\n" not in lines[0]

@@ -25,6 +25,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import Iterable, Mapping
@@ -53,6 +54,7 @@ log = logging.getLogger(__name__)
 MANIFEST_DIR = "roots"
 MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 1 << 16  # a manifest is a few hundred bytes; anything larger is not one
+MAX_TEXT_CHARS = 1024  # longest text field of a manifest (a plan id, a host description)
 _NAME_RE = re.compile(rf"^{MANIFEST_DIR}/([0-9a-f]{{{2 * KEY_BYTES}}})\.json$")
 _NS_PERSON = b"pcr-nsname-v1"
 
@@ -190,21 +192,34 @@ class RootManifest:
                 plan=_field(body, "plan", str), weights=_field(body, "weights", str))
             host = body.get("host", "")
             manifest = cls(bytes.fromhex(_field(body, "root", str)), identity, _field(body, "namespace_hash", str),
-                           float(_field(body, "written_at", (int, float))), host if isinstance(host, str) else "")
+                           float(_field(body, "written_at", (int, float))),
+                           _printable("host", host) if isinstance(host, str) else "")
+        except RecursionError:
+            raise ManifestError(f"manifest of root {root.hex()} is nested too deeply") from None
         except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
             if isinstance(exc, ManifestError):
                 raise
             raise ManifestError(f"manifest of root {root.hex()} is malformed: {exc}") from None
+        if not math.isfinite(manifest.written_at):
+            raise ManifestError(f"manifest of root {root.hex()} has no valid write time")
         if manifest.root != root:
             raise ManifestError(f"manifest stored for root {root.hex()} names root {manifest.root.hex()}")
         return manifest
+
+
+def _printable(name: str, value: str) -> str:
+    """``value`` when it is short and printable: a manifest's text reaches logs and terminals (no line breaks or
+    escape sequences planted there)."""
+    if len(value) > MAX_TEXT_CHARS or not value.isprintable():
+        raise ManifestError(f"manifest field {name!r} is too long or holds control characters")
+    return value
 
 
 def _field(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
     value = body.get(name)
     if not isinstance(value, kind) or isinstance(value, bool):
         raise ManifestError(f"manifest field {name!r} is missing or not a {kind}")
-    return value
+    return _printable(name, value) if isinstance(value, str) else value
 
 
 def attribute(links: Mapping[bytes, tuple[bytes, bool]]) -> dict[bytes, bytes | None]:
