@@ -170,9 +170,9 @@ OPTION_SETS = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_each_option_keeps_a_request_independent_of_its_batch_company(tmp_path, dtype):
     model, tok = tiny_model("llama", dtype=dtype)
-    with _engine((model, tok), tmp_path / "alone", dtype=dtype) as eng:
+    with _engine((model, tok), tmp_path / "alone", dtype=dtype, max_new_tokens=32) as eng:
         alone = [eng.submit(p, o).result(timeout=120) for p, o in zip(PROMPTS, OPTION_SETS)]
-    with _engine((model, tok), tmp_path / "busy", dtype=dtype) as eng:
+    with _engine((model, tok), tmp_path / "busy", dtype=dtype, max_new_tokens=32) as eng:
         for shift in range(2):  # each request in company of the three others, in two arrangements
             order = [(i + shift) % 4 for i in range(4)]
             handles = {i: eng.submit(PROMPTS[i], OPTION_SETS[i]) for i in order}
@@ -180,7 +180,8 @@ def test_each_option_keeps_a_request_independent_of_its_batch_company(tmp_path, 
             for i in range(4):
                 assert busy[i].token_ids == alone[i].token_ids, i
                 assert busy[i].logprobs == alone[i].logprobs, i  # bit for bit: floats compared with ==
-        assert eng.executor.decode_steps < sum(len(r.token_ids) for r in alone) * 2, "decode must be batched"
+        generated = 2 * sum(len(r.token_ids) for r in alone)
+        assert eng.executor.decode_steps < 0.7 * generated, "the requests must share decode steps"
 
 
 def test_openai_shapes_are_json_safe():
