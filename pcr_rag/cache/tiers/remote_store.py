@@ -18,6 +18,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pcr_rag.cache.config import CLUSTER_SCHEMES, RemoteConfig
 from pcr_rag.cache.errors import RemoteTimeoutError, RemoteUnavailableError
+from pcr_rag.errors import ConfigError
 
 __all__ = ["MemoryRemoteStore", "RedisStore", "RemoteStore", "open_store", "redacted_url"]
 
@@ -216,10 +217,15 @@ class MemoryRemoteStore:
 
 def open_store(config: RemoteConfig) -> RemoteStore:
     """The store a remote tier's URL names (``memory://name``: the shared in-process store; a ``+cluster`` scheme:
-    a ``ClusterStore``)."""
+    a ``ClusterStore``). Raises `ConfigError` for a Valkey/Redis URL when the redis package is not installed."""
     parts = urlsplit(str(config.url))
     if parts.scheme == "memory":
         return MemoryRemoteStore.named(parts.netloc + parts.path)
+    try:
+        import redis  # noqa: F401  (optional dependency, the "remote" extra: only a Valkey/Redis tier needs it)
+    except ModuleNotFoundError as exc:
+        raise ConfigError(f"remote_url {redacted_url(str(config.url))} needs the redis package: "
+                          f"pip install 'pcr-rag[remote]'") from exc
     if parts.scheme in CLUSTER_SCHEMES:
         from pcr_rag.cache.tiers.remote_cluster import ClusterStore  # imports this module
 
