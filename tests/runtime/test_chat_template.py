@@ -172,3 +172,20 @@ def test_a_conversation_the_template_refuses_is_a_request_error(tmp_path):
             eng.submit(ChatPrompt([{"role": "system", "content": "s"}], chat_template_kwargs={"raise_exception": 1}),
                        ONE)
         assert _prompt_text(eng, ChatPrompt([{"role": "user", "content": "u"}])) == "u"
+
+
+def test_pcr_rag_serve_has_the_vllm_named_flags(tmp_path):
+    import argparse
+
+    from pcr_rag.server import cli
+
+    parser = argparse.ArgumentParser(prog="pcr-rag serve")
+    cli.add_arguments(parser)
+    path = tmp_path / "t.jinja"
+    path.write_text(TEMPLATE)
+    args = parser.parse_args(["--chat-template", str(path), "--allow-download", "--cache-dir", str(tmp_path)])
+    engine = cli.serve_config(args, environ={}).engine
+    assert engine.chat_template == str(path) and engine.allow_download is True
+    args = parser.parse_args(["--chat-template", "no/such.jinja", "--cache-dir", str(tmp_path)])
+    with pytest.raises(ConfigError, match="neither a Jinja template"):
+        cli.serve_config(args, environ={})
