@@ -26,7 +26,8 @@ What is modelled:
   on the shard its key hashes to). Each node serves reads one after another at ``shard_bytes_per_s`` (default:
   the link's bandwidth), so replicas reading at once queue at a node; a request's remote chunks are fetched from
   their shards in parallel and arrive after ``rtt + max(slowest shard's queue + its bytes / shard bandwidth, all
-  bytes / the link's bandwidth)`` (`StoreModel`). Writes (write-through of every chunk new to a replica) are
+  bytes / the link's bandwidth)`` (`StoreModel`). Each read's speed feeds the replica's estimate as a real client's
+  reads do, so a replica facing a busy store recomputes instead of queueing (`Fleet`). Writes (write-through of every chunk new to a replica) are
   counted as network bytes but take no read bandwidth (another direction of the link).
 
 Reported per configuration (`FleetResult`): the share of prompt tokens served by each tier (device, DRAM, SSD,
@@ -72,6 +73,7 @@ ROUTINGS = ("round-robin", "least-loaded", "affinity", "bounded-affinity")
 REMOTE_MODES = ("off", "single", "cluster")
 RING_POINTS = 64  # points per replica on the consistent-hash ring
 TIERS = ("device", "dram", "ssd", "remote")
+SPEED_EWMA = 0.2  # weight of a read's speed in the replica's estimate (the remote client's own weight)
 _PERSON = b"pcr-sim-fleet"
 
 
@@ -351,7 +353,27 @@ class Fleet:
         self.store = store if remote is not None else None
         if self.store is not None:
             for sim in self.sims:
-                sim.remote_fetch = self.store.fetch_s
+                sim.remote_fetch = self._fetcher(sim)
+
+    def _fetcher(self, sim: Simulator) -> Callable[[float, list[tuple[bytes, int]]], float]:
+        """``sim``'s remote reads through the store model; each read's transfer speed (its bytes over its time
+        less the round trip, queueing at a node included) feeds the replica's speed estimate as the real client's
+        reads do (an exponential average, weight `SPEED_EWMA`), so its load-or-recompute decision sees a busy
+        store. On an idle store the speed read is the link's, so the estimate does not move."""
+        store = self.store
+        assert store is not None
+        client = sim.engine.remote.client if sim.engine is not None and sim.engine.remote is not None else None
+
+        def fetch(now: float, chunks: list[tuple[bytes, int]]) -> float:
+            seconds = store.fetch_s(now, chunks)
+            transfer = seconds - store.link.rtt_s
+            if client is not None and transfer > 0:
+                speed = sum(b for _, b in chunks) / transfer
+                old = client.read_bytes_per_s
+                client.observe(read_bytes_per_s=speed if old is None else (1 - SPEED_EWMA) * old + SPEED_EWMA * speed)
+            return seconds
+
+        return fetch
 
     def loads(self) -> list[int]:
         return [s.load() for s in self.sims]
