@@ -48,5 +48,10 @@ bench: install
 simulate: install
 	$(VENV)/bin/pcr-rag simulate --profile rtx4090-llama2-7b --json results/sim.json
 
+# re-execute the quickstart notebooks and save them with their outputs (tests/test_examples.py checks they are current)
+.PHONY: notebooks
+notebooks: install
+	$(PY) examples/execute_notebooks.py
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
