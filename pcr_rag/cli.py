@@ -22,6 +22,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "cache": ("pcr_rag.cache_cli", "see and manage an SSD cache directory: info, prune, verify"),
 }
 
+# the extra that installs what a subcommand imports beyond the core dependencies (pyproject.toml)
+EXTRAS: dict[str, str] = {"demo": "rag", "bench": "bench", "cache-bench": "bench", "serve": "serve"}
+
 # "pcr-rag <command> <name> ...": a sub-command of a sub-command, with its own module (same interface)
 NESTED: dict[tuple[str, str], tuple[str, str]] = {
     ("bench", "kernels"): ("pcr_rag.bench.kernels", "kernel benchmark: prefill, decode vs the memory roofline, "
@@ -57,7 +60,15 @@ def main(argv: list[str] | None = None) -> int:
         module_name, help_text = NESTED[(head.command, rest[0])]
         prog = f"{prog} {rest[0]}"
         rest = rest[1:]
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").split(".")[0]
+        if head.command not in EXTRAS or missing in ("", "pcr_rag"):
+            raise
+        extra = EXTRAS[head.command]
+        parser.exit(2, f"pcr-rag {head.command} needs the {missing} package, which the {extra!r} extra installs: "
+                       f"pip install 'pcr-rag[{extra}]'\n")
     sub_parser = argparse.ArgumentParser(prog=prog, description=help_text)
     module.add_arguments(sub_parser)
     args = sub_parser.parse_args(rest)

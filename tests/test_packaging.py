@@ -283,3 +283,19 @@ def test_integrations_install_from_their_folders_offline(tmp_path) -> None:
     _run([*pip, *INTEGRATIONS])
     _run(check)
     assert _run([py, "-c", ENGINE_SMOKE, str(site), str(tmp_path / "kv")], cwd=tmp_path).strip().endswith("ok")
+
+
+@pytest.mark.parametrize(("argv", "hidden", "extra"), [(["bench"], "matplotlib", "bench"),
+                                                      (["serve"], "fastapi", "serve")])
+def test_a_subcommand_without_its_extra_names_it(monkeypatch, capsys, argv, hidden, extra) -> None:
+    from pcr_rag.cli import main
+
+    for name in [m for m in sys.modules
+                 if m.split(".")[0] == hidden or m.startswith(("pcr_rag.bench", "pcr_rag.server"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, hidden, None)  # as if the extra were not installed
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert f"pcr-rag {argv[0]} needs the {hidden} package" in err and f"pip install 'pcr-rag[{extra}]'" in err
