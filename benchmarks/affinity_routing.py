@@ -14,7 +14,8 @@ namespace per fleet, so the fleets share nothing); one HAProxy per fleet (``hapr
 the header is the one users send.
 
 Trace: a seeded Zipf sequence (exponent ``--zipf``) over ``--documents`` document sets (two documents each, the
-first naming the set), each request with its own question. Request ``i`` goes to both fleets, in an order that
+first naming the set), each request with its own question, after a warm-up that asks about every set once (not
+measured: both fleets start with each set computed once). Request ``i`` goes to both fleets, in an order that
 alternates with ``i`` (interleaved: drift on the machine hits both); after each request both fleets flush their
 remote writes, so a chunk computed on one replica is in Valkey for the next request, whichever replica serves it.
 
@@ -22,9 +23,10 @@ The tiny model recomputes a chunk faster than it can load it, so the remote tier
 would skip remote chunks (a real model loads them): every remote chunk found is loaded, as tests/remote does.
 
 Reported per fleet: the local share (reused tokens served from the replica's own memory, device + DRAM, over all
-reused tokens), reused tokens by tier, mean server-side TTFT with a 95% interval, and the mean paired TTFT
-difference (affinity - round robin) with its interval. Every answer (token ids, greedy) is compared with a local
-engine that has the cache off: ``answers_equal`` is False if any differs.
+reused tokens), reused tokens by tier, mean server-side TTFT with a 95% interval, the requests each replica
+served, and the mean paired TTFT difference (affinity - round robin) with its interval. Every answer (token ids,
+greedy; warm-up included) is compared with a local engine that has the cache off: ``answers_equal`` is False if
+any differs.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ SYSTEM = "You answer questions about geography using only the documents given."
 TOPICS = ["rivers", "glaciers", "volcanoes", "deserts", "forests", "oceans", "islands", "caves", "canyons",
           "reefs", "dunes", "marshes", "lakes", "tundra", "plateaus", "deltas", "fjords", "savannas", "steppes",
           "lagoons"]
+REGIONS = ["northern", "southern", "eastern", "western", "central", "coastal", "alpine", "arctic"]
+MAX_SETS = len(TOPICS) * len(REGIONS)
 
 
 class HAProxyMissingError(RuntimeError):
@@ -143,11 +147,13 @@ def make_engine(cache_dir: Path, *, dram: int, remote_url: str | None, namespace
 
 
 def documents_of(i: int, n_sets: int) -> list[str]:
-    """Document set ``i``: its own topic first, then a neighbour's (so sets share second documents)."""
-    def doc(t: str) -> str:
-        return (f"The {t} of the world are studied by many scientists, who measure and map them each year, "
-                f"and who publish what they find about the {t} in open atlases. ") * 3
-    return [doc(TOPICS[i % len(TOPICS)]), doc(TOPICS[(i + 1) % n_sets % len(TOPICS)])]
+    """Document set ``i``: its own document first, then its neighbour's (so sets share second documents). Document
+    ``i`` is about topic ``i % 20`` in region ``i // 20``."""
+    def doc(j: int) -> str:
+        t, region = TOPICS[j % len(TOPICS)], REGIONS[j // len(TOPICS)]
+        return (f"The {t} of the {region} lands are studied by many scientists, who measure and map them each "
+                f"year, and who publish what they find about the {t} in open atlases. ") * 2
+    return [doc(i), doc((i + 1) % n_sets)]
 
 
 def prompt_of(docs: Sequence[str], question: str) -> ChatPrompt:
@@ -185,6 +191,7 @@ class FleetResult:
     local_share: float              # (device + DRAM reused tokens) / reused tokens
     ttft_mean_s: float
     ttft_ci_s: float
+    requests_per_replica: list[int]  # every request each replica served, warm-up included
 
 
 @dataclass(frozen=True)
@@ -200,17 +207,18 @@ class AffinityReport:
     mismatches: list[int] = field(default_factory=list)
 
 
-def _fleet_result(mode: str, results: list) -> FleetResult:
+def _fleet_result(mode: str, results: list, per_replica: list[int]) -> FleetResult:
     by_tier = {t: sum(r.metrics.reused_by_tier.get(t, 0) for r in results) for t in TIERS}
     reused = sum(by_tier.values())
     local = sum(by_tier[t] for t in LOCAL_TIERS)
     mean, ci = mean_ci([r.metrics.ttft_s for r in results])
     return FleetResult(mode=mode, requests=len(results), reused_tokens=reused,
                        prompt_tokens=sum(r.metrics.prompt_tokens for r in results), reused_by_tier=by_tier,
-                       local_share=local / reused if reused else 0.0, ttft_mean_s=mean, ttft_ci_s=ci)
+                       local_share=local / reused if reused else 0.0, ttft_mean_s=mean, ttft_ci_s=ci,
+                       requests_per_replica=per_replica)
 
 
-def run(*, n_requests: int = 160, n_sets: int = 12, exponent: float = 0.6, replicas: int = 2, seed: int = 0,
+def run(*, n_requests: int = 160, n_sets: int = 32, exponent: float = 0.6, replicas: int = 2, seed: int = 0,
         dram_fraction: float = 0.5, progress: Callable[[str], None] | None = None) -> AffinityReport:
     """The benchmark (module docstring). ``dram_fraction``: each replica's DRAM budget as a share of the KV of
     all document sets. Raises `HAProxyMissingError` without ``haproxy``, ``RuntimeError`` if Valkey cannot run."""
@@ -218,8 +226,11 @@ def run(*, n_requests: int = 160, n_sets: int = 12, exponent: float = 0.6, repli
 
     if shutil.which("haproxy") is None:
         raise HAProxyMissingError("haproxy is not installed (apt-get install haproxy)")
+    if not 1 <= n_sets <= MAX_SETS:
+        raise ValueError(f"n_sets must be 1..{MAX_SETS}, got {n_sets}")
     say = progress or (lambda _msg: None)
-    trace = zipf_trace(n_requests, n_sets, exponent, seed)
+    warmup = [(s, -1 - s) for s in range(n_sets)]  # each set once, in order: every fleet starts warm
+    trace = warmup + zipf_trace(n_requests, n_sets, exponent, seed)
     params = SamplingParams(max_new_tokens=4)
     with tempfile.TemporaryDirectory(prefix="pcr-affinity-") as tmp_name:
         tmp = Path(tmp_name)
@@ -248,23 +259,29 @@ def run(*, n_requests: int = 160, n_sets: int = 12, exponent: float = 0.6, repli
                 port = free_port()
                 proxies[mode] = HAProxy(render_haproxy(mode, f"127.0.0.1:{port}", addresses), port, tmp)
                 clients[mode] = RemoteEngine(proxies[mode].url, max_retries=0)
-            say(f"{replicas} replicas per fleet, DRAM {dram} bytes each, {n_requests} requests over {n_sets} sets")
+            say(f"{replicas} replicas per fleet, DRAM {dram} bytes each, {n_sets} warm-up + {n_requests} measured "
+                f"requests over {n_sets} sets")
             results: dict[str, list] = {m: [] for m in MODES}
             mismatches: list[int] = []
+            answers: dict[str, list[int]] = {}
             expected: dict[tuple[int, int], list[int]] = {}
             for i, (s, q) in enumerate(trace):
                 prompt = prompt_of(documents_of(s, n_sets), f"What do we know about item {q}?")
                 for mode in (MODES if i % 2 == 0 else MODES[::-1]):
-                    results[mode].append(clients[mode].submit(prompt, params).result(timeout=60))
+                    result = clients[mode].submit(prompt, params).result(timeout=60)
+                    answers[mode] = result.token_ids
+                    if i >= len(warmup):
+                        results[mode].append(result)
                     for engine in engines[mode]:
                         engine.flush(timeout=30)
                 key = (s, q)
                 if key not in expected:
                     expected[key] = list(reference.submit(prompt, params).result().token_ids)
-                if any(list(results[m][-1].token_ids) != expected[key] for m in MODES):
+                if any(list(answers[m]) != expected[key] for m in MODES):
                     mismatches.append(i)
                 if progress and (i + 1) % 40 == 0:
-                    say(f"{i + 1}/{n_requests} requests")
+                    say(f"{i + 1}/{len(trace)} requests")
+            served = {m: [e.stats().requests["requests_finished"] for e in engines[m]] for m in MODES}
         finally:
             for client in clients.values():
                 client.close()
@@ -277,7 +294,7 @@ def run(*, n_requests: int = 160, n_sets: int = 12, exponent: float = 0.6, repli
                     engine.close()
             reference.close()
             valkey.stop()
-    aff, rr = (_fleet_result(m, results[m]) for m in MODES)
+    aff, rr = (_fleet_result(m, results[m], served[m]) for m in MODES)
     diff_mean, diff_ci = mean_ci([a.metrics.ttft_s - b.metrics.ttft_s
                                   for a, b in zip(results["affinity"], results["roundrobin"])])
     return AffinityReport(affinity=aff, roundrobin=rr,
@@ -289,7 +306,7 @@ def run(*, n_requests: int = 160, n_sets: int = 12, exponent: float = 0.6, repli
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=160)
-    p.add_argument("--documents", type=int, default=12, help="document sets in the trace (at most 20)")
+    p.add_argument("--documents", type=int, default=32, help=f"document sets in the trace (at most {MAX_SETS})")
     p.add_argument("--zipf", type=float, default=0.6, help="Zipf exponent of the document sets' popularity")
     p.add_argument("--replicas", type=int, default=2, help="replicas per fleet")
     p.add_argument("--dram-fraction", type=float, default=0.5,
@@ -297,15 +314,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="also write the report here")
     args = p.parse_args(argv)
-    if not 1 <= args.documents <= len(TOPICS):
-        p.error(f"--documents must be 1..{len(TOPICS)}")
+    if not 1 <= args.documents <= MAX_SETS:
+        p.error(f"--documents must be 1..{MAX_SETS}")
     report = run(n_requests=args.requests, n_sets=args.documents, exponent=args.zipf, replicas=args.replicas,
                  seed=args.seed, dram_fraction=args.dram_fraction,
                  progress=lambda m: print(m, file=sys.stderr, flush=True))
     for fleet in (report.affinity, report.roundrobin):
         tiers = ", ".join(f"{t} {n}" for t, n in fleet.reused_by_tier.items())
         print(f"{fleet.mode:>10}: local share {fleet.local_share:.3f} of {fleet.reused_tokens} reused tokens "
-              f"({tiers}); mean TTFT {fleet.ttft_mean_s * 1e3:.2f} ms +- {fleet.ttft_ci_s * 1e3:.2f}")
+              f"({tiers}); mean TTFT {fleet.ttft_mean_s * 1e3:.2f} ms +- {fleet.ttft_ci_s * 1e3:.2f}; requests per "
+              f"replica {fleet.requests_per_replica}")
     print(f"local share ratio (affinity / round robin): {report.share_ratio:.2f}")
     print(f"paired TTFT difference (affinity - round robin): {report.ttft_diff_mean_s * 1e3:+.2f} ms "
           f"+- {report.ttft_diff_ci_s * 1e3:.2f} (95%)")

@@ -8,8 +8,11 @@ prefix to the same replica, whose DRAM then holds that prefix.
     client.chat.completions.create(..., extra_body={"documents": docs},
                                    extra_headers={ROUTE_HEADER: routing_key(docs)})
 
-`pcr_rag.RemoteEngine` sets the header on every request with documents (and the integrations' ``base_url`` mode
-goes through it). A request without documents carries no header: the proxy's fallback (round robin) takes it.
+`pcr_rag.RemoteEngine` sets the header on every request with documents (`prompt_route`; the integrations'
+``base_url`` mode goes through it). It passes no ``namespace``: a client cannot tell whether the server separates
+tenants, and the unkeyed hash travels next to the document's own text anyway; callers that want tenant-keyed
+headers send their own. A request without documents carries no header: the proxy's fallback (round robin) takes
+it.
 
 What the key depends on, and why:
 

@@ -170,8 +170,9 @@ def test_affinity_serves_more_reuse_from_local_dram_than_round_robin_with_equal_
             pytest.fail(reason + " (PCR_RAG_REQUIRE_HAPROXY=1)")
         pytest.skip(reason)
     bench = load_bench()
-    report = bench.run(n_requests=48, n_sets=12, exponent=0.6, seed=0)
+    report = bench.run(n_requests=48, n_sets=32, exponent=0.6, dram_fraction=0.5, seed=0)
     assert report.answers_equal, f"answers differ from the cache-off engine at requests {report.mismatches}"
     aff, rr = report.affinity, report.roundrobin
     assert aff.reused_tokens > 0 and rr.reused_by_tier["remote"] > 0  # round robin did go to the store
     assert report.share_ratio >= 1.5, (aff, rr)
+    assert min(aff.requests_per_replica) > 0  # the header spread the sets over both replicas
