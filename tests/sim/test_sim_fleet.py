@@ -174,3 +174,16 @@ def test_spec_checks():
         FleetSpec(2, "random", "off", FAST)
     with pytest.raises(FleetConfigError, match="top_k"):
         FleetWorkload(num_documents=2, top_k=3)
+
+
+def test_behind_a_saturated_store_node_replicas_recompute_instead_of_queueing():
+    # 32 replicas read more than one node of the link serves; a cluster of 8 such nodes keeps up
+    builder = FleetTraceBuilder(FleetWorkload(num_documents=2000), PROFILE.model)
+    rate = 0.9 * replica_capacity_rps(PROFILE, builder, SETTINGS, sample=100)
+    res = {mode: run_fleet(PROFILE, FleetSpec(32, "round-robin", mode, FAST), builder, SETTINGS,
+                           rate_per_replica=rate, requests_per_replica=30, dram_bytes=16 * GB, ssd_bytes=32 * GB)
+           for mode in ("off", "single", "cluster")}
+    # the node's queue slows its reads, the replicas' speed estimates drop, and they recompute more
+    assert 0 < res["single"].tier_share["remote"] < 0.8 * res["cluster"].tier_share["remote"]
+    assert res["single"].tier_share["recompute"] > res["cluster"].tier_share["recompute"]
+    assert res["off"].tier_share["recompute"] >= res["single"].tier_share["recompute"]
