@@ -159,7 +159,7 @@ class ResponseDecoder:
     def _logprobs(self, choice: dict[str, Any], ids: list[int]) -> list[TokenLogprob] | None:
         """The choice's logprobs (OpenAI's chat ``content`` list, or the completions endpoint's parallel lists),
         one `TokenLogprob` per token of ``ids``; kept for the result. An alternative's id is -1 unless the server
-        sends ``token_id``."""
+        sends ``token_id``; the legacy shape has no bytes (the token text's UTF-8 stands in)."""
         lp = choice.get("logprobs")
         if not lp:
             return None

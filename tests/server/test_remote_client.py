@@ -135,6 +135,37 @@ def test_scoped_documents_travel_and_are_shared_across_tenants_only_when_shared(
         assert a.cancel_announcement(ticket) is True
 
 
+def wire_view(logprobs, chat: bool) -> list:
+    """Logprobs as they survive OpenAI's shapes: token, value (-inf as -9999), the alternatives' text and value
+    (their ids do not travel); chat also the bytes, while the legacy completions shape has none and keys the
+    alternatives by text (two tokens of one text keep one entry)."""
+    def value(x: float) -> float:
+        return -9999.0 if x == float("-inf") else x
+
+    def alternatives(e):
+        pairs = [(t.token, value(t.logprob)) for t in e.top_logprobs]
+        return pairs if chat else dict(pairs)
+
+    return [(e.token_id, e.token, e.bytes if chat else None, value(e.logprob), alternatives(e)) for e in logprobs]
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_new_sampling_fields_and_logprobs_equal_the_local_engine(remote, reference, h, chat) -> None:
+    prompt = (ChatPrompt(h.rag_messages(h.DOCS[:2]), h.DOCS[:2]) if chat
+              else FlatPrompt("Context: " + h.DOCS[0] + "\nQ: what joins paths?\nA:", (h.DOCS[0],), chat=False))
+    params = SamplingParams(max_new_tokens=8, temperature=0.9, seed=7, top_k=5, repetition_penalty=1.3,
+                            presence_penalty=0.5, frequency_penalty=0.3, logprobs=True, top_logprobs=2)
+    want = reference.submit(prompt, params).result()
+    plain = reference.submit(prompt, SamplingParams(max_new_tokens=8, temperature=0.9, seed=7)).result()
+    assert plain.token_ids != want.token_ids, "the options must change the tiny model's answer, or this proves nothing"
+    got = remote.submit(prompt, params).result()
+    assert got.token_ids == want.token_ids and got.text == want.text
+    assert wire_view(got.logprobs, chat) == wire_view(want.logprobs, chat) and len(want.logprobs) == len(want.token_ids)
+    pieces = list(remote.submit(prompt, params))
+    assert tokens(pieces) == want.token_ids
+    assert wire_view([p.logprobs for p in pieces[:-1]], chat) == wire_view(want.logprobs, chat)
+
+
 # ------------------------------------------------------------------------------------------------ retries
 def test_a_draining_server_503_is_retried_sync_async_and_streamed(interposed, reference, h) -> None:
     url, wrapper = interposed
