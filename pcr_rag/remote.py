@@ -13,8 +13,8 @@ Every `SamplingParams` field that differs from its default is sent, by its OpenA
 send raises `InvalidRequestError` before any call, so nothing is dropped silently. The server's extensions go in
 ``extra_body`` too: ``documents`` (each a string, or ``{"text", "scope"}`` when it has a sharing scope, see
 `pcr_rag.Doc`), ``return_token_ids``, ``chat_template``, ``system``, and a `ChatPrompt`'s
-``chat_template_kwargs``. The server's own routes (``/v1/pcr/announce``, its ``DELETE``, ``/tokenize``) go through the SDK client's raw ``post`` / ``delete``; the model card through
-``client.models.list()``. A request with documents carries ``X-PCR-Route`` (`pcr_rag.routing`: a hash of its first
+``chat_template_kwargs``. The server's own routes (``/v1/pcr/announce``, its ``DELETE``, ``/tokenize``) go through
+the SDK client's raw ``post`` / ``delete``; the model card through ``client.models.list()``. A request with documents carries ``X-PCR-Route`` (`pcr_rag.routing`: a hash of its first
 document and the head before it), so a proxy hashing on it sends it to the replica that holds those documents.
 
 `RemoteHandle` behaves as `RequestHandle`: one stream per handle (sync or async) of `StreamChunk`s closed by a
