@@ -69,7 +69,7 @@ from pcr_rag.server.schemas import (
     usage_body,
 )
 from pcr_rag.server.settings import ServerSettings
-from pcr_rag.server.streaming import DONE, SSEResponse, sse
+from pcr_rag.server.streaming import DONE, LogprobBuffer, SSEResponse, sse
 from pcr_rag.server.tools import ToolCallStream, answer_message
 
 log = logging.getLogger(__name__)
@@ -396,14 +396,16 @@ def create_app(engine: PCREngine, settings: ServerSettings | None = None, *, own
         chat = req.kind == "chat"
         usage_field = {"usage": None} if req.include_usage else {}
         calls = [ToolCallStream(req.tools) for _ in handles]
+        logprobs = [LogprobBuffer(req.kind) for _ in handles]  # each token's logprob goes with the next chunk sent
 
         def chunk(index: int, text: str, finish: str | None = None, token_ids: list[int] | None = None,
                   delta: dict[str, Any] | None = None) -> bytes:
+            lp = logprobs[index].take()
             if chat:
                 body = chat_chunk(rid, created, model, delta if delta is not None else {"content": text}, finish,
-                                  token_ids, index=index)
+                                  token_ids, index=index, logprobs=lp)
             else:
-                body = completion_chunk(rid, created, model, text, finish, token_ids, index=index)
+                body = completion_chunk(rid, created, model, text, finish, token_ids, index=index, logprobs=lp)
             return sse({**body, **usage_field})
 
         if chat:
@@ -424,6 +426,7 @@ def create_app(engine: PCREngine, settings: ServerSettings | None = None, *, own
                     yield chunk(index, "", finish=finish, delta={})
                     continue
                 token_ids = [piece.token_id] if req.return_token_ids else None
+                logprobs[index].add(piece.logprobs)
                 if not chat:
                     if piece.text or token_ids:
                         yield chunk(index, piece.text, token_ids=token_ids)

@@ -84,9 +84,31 @@ class ChatMessageOut(_Open):
     tool_calls: list[ToolCallOut] | None = None
 
 
+class TopLogprobOut(_Open):
+    """A likely token at a position: its text, natural-log probability (-9999 stands for -inf) and UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobOut(TopLogprobOut):
+    """A generated token's logprob and its most likely alternatives (``top_logprobs``), most likely first."""
+
+    top_logprobs: list[TopLogprobOut]
+
+
+class ChatLogprobs(_Open):
+    """A choice's logprobs (with ``logprobs: true``), one entry per generated token."""
+
+    content: list[TokenLogprobOut] | None
+    refusal: list[TokenLogprobOut] | None = None
+
+
 class ChatChoice(_Open):
     index: int
     message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
@@ -99,9 +121,19 @@ class ChatCompletion(_Open):
     usage: Usage
 
 
+class CompletionLogprobs(_Open):
+    """The legacy endpoint's logprobs (with ``logprobs: n``): parallel lists, one entry per generated token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(_Open):
     index: int
     text: str
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
 
 

@@ -8,10 +8,13 @@ OpenAI field names and bounds and are the API's published schema (``/openapi.jso
 400, not a crash) and turns it into a `GenerationRequest` (an engine prompt plus `SamplingParams`), or raises an
 `APIError` (400) that names the field (``param``) and says what to send instead; nothing reaches the engine
 before the whole body is valid. The OpenAI sampling names map through `SamplingParams.from_kwargs`
-(``max_tokens`` / ``max_completion_tokens``, ``temperature`` (below ``GREEDY_BELOW``: greedy, as vLLM), ``top_p``,
-``stop``, ``seed``). Options with no
-equivalent here (logprobs, penalties, legacy ``functions``, ...) are rejected when set to anything but their
-neutral value; fields this server does not know are accepted and ignored (logged at debug level), as vLLM's models
+(``max_tokens`` / ``max_completion_tokens``, ``temperature`` (below `GREEDY_BELOW`: greedy, as vLLM), ``top_p``,
+``stop``, ``seed``, ``presence_penalty``, ``frequency_penalty``, and vLLM's ``top_k`` and ``repetition_penalty``);
+a value the engine refuses is a 400 naming the field. Logprobs: chat takes ``logprobs: bool`` and ``top_logprobs``
+(0 to 20) and answers OpenAI's ``{"content": [...], "refusal": null}``; the legacy completions endpoint takes
+``logprobs: int`` (the number of alternatives, 0 to 20: the sampled token's logprob plus that many) and answers its
+parallel lists (`chat_logprobs`, `completion_logprobs`). Options with no equivalent here (``logit_bias``, legacy
+``functions``, ...) are rejected when set to anything but their neutral value; fields this server does not know are accepted and ignored (logged at debug level), as vLLM's models
 do (``extra="allow"``). ``response_format`` (both endpoints, as vLLM: ``text``, ``json_object``, ``json_schema``;
 also vLLM-style ``regex`` / ``grammar``) constrains the output with the engine's grammar-constrained decoding
 (`pcr_rag.runtime.grammar`), exactly as the engine's own ``response_format`` (no instruction is added to the
@@ -37,6 +40,9 @@ Extensions (OpenAI clients send them through ``extra_body``):
   scope must agree with its entry);
 - ``return_token_ids: bool``: the choices carry ``token_ids`` (and ``prompt_token_ids``), as vLLM's extension; a
   stream then sends one chunk per generated token, text or not;
+- chat only: ``chat_template_kwargs: {...}``: extra variables for the chat template (e.g. ``{"enable_thinking":
+  false}``), over the server's ``--chat-template-kwargs`` (`ChatPrompt.chat_template_kwargs`; names the engine sets
+  itself, such as ``messages``, are refused);
 - completions only: ``chat_template: bool`` (default False: the prompt is continued as raw text, as OpenAI's
   legacy endpoint does; True wraps it as one user turn of the model's chat template) and ``system: str``.
 
@@ -56,8 +62,19 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pcr_rag.errors import InvalidRequestError
-from pcr_rag.prompt import Doc, split_documents
-from pcr_rag.requests import ChatPrompt, FlatPrompt, GenerationResult, SamplingParams
+from pcr_rag.prompt import Doc, check_template_kwargs, split_documents
+from pcr_rag.requests import (
+    GREEDY_BELOW,
+    MAX_TOP_LOGPROBS,
+    REPETITION_PENALTY_MAX,
+    REPETITION_PENALTY_MIN,
+    ChatPrompt,
+    FlatPrompt,
+    GenerationResult,
+    SamplingParams,
+    chat_logprobs,
+    completion_logprobs,
+)
 from pcr_rag.runtime.grammar import ResponseFormat
 from pcr_rag.server.errors import APIError
 from pcr_rag.server.tools import AnswerMessage
@@ -91,9 +108,6 @@ __all__ = [
 ]
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # the sampler's seed is a signed 64-bit integer
-# temperatures below this sample greedily (vLLM's convention): dividing fp32 logits by a vanishing temperature
-# overflows them to inf and the sampler's probabilities to NaN
-GREEDY_BELOW = 1e-5
 # choices per request at most: each is a request of its own in the engine's queue, so one body cannot fill it
 MAX_CHOICES = 8
 
@@ -103,19 +117,14 @@ _TURN_ROLES = frozenset({*_CHAT_ROLES, "tool"})
 # OpenAI options this server cannot honour, and the values that mean "off" (accepted silently).
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "functions": (None, []), "function_call": (None, "none"),
-    "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "audio": (None,),
+    "logit_bias": (None, {}), "audio": (None,),
     "modalities": (None, ["text"]), "prediction": (None,), "best_of": (None, 1), "echo": (None, False),
     "suffix": (None, ""),
 }
 _WHAT_TO_DO = {
     "functions": "legacy function calling is not supported; send 'tools' instead",
     "function_call": "legacy function calling is not supported; send 'tool_choice' instead",
-    "logprobs": "log probabilities are not returned by this server; remove 'logprobs'",
-    "top_logprobs": "log probabilities are not returned by this server; remove 'top_logprobs'",
     "logit_bias": "logit_bias is not supported; remove it",
-    "presence_penalty": "penalties are not supported; remove 'presence_penalty' (or send 0)",
-    "frequency_penalty": "penalties are not supported; remove 'frequency_penalty' (or send 0)",
     "audio": "audio output is not supported; remove 'audio'",
     "modalities": "only text output is supported; send modalities=['text'] or leave it out",
     "prediction": "predicted outputs are not supported; remove 'prediction'",
@@ -277,9 +286,15 @@ class _Generation(_Body):
     return_token_ids: bool | None = Field(None, description="vLLM extension: the choices carry token ids")
     user: str | None = None
     logit_bias: dict[str, float] | None = None
-    logprobs: bool | int | None = None
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="OpenAI's: a generated token's logit "
+                                                                          "loses this once it appeared")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="OpenAI's: a generated token's logit "
+                                                                            "loses this per time it appeared")
+    top_k: int | None = Field(None, ge=-1, description="vLLM extension: sample among the k most likely tokens; 0 "
+                                                       "or -1 = all")
+    repetition_penalty: float | None = Field(
+        None, ge=REPETITION_PENALTY_MIN, le=REPETITION_PENALTY_MAX,
+        description="vLLM extension: the logits of the prompt's and the answer's tokens divided by it (1 = off)")
     response_format: dict[str, Any] | None = Field(
         None, description="{'type': 'text' | 'json_object' | 'json_schema' | 'regex' | 'grammar', ...}")
 
@@ -302,8 +317,11 @@ class ChatCompletionRequest(_Generation):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0)
+    logprobs: bool | None = Field(None, description="return each generated token's logprob")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                     description="alternatives per token with their logprobs (needs logprobs)")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM extension: extra chat-template variables, e.g. {'enable_thinking': false}")
     tools: list[Tool] | None = Field(None, description="functions the model may call (one call per answer)")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = Field(None, description="accepted; an answer holds at most one call")
@@ -327,7 +345,8 @@ class CompletionRequest(_Generation):
     prompt: str | list[str] = Field(description="one prompt string (or a list of exactly one)")
     chat_template: bool | None = Field(None, description="pcr extension: wrap the prompt as one user turn")
     system: str | None = Field(None, description="pcr extension: the system turn (needs chat_template)")
-    logprobs: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                 description="legacy: return logprobs with this many alternatives per token")
     best_of: int | None = Field(None, ge=1)
     echo: bool | None = None
     suffix: str | None = None
@@ -434,11 +453,17 @@ def parse_chat_request(raw: bytes, tokenizer: Any) -> GenerationRequest:
         raise APIError.bad_request(f"tools: {exc}", param="tools") from None
     chars = sum(len(t["content"].strip()) for t in turns)
     try:
-        prompt = ChatPrompt(tuple(turns), docs)
+        template_kwargs = check_template_kwargs(body.chat_template_kwargs) if body.chat_template_kwargs else None
+    except InvalidRequestError as exc:
+        raise APIError.bad_request(str(exc), param="chat_template_kwargs") from None
+    try:
+        prompt = ChatPrompt(tuple(turns), docs, chat_template_kwargs=template_kwargs)
     except InvalidRequestError as exc:
         raise APIError.bad_request(str(exc), param="messages") from None
     callable_tools = tools if choice != NONE else ()
-    return _request("chat", body, prompt, max_tokens, chars, tool_format or response_format, callable_tools)
+    logprobs = {"logprobs": body.logprobs, "top_logprobs": body.top_logprobs}
+    return _request("chat", body, prompt, max_tokens, chars, tool_format or response_format, callable_tools,
+                    logprobs)
 
 
 def parse_completion_request(raw: bytes) -> GenerationRequest:
@@ -458,7 +483,9 @@ def parse_completion_request(raw: bytes) -> GenerationRequest:
         prompt = FlatPrompt(text, docs, chat, body.system)
     except InvalidRequestError as exc:
         raise APIError.bad_request(str(exc), param="prompt") from None
-    return _request("completion", body, prompt, max_tokens, chars, response_format)
+    # legacy semantics: logprobs=n returns the sampled token's logprob and the n most likely alternatives
+    logprobs = {} if body.logprobs is None else {"logprobs": True, "top_logprobs": body.logprobs}
+    return _request("completion", body, prompt, max_tokens, chars, response_format, logprobs=logprobs)
 
 
 def request_documents(documents: list[str | DocumentIn] | None, scopes: list[str | None] | None) -> tuple[Doc, ...]:
@@ -534,7 +561,7 @@ def _tools(body: ChatCompletionRequest) -> tuple[tuple[ToolSpec, ...], str]:
 
 def _request(kind: Literal["chat", "completion"], body: _Generation, prompt: ChatPrompt | FlatPrompt,
              max_tokens: int | None, chars: int, response_format: ResponseFormat | None = None,
-             tools: tuple[ToolSpec, ...] = ()) -> GenerationRequest:
+             tools: tuple[ToolSpec, ...] = (), logprobs: dict[str, Any] | None = None) -> GenerationRequest:
     n = 1 if body.n is None else body.n
     if n > MAX_CHOICES:
         raise APIError.bad_request(f"n={n} is more than this server's {MAX_CHOICES} choices per request; send "
@@ -553,13 +580,29 @@ def _request(kind: Literal["chat", "completion"], body: _Generation, prompt: Cha
     if temperature is not None and temperature < GREEDY_BELOW:
         temperature = 0.0
     try:
-        params = SamplingParams.from_kwargs(max_tokens=max_tokens, temperature=temperature, top_p=body.top_p,
-                                            stop=stop or None, seed=body.seed, response_format=response_format)
+        params = SamplingParams.from_kwargs(
+            max_tokens=max_tokens, temperature=temperature, top_p=body.top_p, stop=stop or None, seed=body.seed,
+            response_format=response_format, top_k=body.top_k, repetition_penalty=body.repetition_penalty,
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, **(logprobs or {}))
     except InvalidRequestError as exc:  # the models' bounds come first; what is left is the engine's word
-        raise APIError.bad_request(str(exc)) from None
+        raise APIError.bad_request(str(exc), param=_sampling_param(str(exc), kind)) from None
     return GenerationRequest(kind=kind, model=body.model, prompt=prompt, params=params, stream=stream,
                              include_usage=include_usage, return_token_ids=bool(body.return_token_ids),
                              prompt_chars=chars, n=n, tools=tools)
+
+
+def _sampling_param(message: str, kind: Literal["chat", "completion"]) -> str | None:
+    """The request field a `SamplingParams` error is about: its messages open with the field's name (``top_k must
+    be ...``, ``top_logprobs needs ...``), named here as the wire names it (``max_new_tokens`` is ``max_tokens``;
+    the completions endpoint's ``logprobs`` carries both logprob fields)."""
+    name = message.split(" ", 1)[0].split("=", 1)[0]
+    if name not in SamplingParams.names():
+        return None
+    if name == "max_new_tokens":
+        return "max_tokens"
+    if kind == "completion" and name == "top_logprobs":
+        return "logprobs"
+    return name
 
 
 def _max_tokens(body: _Generation, *names: str) -> int | None:
@@ -680,7 +723,8 @@ def chat_response(rid: str, created: int, model: str, results: Sequence[Generati
     """A chat completion: choice ``i`` is ``results[i]``, its message ``answers[i]`` (text or tool call)."""
     choices: list[dict[str, Any]] = []
     for index, (result, answer) in enumerate(zip(results, answers)):
-        choice: dict[str, Any] = {"index": index, "message": answer.message(), "logprobs": None,
+        choice: dict[str, Any] = {"index": index, "message": answer.message(),
+                                  "logprobs": None if result.logprobs is None else chat_logprobs(result.logprobs),
                                   "finish_reason": answer.finish_reason}
         if return_token_ids:
             choice["token_ids"] = list(result.token_ids)
@@ -696,7 +740,8 @@ def completion_response(rid: str, created: int, model: str, results: Sequence[Ge
                         return_token_ids: bool) -> dict[str, Any]:
     choices: list[dict[str, Any]] = []
     for index, result in enumerate(results):
-        choice: dict[str, Any] = {"index": index, "text": result.text, "logprobs": None,
+        logprobs = None if result.logprobs is None else completion_logprobs(result.logprobs)
+        choice: dict[str, Any] = {"index": index, "text": result.text, "logprobs": logprobs,
                                   "finish_reason": result.finish_reason}
         if return_token_ids:
             choice["token_ids"] = list(result.token_ids)
@@ -707,16 +752,20 @@ def completion_response(rid: str, created: int, model: str, results: Sequence[Ge
 
 
 def chat_chunk(rid: str, created: int, model: str, delta: dict[str, Any], finish_reason: str | None = None,
-               token_ids: list[int] | None = None, *, index: int = 0) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+               token_ids: list[int] | None = None, *, index: int = 0,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One chat stream chunk; ``logprobs``: the `chat_logprobs` of the tokens it carries (None: none)."""
+    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
 
 
 def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason: str | None = None,
-                     token_ids: list[int] | None = None, *, index: int = 0) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+                     token_ids: list[int] | None = None, *, index: int = 0,
+                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One completions stream chunk; ``logprobs``: the `completion_logprobs` of the tokens it carries."""
+    choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}

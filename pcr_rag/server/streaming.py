@@ -4,6 +4,10 @@
 (or the server cancels the request task at shutdown) the iterator's task is cancelled, which cancels the engine
 request inside `RequestHandle.__anext__` (its pinned chunks and KV row are freed at the next engine step), and the
 iterator's ``finally`` runs. No token is produced for a reader that is gone.
+
+`LogprobBuffer` holds a choice's token logprobs until a chunk is sent: a token whose text is empty (mid-character,
+or a tool call's name still incomplete) sends no chunk of its own, so its logprob rides on the next chunk that is
+sent, and every token's logprob is sent exactly once, in order.
 """
 
 from __future__ import annotations
@@ -13,14 +17,16 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Literal
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from pcr_rag.requests import TokenLogprob, chat_logprobs, completion_logprobs
+
 log = logging.getLogger(__name__)
 
-__all__ = ["DONE", "SSEResponse", "sse"]
+__all__ = ["DONE", "LogprobBuffer", "SSEResponse", "sse"]
 
 DONE = b"data: [DONE]\n\n"
 
@@ -28,6 +34,32 @@ DONE = b"data: [DONE]\n\n"
 def sse(payload: dict[str, Any]) -> bytes:
     """One ``data:`` event holding ``payload`` as compact JSON."""
     return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+class LogprobBuffer:
+    """One choice's logprobs not sent yet. ``take`` empties it into the shape of the endpoint: chat's
+    ``{"content": [...], "refusal": null}``, or the legacy completions' parallel lists whose ``text_offset`` goes
+    on from the entries taken before (so the offsets equal a non-streamed answer's)."""
+
+    def __init__(self, kind: Literal["chat", "completion"]) -> None:
+        self.kind = kind
+        self.pending: list[TokenLogprob] = []
+        self.offset = 0
+
+    def add(self, entry: TokenLogprob | None) -> None:
+        if entry is not None:
+            self.pending.append(entry)
+
+    def take(self) -> dict[str, Any] | None:
+        """The pending entries as the chunk's ``logprobs`` (None when there are none), and forget them."""
+        if not self.pending:
+            return None
+        entries, self.pending = self.pending, []
+        if self.kind == "chat":
+            return chat_logprobs(entries)
+        out = completion_logprobs(entries, self.offset)
+        self.offset += sum(len(e.token) for e in entries)
+        return out
 
 
 class SSEResponse(Response):

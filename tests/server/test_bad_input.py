@@ -56,7 +56,9 @@ def test_every_bad_request_is_rejected_before_the_engine(http, engine, h) -> Non
     assert "send several requests" in error["message"]
     assert_error(post("/v1/chat/completions", json=chat_body(engine, h, tools=[{"type": "function"}])), 400,
                  param="tools[0].function")
-    assert_error(post("/v1/chat/completions", json=chat_body(engine, h, logprobs=True)), 400, param="logprobs")
+    assert_error(post("/v1/chat/completions", json=chat_body(engine, h, logit_bias={"5": 1.0})), 400,
+                 param="logit_bias")
+    assert_error(post("/v1/chat/completions", json=chat_body(engine, h, top_logprobs=2)), 400, param="top_logprobs")
     no_schema = {"type": "json_schema", "json_schema": {"name": "no schema"}}
     error = assert_error(post("/v1/chat/completions", json=chat_body(engine, h, response_format=no_schema)), 400,
                          param="response_format")
