@@ -128,9 +128,9 @@ def plot(report: Mapping[str, Any], out: str | Path, *, host: str | None = None,
             speedups.append(f"at {rate:.2g} req/s, first tokens with the cache on come " + ", ".join(parts))
     n = sorted({bar.n for bar in bars.values()})
     host_text = host or f"{env.get('cpus', '?')} CPUs"
+    preset = " --quick" if config.get("quick") else " --standard" if config.get("standard") else ""
     lines = [
-        f"{host_text}; "
-        f"pcr-rag bench ({report.get('kind', 'bench')}), {str(report.get('created_utc', '?'))[:10]}; "
+        f"{host_text}; pcr-rag bench{preset}, {str(report.get('created_utc', '?'))[:10]}",
         f"{'/'.join(map(str, n))} requests per bar; whiskers: 95% bootstrap interval of the mean",
         *speedups,
     ]
