@@ -15,6 +15,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,12 +46,12 @@ def test_mkdocs_build_strict(tmp_path: Path):
                           cwd=ROOT, capture_output=True, text=True, timeout=540,
                           env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    config_page = (site / "configuration" / "index.html").read_text(encoding="utf-8")
+    config_page = (site / "configuration.html").read_text(encoding="utf-8")
     for f in dataclasses.fields(EngineConfig):
         assert f"<code>{f.name}</code>" in config_page, f"EngineConfig.{f.name} missing from the built reference"
     assert "--remote-secret-file" in config_page
-    assert 'class="mermaid"' in (site / "how-it-works" / "index.html").read_text(encoding="utf-8")
-    api = (site / "api" / "index.html").read_text(encoding="utf-8")
+    assert 'class="mermaid"' in (site / "how-it-works.html").read_text(encoding="utf-8")
+    api = (site / "api.html").read_text(encoding="utf-8")
     for name in ("PCREngine", "EngineConfig", "SamplingParams", "Doc", "ChatPCR", "PCRRetrievalCallback"):
         assert name in api, f"{name} missing from the API reference"
     assert (site / "assets" / "ttft.png").is_file()
@@ -69,6 +70,19 @@ def test_config_reference_lists_every_field_with_its_flag():
             assert any(flag in row for row in rows), f"{cls.__name__}.{f.name}: no {flag} in {rows}"
     secret = next(line for line in page.splitlines() if line.startswith("| **`remote_secret`**<br>"))
     assert "--remote-secret-file PATH" in secret  # a secret is read from a file, never given as a value
+
+
+def _python_blocks(path: Path) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```$", path.read_text(encoding="utf-8"), re.M | re.S)
+
+
+def test_integration_pages_show_the_readmes_tested_snippets():
+    """The LlamaIndex and LangChain pages open with the README's snippets (which tests/test_readme.py runs), word
+    for word, so the site never shows an untested copy."""
+    readme = _python_blocks(ROOT / "README.md")
+    for page, marker in (("llamaindex.md", "SimpleDirectoryReader"), ("langchain.md", "ChatPCR")):
+        ours = next(b for b in readme if marker in b)
+        assert _python_blocks(ROOT / "docs" / page)[0] == ours, f"docs/{page}'s first block differs from the README's"
 
 
 def _run(system: str, rate: float | str, ttfts: list[float]) -> dict:
