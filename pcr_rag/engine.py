@@ -293,40 +293,26 @@ class PCREngine:
     # handle (iterate it for `StreamChunk`s, ``.result()`` afterwards), agenerate* await it, astream* are stream*
     # for ``async for``. Sampling keywords (``response_format`` too): see `SamplingParams`; ``timeout`` as for
     # `submit`.
-    def generate(self, query: str, documents: Sequence[str | Doc] = (), *, system: str | None = None,
-                 max_new_tokens: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
-                 stop: Sequence[str] | str | None = None, seed: int | None = None,
-                 response_format: Any = None, timeout: float | None = None, namespace: str | None = None,
-                 scopes: Sequence[str | None] | None = None) -> GenerationResult:
+    def generate(self, query: str, documents: Sequence[str | Doc] = (), **kwargs: Any) -> GenerationResult:
         """Answer ``query`` over ``documents`` (in order, each cached as its own token run; a str or a `Doc` with
-        its sharing scope each, or ``scopes`` alongside; ``namespace`` as for `submit`)."""
-        return self.submit(RagPrompt(query, documents, system, scopes),
-                           SamplingParams(max_new_tokens, temperature, top_p, stop, seed, response_format),
-                           timeout=timeout, namespace=namespace).result()
+        its sharing scope each, or ``scopes`` alongside; ``system``, ``namespace`` as for `submit`): `stream`,
+        waited for. Every `SamplingParams` field (``max_new_tokens`` / ``max_tokens``, ``temperature``,
+        ``top_k``, the penalties, ``logprobs``, ...) is a keyword; an unknown keyword raises `TypeError`."""
+        return self.stream(query, documents, **kwargs).result()
 
     def generate_prompt(self, prompt: str, documents: Sequence[str | Doc] = (), *, chat: bool = True,
-                        system: str | None = None, max_new_tokens: int | None = None, temperature: float = 0.0,
-                        top_p: float = 1.0, stop: Sequence[str] | str | None = None, seed: int | None = None,
-                        response_format: Any = None, timeout: float | None = None, namespace: str | None = None,
-                        scopes: Sequence[str | None] | None = None) -> GenerationResult:
+                        **kwargs: Any) -> GenerationResult:
         """A flat prompt that contains ``documents`` verbatim, in order (a framework's rendered template); see
-        `FlatPrompt`. ``chat=True`` wraps the prompt as one user turn of the model's chat template."""
-        return self.submit(FlatPrompt(prompt, documents, chat, system, scopes),
-                           SamplingParams(max_new_tokens, temperature, top_p, stop, seed, response_format),
-                           timeout=timeout, namespace=namespace).result()
+        `FlatPrompt`. ``chat=True`` wraps the prompt as one user turn of the model's chat template. `stream_prompt`,
+        waited for (keywords as `generate`)."""
+        return self.stream_prompt(prompt, documents, chat=chat, **kwargs).result()
 
-    def generate_messages(self, messages: Sequence[Mapping[str, Any]], documents: Sequence[str | Doc] = (), *,
-                          max_new_tokens: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
-                          stop: Sequence[str] | str | None = None, seed: int | None = None,
-                          response_format: Any = None, timeout: float | None = None, namespace: str | None = None,
-                          scopes: Sequence[str | None] | None = None,
-                          chat_template_kwargs: dict[str, Any] | None = None) -> GenerationResult:
+    def generate_messages(self, messages: Sequence[Mapping[str, Any]], documents: Sequence[str | Doc] = (),
+                          **kwargs: Any) -> GenerationResult:
         """A chat conversation ([{"role", "content"}]) rendered with the chat template (``chat_template_kwargs``:
         this request's extra template variables); ``documents`` found in the rendered text get their own token
-        runs."""
-        return self.submit(ChatPrompt(messages, documents, scopes, chat_template_kwargs),
-                           SamplingParams(max_new_tokens, temperature, top_p, stop, seed, response_format),
-                           timeout=timeout, namespace=namespace).result()
+        runs. `stream_messages`, waited for (keywords as `generate`)."""
+        return self.stream_messages(messages, documents, **kwargs).result()
 
     def stream(self, query: str, documents: Sequence[str | Doc] = (), *, system: str | None = None,
                timeout: float | None = None, namespace: str | None = None,
