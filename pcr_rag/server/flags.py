@@ -12,7 +12,11 @@ Annotations and their flags (an ``Optional`` one also takes ``none``):
 - ``int``; ``float`` (finite: NaN and inf are refused); ``str``, ``Path`` and ``Any`` -> a string
 - ``int | str`` and an ``int`` field named ``*_bytes`` -> a byte size, an int or a string like ``2GiB`` (an int)
 - ``Literal[...]`` -> one of its values
-- ``tuple[str, ...]`` -> a repeatable flag; ``dict[str, ...]`` -> a repeatable ``KEY=VALUE`` flag (string values)
+- ``tuple[str, ...]`` -> a repeatable flag; ``dict[str, ...]`` -> a repeatable flag taking a JSON object
+  (``'{"enable_thinking": false}'``, as vLLM's ``--default-chat-template-kwargs``) or ``KEY=VALUE`` whose value is
+  read as JSON (``enable_thinking=false`` is the boolean false, ``n=2`` a number, ``x='"2"'`` the string "2"); a
+  value that is not JSON is a string (``name=Ada``), except Python's ``True`` / ``False`` / ``None``, which are
+  refused naming their JSON spelling: as a string, "False" would be true in a template's ``if``
 - a field declared with ``repr=False`` holds a secret: it gets ``--<name>-file PATH`` (key ``<name>_file`` in a
   file) instead of a value flag, because a value on the command line shows in ``ps``; `read_secret_file` reads it.
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import json
 import math
 import os
 import re
@@ -108,10 +113,7 @@ class FlagSpec:
                 raise ValueError(f"expected one of {', '.join(self.choices)}, got {text!r}")
             return text
         if self.kind == "dict":
-            name, sep, value = text.partition("=")
-            if not sep or not name.strip():
-                raise ValueError(f"expected KEY=VALUE, got {text!r}")
-            return name.strip(), value
+            return _dict_items(text)
         if self.kind == "secret":
             return read_secret_file(text)
         if self.kind == "bool":
@@ -159,6 +161,34 @@ class FlagSpec:
         if shown is not None:
             text = f"{text} (default: {shown})"
         return text.replace("%", "%%")
+
+
+_PYTHON_WORDS = {"True": "true", "False": "false", "None": "null"}
+
+
+def _dict_items(text: str) -> tuple[tuple[str, Any], ...]:
+    """One occurrence of a dict flag as (key, value) pairs: a JSON object, or ``KEY=VALUE`` (see the module
+    docstring); ValueError says why not."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"expected a JSON object or KEY=VALUE, got {text!r} ({exc})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"expected a JSON object or KEY=VALUE, got {text!r}")
+        return tuple(value.items())
+    name, sep, raw = text.partition("=")
+    if not sep or not name.strip():
+        raise ValueError(f"expected KEY=VALUE (the value read as JSON) or a JSON object, got {text!r}")
+    if raw.strip() in _PYTHON_WORDS:
+        raise ValueError(f"{name.strip()}={raw.strip()}: write JSON's {_PYTHON_WORDS[raw.strip()]} (the string "
+                         f"{raw.strip()!r} would count as true in a template); quote it for the string: "
+                         f"{name.strip()}='\"{raw.strip()}\"'")
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        value = raw  # not JSON: the text itself
+    return ((name.strip(), value),)
 
 
 def _finite(value: float) -> float:
@@ -345,7 +375,9 @@ def given(args: argparse.Namespace, specs: Iterable[FlagSpec]) -> dict[str, Any]
     for spec in specs:
         if hasattr(args, spec.dest):
             value = getattr(args, spec.dest)
-            out[spec.field] = tuple(value) if spec.kind == "list" else dict(value) if spec.kind == "dict" else value
+            if spec.kind == "dict":  # each occurrence gave (key, value) pairs; a later one wins
+                value = {key: item for pairs in value for key, item in pairs}
+            out[spec.field] = tuple(value) if spec.kind == "list" else value
     return out
 
 

@@ -104,7 +104,7 @@ def test_a_full_command_line_builds_the_engine_and_server_configs(tmp_path):
     assert (e.max_new_tokens, e.announce_ttl_s, e.max_queue, e.max_active, e.max_model_len) == (9, 7.5, 11, 3, None)
     assert (e.prefill_chunk_tokens, e.itl_budget_steps, e.schedule, e.weights, e.warmup, e.freeze_gc) == (
         64, None, "fcfs", "int8", False, False)
-    assert (e.io_workers, e.model_cache_dir, e.extra) == (1, str(tmp_path / "models"), {"a": "1", "b": "x=y"})
+    assert (e.io_workers, e.model_cache_dir, e.extra) == (1, str(tmp_path / "models"), {"a": 1, "b": "x=y"})
     assert (e.remote_url, e.remote_capacity, e.remote_ttl_s, e.remote_namespace) == (
         "redis://cache:6379/0", 2**30 * 2, 60.0, "ns")
     assert (e.remote_connect_timeout_s, e.remote_timeout_s, e.remote_breaker_errors, e.remote_breaker_backoff_s,
@@ -156,6 +156,18 @@ def test_api_keys_come_from_the_flags_else_the_environment():
     assert configs(["--api-key", "k3"], environ={cli.API_KEY_ENV: "k1"}).server.api_keys == ("k3",)
 
 
+@pytest.mark.parametrize("argv, want", [
+    (["--chat-template-kwargs", "enable_thinking=false"], {"enable_thinking": False}),  # the boolean, not "false"
+    (["--chat-template-kwargs", '{"enable_thinking": false, "depth": 2}'], {"enable_thinking": False, "depth": 2}),
+    (["--chat-template-kwargs", "tags=[\"a\", 1]", "--chat-template-kwargs", "name=Ada",
+      "--chat-template-kwargs", "quoted=\"2\""], {"tags": ["a", 1], "name": "Ada", "quoted": "2"}),
+    (["--chat-template-kwargs", '{"a": 1, "b": 2}', "--chat-template-kwargs", "b=null"], {"a": 1, "b": None}),
+])
+def test_dict_flags_read_json_values_as_vllm_does(argv, want):
+    """``enable_thinking=false`` as the string "false" would be true in the template's ``if``: values are JSON."""
+    assert configs(argv).engine.chat_template_kwargs == want
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--port", "http"], "expected an integer"),
     (["--dram", "lots"], "not a byte size"),
@@ -165,6 +177,10 @@ def test_api_keys_come_from_the_flags_else_the_environment():
     (["--eviction", "mru"], "expected one of lookahead-lru, lru"),
     (["--log-level", "loud"], "expected one of critical"),
     (["--extra", "novalue"], "KEY=VALUE"),
+    (["--chat-template-kwargs", "enable_thinking=False"], "write JSON's false"),
+    (["--chat-template-kwargs", "x=None"], "write JSON's null"),
+    (["--chat-template-kwargs", '{"enable_thinking": fals}'], "expected a JSON object or KEY=VALUE"),
+    (["--chat-template-kwargs", "{" * 100_000], "expected a JSON object or KEY=VALUE"),  # too deep: no crash
     (["--remote-secret", "s3cret-on-the-command-line"], "--remote-secret is not accepted"),
     (["--remote-secret=s3cret-on-the-command-line"], "pass --remote-secret-file PATH"),
     (["--remote-sec", "/run/secret"], "unrecognized arguments"),  # no abbreviations
