@@ -46,7 +46,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -252,6 +252,7 @@ class RemoteEngine:
     def request_arguments(self, prompt: Prompt, params: SamplingParams) -> tuple[bool, dict[str, Any]]:
         """(chat endpoint?, the keyword arguments of ``create``) for ``prompt`` and ``params``."""
         extra: dict[str, Any] = {"return_token_ids": True}
+        args: dict[str, Any]
         if isinstance(prompt, ChatPrompt):
             chat, args = True, {"messages": [dict(m) for m in prompt.messages]}
             if prompt.chat_template_kwargs:
@@ -410,7 +411,7 @@ class RemoteEngine:
                                             extra_headers=self.headers)
         except Exception as exc:  # noqa: BLE001
             raise remote_error(exc, self.base_url) from None
-        cards = [card.to_dict() for card in page.data]
+        cards: list[dict[str, Any]] = [card.to_dict() for card in page.data]
         if not cards:
             raise RemoteEngineError(f"{self.base_url}/v1/models lists no model")
         card = next((c for c in cards if c.get("id") == self.model), cards[0]) if self.model else cards[0]
@@ -534,7 +535,7 @@ class RemoteHandle:
         self._result = self._decoder.whole(response.to_dict())
         return self._result
 
-    def __await__(self):
+    def __await__(self) -> Generator[Any, None, GenerationResult]:
         return self.aresult().__await__()
 
     # ------------------------------------------------------------------------------------------ streaming
@@ -597,8 +598,9 @@ class RemoteHandle:
         return self._pending.popleft()
 
     # ------------------------------------------------------------------------------------------ internals
-    def _create(self, client: OpenAI | AsyncOpenAI, *, stream: bool, wait: float) -> Any:
-        endpoint = client.chat.completions if self._chat else client.completions
+    def _create(self, client: OpenAI | AsyncOpenAI | None, *, stream: bool, wait: float) -> Any:
+        assert client is not None
+        endpoint: Any = client.chat.completions if self._chat else client.completions
         streaming = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
         return endpoint.create(**self._arguments, **streaming, timeout=self._engine._timeout(wait))
 

@@ -46,7 +46,7 @@ class RemotePromptTooLongError(PromptTooLongError):
 
     def __init__(self, message: str) -> None:
         InvalidRequestError.__init__(self, message)
-        self.prompt_tokens = self.max_new_tokens = self.context_window = self.excess_tokens = None
+        self.prompt_tokens = self.max_new_tokens = self.context_window = self.excess_tokens = None  # type: ignore[assignment]
 
 
 class DeadlinePassed(openai.OpenAIError):
