@@ -33,14 +33,16 @@ def engine_holder(owner: Any) -> EngineHolder:
     """The holder for a model wrapper: remote when ``owner.base_url`` is set, else the local, lazy one.
 
     Raises:
-        ValueError: ``base_url`` together with ``engine``, ``tokenizer``, ``config`` or a model object (those
-            configure a local engine; the server has its own).
+        ValueError: ``base_url`` together with ``engine``, ``tokenizer``, ``config``, a model object or a
+            ``chat_template`` text (those configure a local engine; the server has its own).
     """
     if owner.base_url is None:
         return EngineHolder(owner)
     clash = [k for k in ("engine", "tokenizer", "config") if getattr(owner, k) is not None]
     if owner.model is not None and not isinstance(owner.model, str):
         clash.append("model (an object)")
+    if isinstance(getattr(owner, "chat_template", None), str):  # ChatPCR's template; PCRLLM's is a bool
+        clash.append("chat_template (a template: the server renders with its own, pcr-rag serve --chat-template)")
     if clash:
         raise ValueError(f"pass either base_url= (a pcr-rag server) or {clash} (a local engine), not both")
     secret = owner.api_key

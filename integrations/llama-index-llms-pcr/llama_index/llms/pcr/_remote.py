@@ -21,12 +21,14 @@ def remote_engine(llm: Any, engine: Any = None) -> RemoteEngine:
     """The `RemoteEngine` for ``llm.base_url`` (key: ``llm.api_key``, else ``$PCR_RAG_API_KEY``).
 
     Raises:
-        ValueError: ``base_url`` together with ``engine``, ``tokenizer``, ``config`` or a model object (those
-            configure a local engine; the server has its own).
+        ValueError: ``base_url`` together with ``engine``, ``tokenizer``, ``config``, a model object or a
+            ``chat_template`` text (those configure a local engine; the server has its own).
     """
     clash = [k for k, v in (("engine", engine), ("tokenizer", llm.tokenizer), ("config", llm.config)) if v is not None]
     if llm.model is not None and not isinstance(llm.model, str):
         clash.append("model (an object)")
+    if isinstance(llm.chat_template, str):  # a template (a bool only says whether complete() uses one)
+        clash.append("chat_template (a template: the server renders with its own, pcr-rag serve --chat-template)")
     if clash:
         raise ValueError(f"pass either base_url= (a pcr-rag server) or {clash} (a local engine), not both")
     key = llm.api_key or os.environ.get(API_KEY_ENV)
