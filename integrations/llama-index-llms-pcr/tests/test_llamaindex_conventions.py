@@ -31,10 +31,11 @@ LONG = {f"doc{i}": f"Document {i}: " + " ".join(f"word{i}x{j}" for j in range(60
 
 @pytest.fixture
 def global_tokenizer() -> Iterator[None]:
-    """Restores LlamaIndex's process-wide tokenizer (``Settings.tokenizer`` sets it) after the test."""
-    saved = li_core.global_tokenizer
+    """Restores LlamaIndex's process-wide tokenizer (``Settings.tokenizer`` sets it) after the test, and the node
+    parser `Settings` builds on first use with the tokenizer of that moment."""
+    saved = li_core.global_tokenizer, Settings._node_parser
     yield
-    li_core.global_tokenizer = saved
+    li_core.global_tokenizer, Settings._node_parser = saved
 
 
 def test_context_window_is_the_engines_max_model_len(engine_factory) -> None:
@@ -50,8 +51,8 @@ def test_llamaindex_packs_prompts_the_engine_accepts(engine_factory, index_facto
     engine refused)."""
     with engine_factory(max_model_len=1536) as engine:
         llm = PCRLLM(engine=engine, max_new_tokens=8, retrieval_hook=False)
-        Settings.tokenizer = llm.tokenize
         index = index_factory(LONG)
+        Settings.tokenizer = llm.tokenize
         assert sum(engine.count_tokens(text) for text in LONG.values()) > 2 * 1536
         answer = index.as_query_engine(llm=llm, similarity_top_k=8, response_mode="compact").query(
             "Which document lists word3x7?")

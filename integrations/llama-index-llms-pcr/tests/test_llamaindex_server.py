@@ -92,12 +92,12 @@ def test_pcr_llm_base_url_keeps_llamaindex_conventions(served) -> None:
     assert remote.metadata.context_window == engine.max_model_len == 2048 < engine.context_window
     text = "pathlib joins paths, héllo wörld"
     assert remote.tokenize(text) == reference.tokenizer(text, add_special_tokens=False)["input_ids"]
-    saved = li_core.global_tokenizer
+    saved = li_core.global_tokenizer, Settings._node_parser
     try:
         Settings.tokenizer = remote.tokenize
         assert TokenCountingHandler()._token_counter.get_string_tokens(text) == reference.count_tokens(text)
     finally:
-        li_core.global_tokenizer = saved
+        li_core.global_tokenizer, Settings._node_parser = saved
     handler = TokenCountingHandler(tokenizer=remote.tokenize)
     remote.callback_manager = CallbackManager([handler])
     got = remote.chat([ChatMessage(role="user", content="What is json?")])
