@@ -3,7 +3,8 @@
 Runs every system at every rate on one trace, the prefetch-window sweep, the hit-ratio study (LRU vs look-ahead
 LRU vs Belady), and optionally a speed check; writes the bench's report (JSON with the same keys as
 ``pcr-rag bench --json``, Markdown, PNG plots). ``--validate BENCH_JSON`` instead re-simulates a real bench run
-with a measured profile and prints simulated vs measured mean TTFT side by side.
+with a measured profile and prints simulated vs measured mean TTFT side by side. ``--fleet`` simulates fleets of N
+replicas per routing, remote tier and link (`pcr_rag.sim.fleet_cli`).
 """
 
 from __future__ import annotations

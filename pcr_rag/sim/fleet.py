@@ -37,6 +37,7 @@ every distinct chunk written to it; its capacity is unbounded here), and how eve
 
 from __future__ import annotations
 
+import abc
 import bisect
 import hashlib
 import heapq
@@ -65,8 +66,9 @@ from pcr_rag.sim.trace import SimRequest
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "REMOTE_MODES", "ROUTINGS", "Fleet", "FleetConfigError", "FleetResult", "FleetSpec", "FleetTraceBuilder",
-    "FleetWorkload", "StoreModel", "make_router", "replica_capacity_rps", "run_fleet",
+    "REMOTE_MODES", "ROUTINGS", "Affinity", "Fleet", "FleetConfigError", "FleetResult", "FleetSpec",
+    "FleetTraceBuilder", "FleetWorkload", "LeastLoaded", "Pinned", "RoundRobin", "Router", "StoreModel",
+    "compare_two_replicas", "fleet_two_replicas", "make_router", "replica_capacity_rps", "run_fleet",
 ]
 
 ROUTINGS = ("round-robin", "least-loaded", "affinity", "bounded-affinity")
@@ -195,14 +197,15 @@ class FleetTraceBuilder:
 
 
 # -------------------------------------------------------------------------------------------------- routing
-class Router:
+class Router(abc.ABC):
     """Picks the replica of each arriving request; ``loads()`` gives every replica's requests waiting or running."""
 
     def __init__(self, replicas: int) -> None:
         self.n = replicas
 
+    @abc.abstractmethod
     def pick(self, req: SimRequest, loads: Callable[[], list[int]]) -> int:
-        raise NotImplementedError
+        """The replica (0 .. replicas - 1) that serves ``req``."""
 
 
 class RoundRobin(Router):
