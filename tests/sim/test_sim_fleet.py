@@ -187,3 +187,31 @@ def test_behind_a_saturated_store_node_replicas_recompute_instead_of_queueing():
     assert 0 < res["single"].tier_share["remote"] < 0.8 * res["cluster"].tier_share["remote"]
     assert res["single"].tier_share["recompute"] > res["cluster"].tier_share["recompute"]
     assert res["off"].tier_share["recompute"] >= res["single"].tier_share["recompute"]
+
+
+def test_two_round_robin_replicas_without_a_store_are_two_lone_replicas():
+    """The fleet's shared time line changes nothing for replicas that share nothing: N=2 round robin serves each
+    half of the trace exactly as a lone simulator does (TTFT, completion, reuse per tier)."""
+    from pcr_rag.sim.fleet import Fleet, RoundRobin, replica_config
+    from pcr_rag.sim.simulator import Simulator
+    from pcr_rag.sim.systems import get_system
+
+    builder = FleetTraceBuilder(FleetWorkload(num_documents=500), PROFILE.model)
+    trace = builder.requests(200, 7.0, seed=3)
+    cfg = replica_config(PROFILE, get_system("pcr"), SETTINGS, dram_bytes=8 * GB, ssd_bytes=16 * GB, chunk_size=256)
+    fleet = Fleet(cfg, 2)
+    try:
+        results, where = fleet.serve(trace, RoundRobin(2))
+    finally:
+        fleet.close()
+    assert where == [i % 2 for i in range(200)]
+    for i in range(2):
+        sim = Simulator(cfg)
+        try:
+            alone = sim.run([r for j, r in enumerate(trace) if j % 2 == i])
+        finally:
+            sim.close()
+        def view(res):
+            return [(o.rid, o.ttft_s, o.done_s, dict(o.reused)) for o in res.outcomes]
+        assert view(alone) == view(results[i])
+        assert sum(o.reused["dram"] for o in alone.outcomes) > 0
