@@ -47,7 +47,7 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -475,8 +475,9 @@ class FleetSpec:
 @dataclass(frozen=True)
 class FleetResult:
     """A configuration's measured requests (after the warm-up): tier shares of prompt tokens, TTFT (seconds),
-    network bytes (read from / written to the store, over the whole run), store memory (bytes), and spread
-    (the busiest replica's measured requests over the mean)."""
+    network bytes (read from / written to the store, over the whole run), store memory (bytes), spread
+    (the busiest replica's measured requests over the mean), the seconds reads waited for a busy store node
+    (``store_queue_s``, whole run) and the wall time the simulation took."""
 
     spec: FleetSpec
     requests: int
@@ -490,7 +491,6 @@ class FleetResult:
     spread: float
     store_queue_s: float
     wall_s: float
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
