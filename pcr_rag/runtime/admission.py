@@ -7,13 +7,13 @@
   ``uncached / aging`` seconds any request outranks a fully cached newcomer). Waiting counts from arrival, and a
   prefill's own steps count as waiting only against the requests that were already there while they ran:
   - against those, counting them keeps shortest-remaining-work order: a prefill that outranked a request when it
-    began keeps outranking it, as its work shrinks while their credits grow alike. Leaving them out was tried and
-    measured: in the demo (8 questions at once) Q1, its shared documents computed and ~300 tokens left, fell behind
-    two colder questions that had waited longer, and the cached run's mean TTFT went from 6.8 to 7.6 s;
+    began keeps outranking it, as its work shrinks while their credits grow alike. Leaving them out was tried: a
+    nearly finished prefill then fell behind colder requests that had waited longer, and mean TTFT grew (see
+    docs/measurements-history.md#figures-moved-from-code-comments);
   - against a request that arrived later, counting them would let a cold prompt past about half its prefill
-    outrank every hit (its credit, at the engine's own speed, grows as fast as its work shrinks): a hit arriving
-    60% into a 2.3-2.7 s cold prompt waited 922-1,175 ms for the rest of it (112-136 ms with the rule kept,
-    measured by a one-thread A/B). Against such a newcomer only the time the prefill waited counts, so the two
+    outrank every hit (its credit, at the engine's own speed, grows as fast as its work shrinks), so a hit arriving
+    part-way into a cold prompt would wait for the rest of it. Against such a newcomer only the time the prefill
+    waited counts, so the two
     rank by remaining work plus real waiting, and a prefill preempted by hit after hit still gains on the next
     one: nothing starves.
   This is a relation between pairs, not one key per request: `rank` puts first the request that outranks every
@@ -24,14 +24,14 @@
 
 The aging rate is the machine's own prefill speed (`PrefillSpeed`, measured on the engine's prefill steps), so a
 request waits about as long as its own prefill takes before newcomers stop overtaking it, on any machine. A fixed
-rate would not: 2,000 tokens/s is a second of prefill on a fast CPU but seven on a 2-core AVX2 VM in float32,
-where it turned cache-aware into arrival order after half a second of waiting (a cold 1.1k-token prompt admitted
-first then held every hit behind its four-second prefill).
+rate would not: a rate tuned on a fast CPU is several times the prefill speed of a slow one, where it turns
+cache-aware into arrival order after a fraction of a second of waiting (a cold prompt admitted first then holds
+every hit behind its whole prefill).
 
 Admitted prefills that share documents are ranked together (`prefill_candidates`): a prefill whose next chunks
 another running prefill is computing waits for them (it would compute them twice) and lends that prefill its
-place - without this a cold prefill that others wait on was overtaken by every newer hit while they waited on it
-(the demo's Q5 waited 14.7 s). Under ``cache-aware`` a prefill's work is its group's work per request served:
+place - without this a cold prefill that others wait on is overtaken by every newer hit while they wait on it.
+Under ``cache-aware`` a prefill's work is its group's work per request served:
 the least ``(own + residual work of the k cheapest prefills that reuse its chunks) / (1 + k)`` over k, Smith's
 rule (shortest weighted work first, which minimises mean completion time) with a request's TTFT as its weight.
 
@@ -39,9 +39,9 @@ The waiting queue ranks the same way (`queue_candidates`): a waiting request's w
 prefills will compute (it reuses them once admitted), and waiting requests that share uncached documents rank as a
 group, so when every row is taken the next free row goes to the request that ends the most waiting per token.
 
-Ranking a waiting queue compares every pair of requests that share uncached chunks, O(n^2) in Python: measured
-a median of 34.5 ms per admission with 200-400 requests waiting (tiny model, 3 of 40 documents each; 10.7 ms with
-the horizon below). So `queue_order` ranks only the `ORDER_HORIZON` oldest waiting requests; later arrivals wait
+Ranking a waiting queue compares every pair of requests that share uncached chunks, O(n^2) in Python, which a
+deep queue pays at every admission (see docs/measurements-history.md#figures-moved-from-code-comments). So
+`queue_order` ranks only the `ORDER_HORIZON` oldest waiting requests; later arrivals wait
 behind them in arrival order (SGLang's longest-prefix policy falls back to FCFS past 128 waiting for the same
 reason). Aging already serves a deep queue's oldest requests first.
 

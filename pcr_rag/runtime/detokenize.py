@@ -1,7 +1,7 @@
 """Incremental detokenization: the text of a growing answer, decoding a few recent tokens per step.
 
-Decoding the whole answer at every step costs O(n) per token and O(n^2) per answer (measured on SmolLM2's
-tokenizer: 0.36 ms a step at 1,024 tokens, 1.8 ms at 4,096, on the executor thread that every row waits on).
+Decoding the whole answer at every step costs O(n) per token and O(n^2) per answer, on the executor thread that
+every row waits on (see docs/measurements-history.md#figures-moved-from-code-comments).
 `IncrementalText` decodes only a window: the last `CONTEXT_TOKENS` tokens before ``read_offset`` (the point up to
 which the text is known to be complete) as context, and the tokens after it.
 

@@ -11,7 +11,7 @@ Why not the transformers forward: its arithmetic depends on how a prompt is spli
 This step makes a row's numbers depend on the row alone, by construction:
 
 - **Linear layers run in fixed-M GEMMs.** On oneDNN (bf16, AMX) and MKL (fp32) a row's output changes with the
-  number of rows M (measured: e.g. bf16 576x576 differs between M=57 and M=2000), but for a fixed M it depends
+  number of rows M (e.g. a bf16 576x576 GEMM's rows differ between M=57 and M=2000), but for a fixed M it depends
   neither on the row's position in the batch nor on the other rows. So prefill rows always go through GEMMs of
   exactly `PREFILL_TILE_ROWS` rows (the last tile padded), and decode rows through one GEMM of ``batch_rows`` rows
   (padding rows when fewer are active). Norms and activations run on the same fixed tiles.
@@ -19,19 +19,17 @@ This step makes a row's numbers depend on the row alone, by construction:
   smallest that holds k) where a start-up probe proved every linear, the LM head and the row pieces give the same
   rows at that count as at ``batch_rows`` (`_exact_decode_sizes`; on oneDNN-prepacked float32 on AVX2 every such
   count matches, while MKL's M=1 GEMV path does not). A lone request then streams the weights once for one row,
-  not for eight: measured on an AVX2 AMD EPYC, a batch-1 step takes 0.76-0.79x the 8-row step's time (1.9-2.8x
-  the memory roofline over three runs, against 3.0-3.5x), same tokens.
+  not for eight, so it runs closer to the memory roofline than the full-batch step, with the same tokens (see
+  docs/measurements-history.md#figures-moved-from-code-comments).
 - **Short tiles where they are proven exact.** A step's last rows (a cache hit's question, say) need not pay a whole
   tile: a remainder of up to 248 rows runs as one tile of 16, 24, ..., 248 rows (`SHORT_TILE_ROWS` multiples; not
   a decode step's row count - 8 for the default batch, 1, 2 or 4 with fewer rows active - whose calls must never
   be padded). Each linear layer runs such a tile as it is only if `tile_probe.exact_row_counts` proved, at
   start-up, that its rows at that M are bit-identical to its rows in a full tile; otherwise that layer pads the
   short tile to a full one (`weights.PaddedRows`) - or, where that makes more sizes exact, runs its full tiles as
-  two half-tile calls instead (`tile_probe.fit_to_tiles`). Measured on an AMX CPU (oneDNN bf16), probing
-  multiples of 64: the 576-input projections match at M = 64..192; the 1536-input down projection matches at no M
-  below 256, but its rows at 64, 128 and 192 agree with each other, so its full tiles run as two 128-row calls
-  (also faster there: 0.51 vs 0.59 ms a call). On an AVX2 CPU in float32 (oneDNN prepacked) every size from 16 to
-  248 matches (a 21-row remainder: 24 rows in 106 ms vs 32 rows in 118 ms). A size is kept only where it costs
+  two half-tile calls instead (`tile_probe.fit_to_tiles`: for a layer whose rows at no short M equal its
+  full-tile rows but agree with each other at every half-tile M). Which sizes match depends on the backend, dtype and CPU, hence the probe at start-up (see
+  docs/measurements-history.md#figures-moved-from-code-comments). A size is kept only where it costs
   less than every larger size kept (`cheapest_short_tiles`: a linear padding it to a full tile can make it
   dearer), so the smallest size that holds a remainder is also the cheapest. Rows are the same whichever tile
   computes them. Split shapes change the numbers of full tiles, so they are named in `plan_id`.
@@ -41,10 +39,10 @@ This step makes a row's numbers depend on the row alone, by construction:
   where a prefill step starts or ends never changes a number (split invariance: cached == uncached, bit for bit).
   A step that needs only some of a block's rows computes the span of aligned slices that holds them, with the
   finest slice among `ATTENTION_SUB_BLOCK`, twice that, ... for which `attention_probe.sub_blocks_exact` proved at
-  start-up that every such span's rows equal the whole block's, bit for bit; otherwise the whole block. Measured on
-  a 2-core AVX-512 VM (bf16), a hit's 12-48-token step at positions 200-1000 took 0.87x (one thread) and 0.85x (two)
-  the time with 8-row slices that it took with 32-row ones (PyTorch's CPU flash kernel works through queries in
-  32-row blocks of its own, and its rows came out the same at every span).
+  start-up that every such span's rows equal the whole block's, bit for bit; otherwise the whole block. A short
+  step (a hit's question) then computes a few query rows instead of a whole block; PyTorch's CPU flash kernel works
+  through queries in blocks of its own, and the probe checks its rows come out the same at every span (see
+  docs/measurements-history.md#figures-moved-from-code-comments).
 - **Decode attention is per row** over that row's own KV (PyTorch's fused CPU/CUDA SDPA kernel, fp32 accumulation;
   on the CPU on float32 copies of the row's q, K and V, which the kernel runs several times faster at one query).
 
@@ -127,8 +125,8 @@ class RMSNorm:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = (x.shape[-1],)
         if self.weight is not None and x.dtype == torch.float32 == self.weight.dtype:
-            # one call, the same bits: float32 in and out, the weight applied last in both (measured 23 vs 35 us
-            # a call at 576 features, AVX2; 61 calls a decode step)
+            # one call, the same bits: float32 in and out, the weight applied last in both; the fused call is the
+            # cheaper one and runs on every norm of every step (see docs/measurements-history.md)
             return F.rms_norm(x, shape, self.weight, self.eps)
         if self.offset_weight is not None:
             return F.rms_norm(x.float(), shape, self.offset_weight, self.eps).to(x.dtype)
@@ -273,8 +271,9 @@ class FastForward:
         self.layers = tuple(layers)
         self.scale = float(base.layers[0].self_attn.scaling)
         self.max_positions = int(max_positions or loaded.context_window)
-        # one-query attention in float32 on the CPU: PyTorch's CPU flash kernel pays ~0.4 ms of set-up per call on
-        # bf16 inputs on some CPUs (AVX512-BF16 Zen 4: 0.55 vs 0.11 ms in float32), none for long query blocks
+        # one-query attention in float32 on the CPU: PyTorch's CPU flash kernel pays a per-call set-up on bf16
+        # inputs on some CPUs that float32 inputs do not, and none for long query blocks (see
+        # docs/measurements-history.md#figures-moved-from-code-comments)
         self._decode_attention_fp32 = self.device.type == "cpu" and self.dtype != torch.float32
         self.compiled = compile
         if compile:

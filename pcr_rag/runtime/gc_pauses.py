@@ -1,14 +1,14 @@
 """The cyclic garbage collector's pauses: measured, and kept short while engines serve.
 
 A full (generation 2) collection scans every object the collector tracks, holding the GIL throughout, so every
-engine thread stops while it runs. With a model, its tokenizer, torch and transformers loaded that is ~390,000
-objects, and a full collection took ~190 ms on a 2-core VM: one request's TTFT or one inter-token gap of every
-running request grows by that much. Measured in the remote-tier bench: a full collection that Python started on the
-executor thread stopped every thread for 234 ms, and the request it landed on took 250 ms longer than its pair.
+engine thread stops while it runs. With a model, its tokenizer, torch and transformers loaded that is hundreds of
+thousands of objects, so one request's TTFT or one inter-token gap of every running request grows by a whole
+collection's pause (see docs/measurements-history.md#figures-moved-from-code-comments).
 
 - `hold()` (an engine with ``EngineConfig(freeze_gc=True)`` finished starting): collect, then `gc.freeze()`, which
   moves every object alive now (the model, the tokenizer, imported modules) to the permanent generation that
-  collections never scan. A full collection then takes ~0.1 ms here. vLLM freezes after its warm-up too, and
+  collections never scan, so a full collection then scans only what was allocated since. vLLM freezes after its
+  warm-up too, and
   SGLang offers the same as an API (with a warning when a collection is slow).
 - `release()` (that engine closed): `gc.unfreeze()`. Frozen objects are never collected, so a closed engine's
   reference cycles (its threads, its KV arena) are freed only once nothing is frozen; the next `hold()` freezes

@@ -14,10 +14,11 @@
   company. EOS is allowed exactly when the grammar accepts the text so far; once nothing but EOS may follow,
   ``is_terminated()`` is true and the row finishes.
 
-Library: llguidance (Rust, no Python dependencies). Measured against xgrammar on this CPU at SmolLM2's 49152-token
-vocabulary with a nested schema: compile 8 ms vs 20 ms, mask 10 us vs 1 us per token (median; both well under 0.1%
-of a decode step), wheel 7.7 MB with no dependencies vs 16 MB plus apache-tvm-ffi and triton (a 286 MB wheel that
-does nothing on a CPU). llguidance also rejects what it cannot enforce (``uniqueItems``, look-around in a
+Library: llguidance (Rust, no Python dependencies). Against xgrammar it compiles faster, its per-token mask is a
+negligible share of a decode step for both, and its wheel is smaller with no dependencies, where xgrammar pulls
+apache-tvm-ffi and triton (which does nothing on a CPU) (see
+docs/measurements-history.md#figures-moved-from-code-comments). llguidance also rejects what it cannot enforce
+(``uniqueItems``, look-around in a
 ``pattern``) where xgrammar ignores it and lets invalid output through.
 """
 

@@ -318,7 +318,8 @@ def _canonical_config(config: Any) -> str:
 def weights_digest(model: torch.nn.Module) -> str:
     """xxh3-128 over every state-dict tensor in name order: name, dtype, shape and all raw bytes.
 
-    Full-content hashing is cheap (about 40 ms per 500 MB on CPU); CUDA tensors are copied to the host one at a
+    Full-content hashing is cheap next to loading the weights (see
+    docs/measurements-history.md#figures-moved-from-code-comments); CUDA tensors are copied to the host one at a
     time. Equal digests mean byte-identical weights (up to a 128-bit hash collision).
     """
     digest = xxhash.xxh3_128()

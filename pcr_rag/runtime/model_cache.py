@@ -126,8 +126,9 @@ def _gguf_parsed_once() -> Iterator[None]:
 
     transformers parses a GGUF file three times to load it (tokenizer, config, weights: each call of its
     ``load_gguf_checkpoint`` does ``from gguf import GGUFReader; GGUFReader(path)``), and the parse walks every
-    element of the vocabulary array in Python: measured 27 s per parse for Gemma 3's 262k-token vocabulary on a
-    2-core AMD EPYC. A reader only maps the file and indexes it, and loading reads from it without writing, so
+    element of the vocabulary array in Python, which is slow for a large vocabulary (see
+    docs/measurements-history.md#figures-moved-from-code-comments). A reader only maps the file and indexes it, and
+    loading reads from it without writing, so
     one reader serves all three. Without the ``gguf`` package this does nothing (transformers then says what is
     missing)."""
     try:

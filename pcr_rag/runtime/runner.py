@@ -319,8 +319,9 @@ def prefill_step_sizes(start: int, total: int, budget: int, block: int) -> list[
 def _aligned_end(start: int, budget: int, block: int) -> int:
     """End of a step of at most ``budget`` tokens from ``start``, cut at a multiple of ``block`` (the forward's
     attention block) when that leaves a non-empty step: after a partial hit (e.g. a cached 33-token preamble) the
-    steps then cover whole attention blocks instead of straddling two per step (measured: 544 -> 479 ms for a
-    641-token prompt). The numbers do not change: prefill is split-invariant."""
+    steps then cover whole attention blocks instead of straddling two per step, which is the
+    cheaper split (see docs/measurements-history.md#figures-moved-from-code-comments).
+    The numbers do not change: prefill is split-invariant."""
     end = start + budget
     cut = end // block * block
     return cut if cut > start else end

@@ -1,11 +1,11 @@
 """How much prefill runs before the executor comes back to its queue: the inter-token-latency budget, in layers.
 
 An engine step is one decode forward (every decoding row) and then some prefill. A decoding row's next token waits
-for both: with a whole 256-token prefill step between two decode steps, that gap was 10x a decode step on a slow
-CPU (measured on a 2-core AVX2 VM in float32: ITL P99 861 ms vs P50 85 ms). And a request admitted while a prefill
-step runs is ranked by the schedule only once that step stops: a cache hit that arrived during a cold 256-token
-step waited for all of it (measured on a 2-core AVX-512 VM at one thread, a 16-token hit arriving 150 ms into a
-cold 1.2k-token prompt: TTFT 297 ms, against 113 ms with the step sliced).
+for both: with a whole 256-token prefill step between two decode steps, that gap is the whole prefill step, many
+decode steps long on a slow CPU (so ITL P99 is many times P50). And a request admitted while a prefill step runs
+is ranked by the schedule only once that step stops: a cache hit that arrives during a cold 256-token step waits
+for all of it, so its TTFT grows by what is left of that step (see
+docs/measurements-history.md#figures-moved-from-code-comments).
 
 `StepBudget` caps the prefill *layers* an engine step runs; a prefill step then spans several engine steps
 (`FastForward.prefill_layers` pauses between layers), with the same tiles, the same numbers and the same cost per
@@ -19,11 +19,10 @@ least one (so a prompt always advances), whether rows decode or not:
 Before a decode step and a prefill step have been measured (and with no budget, ``budget_steps`` None) every step
 runs whole.
 
-Why layers and not fewer tokens: a short prefill step streams every weight for few rows. Measured on the same VM,
-32-token steps under a 3-decode-step budget held the gap (3.6-3.8x a decode step) but cost a cold 815-965-token
-prompt 1.6-2.4x its TTFT with whole steps; a layer-sliced 256-token step costs what the whole step costs, plus the
-decode steps it lets through (at most ``1 / (budget_steps - 1)`` of the prefill time; on real retrieval, 80 paired
-requests: mean TTFT 1.07x, ITL P99/P50 2.97x against 6.8x).
+Why layers and not fewer tokens: a short prefill step streams every weight for few rows, so shrinking the step
+to fewer tokens holds the gap but multiplies a cold prompt's TTFT; a layer-sliced 256-token step costs what the
+whole step costs, plus the decode steps it lets through (at most ``1 / (budget_steps - 1)`` of the prefill time)
+(see docs/measurements-history.md#figures-moved-from-code-comments).
 
 The prediction: a prefill step of n tokens takes ``fixed + per_token * n`` seconds, a line fitted (least squares)
 to the last `PREFILL_SAMPLES` complete steps, spread evenly over the layers. While those steps have too few
@@ -38,7 +37,6 @@ under test.
 from __future__ import annotations
 
 import math
-
 import statistics
 from collections import deque
 from dataclasses import dataclass

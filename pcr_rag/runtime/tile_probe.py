@@ -5,12 +5,14 @@ products are summed. A row computed in a 64-row call therefore equals the same r
 calls sum in the same order - which depends on the shape, the kernel library, the CPU and the thread count. So the
 fast forward asks, once per linear shape and process, instead of assuming.
 
-Random inputs make a weak probe: with bf16 outputs, a different fp32 summation order shows in about 1 of 40,000
-outputs (measured). The probe's inputs are built to expose order instead: most input features come in pairs
+Random inputs make a weak probe: with bf16 outputs, a different fp32 summation order shows in only a tiny fraction
+of the outputs, so a probe of random inputs can miss it. The probe's inputs are built to expose order instead: most
+input features come in pairs
 ``(+v, -v)`` with large ``v`` whose weight columns are equal, so their products cancel exactly in the total but
 make the running partial sums large; the result is the small sum of the few unpaired products, and the rounding of
-the large partial sums - which is what a different order changes - shows in a few percent of the outputs (measured:
-2-8 % for every M that differs, 0 for every M that matches, over 0.1-0.8 M outputs per shape).
+the large partial sums - which is what a different order changes - shows in a few percent of the outputs for
+every M that differs, and in none for every M that matches (see
+docs/measurements-history.md#figures-moved-from-code-comments).
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@
     memcpy; a hand-off would cost more than it hides).
 - Offloads (`ChunkOffload`): once layer i of a prefill step has written its KV, layer i of every plan chunk that
   this step completes is copied into that chunk's host payload: on an offload stream on CUDA, inline on the CPU
-  (about 10 microseconds a layer for a 256-token chunk of a small model: a worker thread would only steal a core
-  from the GEMMs). `finish()` returns the payloads once every layer has landed.
+  (a layer of a chunk is a short memcpy, so a worker thread would only steal a core from the GEMMs; see
+  docs/measurements-history.md#figures-moved-from-code-comments). `finish()` returns the payloads once every layer
+  has landed.
 
 Units: seconds for waits, tokens for positions.
 """

@@ -13,7 +13,7 @@ Invariant the runtime relies on: for a fixed number of rows M, a row's output de
 its position in the batch nor on the other rows). Measured for every format by the forward's invariance tests.
 
 PyTorch's weight-only kernels are built for few rows (decode) and are several times slower than a bf16 GEMM at
-prefill sizes (measured: the 49152x576 LM head at 256 rows, bf16 71 ms vs int8 671 ms). So the quantized formats
+prefill sizes (see docs/measurements-history.md#figures-moved-from-code-comments). So the quantized formats
 also keep their *dequantized* weights in the activation dtype and run calls of more than `QUANT_KERNEL_MAX_ROWS` rows
 as a dense GEMM over them: the same weights (what the kernel computes with), the fast kernel for each regime. The
 path is chosen by M alone, so the fixed-M invariant still holds.
@@ -59,10 +59,9 @@ class Linear:
 class DenseLinear(Linear):
     """``F.linear`` in the model dtype. With ``packed`` (float32, or bf16 on a CPU with native bf16), calls whose
     row count is one of the packed ones - the prefill tile and the decode batch - use oneDNN's weights prepacked
-    for that M instead: no per-call weight reorder (measured, bf16 on AMX: 256-row tiles of a 1.5k prefill
-    1.0-1.35x one-shot GEMM time per shape, vs 1.15-1.5x with per-call reorders; decode about 1.5x faster; float32
-    on AVX2: see `_can_prepack`). The path is chosen by M alone, so a given M always runs the same kernel (the
-    fixed-M invariant holds)."""
+    for that M instead: no per-call weight reorder, which is what the one-shot GEMM pays on every call (see
+    `_can_prepack` and docs/measurements-history.md#figures-moved-from-code-comments). The path is chosen by M
+    alone, so a given M always runs the same kernel (the fixed-M invariant holds)."""
 
     weight: torch.Tensor  # [out, in], model dtype
     bias: torch.Tensor | None = None
@@ -94,15 +93,15 @@ class DenseLinear(Linear):
     def build(cls, weight: torch.Tensor, bias: torch.Tensor | None, pack_rows: tuple[int, ...] = (),
               shared_rows: tuple[int, ...] = (), small_rows: tuple[int, ...] = ()) -> DenseLinear:
         """``pack_rows``: row counts to prepack for; ``shared_rows``: row counts that use the packing of the
-        largest of ``pack_rows`` (no extra copy: oneDNN's blocked layout is the same for M = 64..256 here,
-        measured with no time difference; were it not, a call would only reorder, never change a number);
+        largest of ``pack_rows`` (no extra copy: oneDNN's blocked layout is the same across the prefill tile
+        sizes; were it not, a call would only reorder, never change a number);
         ``small_rows``: row counts that use the packing of the smallest (the decode batch's: fewer active rows)."""
         rows = sorted({m for m in pack_rows if m})
         if not rows or not _can_prepack(weight):
             return cls(weight, bias, None)
         if weight.dtype == torch.float32:
-            # one float32 packing serves every M (measured: M=8 calls on the 256-row packing run as fast as on
-            # their own, same numbers; a packing for M=1 would not), so the copy of the weights is made once
+            # one float32 packing serves every M (the decode batch's calls on the prefill tile's packing give the
+            # same numbers at no extra cost; a packing for M=1 would not), so the copy of the weights is made once
             one = torch.ops.mkldnn._reorder_linear_weight(weight, rows[-1])
             return cls(weight, bias, dict.fromkeys((*rows, *shared_rows, *small_rows), one))
         packed = {m: torch.ops.mkldnn._reorder_linear_weight(weight, m) for m in rows}
@@ -153,9 +152,9 @@ class PaddedRows(Linear):
 def _can_prepack(weight: torch.Tensor) -> bool:
     """oneDNN prepacking pays for float32 weights, and for bf16 weights on a CPU that runs bf16 natively.
 
-    float32, measured on an AVX2 AMD EPYC (MKL 2024.2, 2 threads), SmolLM2's 30 layers + LM head with distinct
-    weights (538 MB, so no call hits a cache): M=8 (the decode batch) 150 ms with `F.linear` (MKL) vs 73 ms
-    prepacked; M=256 (a prefill tile) 950 vs 725 ms; M=1 80 vs 61 ms."""
+    For float32 the prepacked GEMM beats `F.linear` (MKL) at every row count the forward uses - the decode batch, a
+    prefill tile and a single row - because it skips the per-call weight reorder (see
+    docs/measurements-history.md#figures-moved-from-code-comments)."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return False
     try:
@@ -273,8 +272,9 @@ def _probe(fmt: str, dtype: torch.dtype, device: torch.device) -> str | None:
 
 def _quantized_slowdown(fmt: str, dtype: torch.dtype, rows: int = 8, size: int = 1024) -> float:
     """Seconds of the ``fmt`` kernel over seconds of the dense GEMM, best of 3 each, at ``rows`` rows (a decode
-    batch) of a ``size``-square weight. Measured: int8/int4 with float32 activations on an AVX2 AMD EPYC run
-    40x slower than dense float32 (16.5 vs 0.4 ms at 3072x576), with bf16 activations 3-4x faster than dense."""
+    batch) of a ``size``-square weight. Measured at start-up because the answer depends on the CPU and the
+    activation dtype: PyTorch's weight-only kernels can be far slower than dense float32 with float32 activations,
+    and faster than dense with bf16 ones (see docs/measurements-history.md#figures-moved-from-code-comments)."""
     w = torch.randn(size, size, dtype=dtype)
     x = torch.randn(rows, size, dtype=dtype)
     quantized = Int8Linear.quantize(w, None) if fmt == "int8" else Int4Linear.quantize(w, None)
