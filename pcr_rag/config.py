@@ -98,12 +98,13 @@ class EngineConfig:
             the chunk keys' root.
         warmup: run one prefill tile and one decode step on a scratch row when the engine starts, so the first
             request does not pay one-time kernel setup (oneDNN kernel generation and weight reorders, first-touch
-            allocation: about 1 s for SmolLM2-135M on a 2-core CPU); then the tile and a decode step once more,
+            allocation, which would otherwise land on the first request's TTFT); then the tile and a decode step once
+            more,
             timed, so the ITL budget, the aging rate and the load-or-recompute decision know the engine's speed from
             its first request (without, a new engine's first prefill steps run whole). Changes no number.
         freeze_gc: when the engine has started, collect garbage once and `gc.freeze()` what is alive (the model,
-            the tokenizer, modules), so Python's full collections stop scanning it: ~190 ms -> ~0.1 ms each, a
-            pause that otherwise stops every engine thread now and then (`pcr_rag.runtime.gc_pauses`; undone when
+            the tokenizer, modules), so Python's full collections stop scanning it: that scan is a pause that
+            otherwise stops every engine thread now and then (`pcr_rag.runtime.gc_pauses`; undone when
             the engine closes). The collector is the whole process's, so off by default; ``pcr-rag serve``,
             ``demo`` and ``bench`` turn it on.
         io_workers: threads for SSD reads (prefetch and on-demand loads).

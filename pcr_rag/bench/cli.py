@@ -3,20 +3,20 @@
 Every ratio comes with a 95% bootstrap interval over requests (systems run interleaved on the same trace); a
 target counts as met only when the interval's unfavourable end meets it.
 
-Quick smoke run (all systems, two rates, 12 requests each; ratios indicative only; ~15 minutes on 2 quiet CPU
-cores with the default model)::
+Quick smoke run (all systems, two rates, 12 requests each; ratios indicative only; wall times of every preset:
+docs/benchmarks.md)::
 
     pcr-rag bench --quick --json results/bench-quick.json
 
-Standard run (few systems, one rate, 4 interleaved repeats of 20 requests: resolves a 10% difference; about 20
-minutes on 2 quiet CPU cores); with real questions from the corpus's titles, pcr in both document orders::
+Standard run (few systems, one rate, 4 interleaved repeats of 20 requests: resolves a 10% difference); with real
+questions from the corpus's titles, pcr in both document orders::
 
     pcr-rag bench --standard --json results/bench-standard.json
     pcr-rag bench --standard --retrieval --json results/bench-standard-retrieval.json
 
 Full run (load factors 0.4, 0.7, 1.0 of the measured no-reuse capacity, 32 measured requests per system and
 rate, top-3 passages of ~300 tokens from 64 Zipf-popular topics, prefetch windows 2/4/6/8/10 at the middle
-rate, 32 output tokens; about 2-3 hours on 2 CPU cores, since low rates are mostly waiting for arrivals)::
+rate, 32 output tokens; the longest preset, since low rates are mostly waiting for arrivals)::
 
     pcr-rag bench --json results/bench.json
 

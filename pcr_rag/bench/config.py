@@ -132,8 +132,8 @@ class BenchConfig:
 
 def quick_config(**overrides: Any) -> BenchConfig:
     """The ``--quick`` preset (a smoke run, ratios indicative only): every system, two rates, 12 requests per
-    system and rate, the saturation pair, window 2; about 15 minutes on 2 quiet CPU cores (the rates follow the
-    no-reuse service time measured at the start: a busy start makes a slow run)."""
+    system and rate, the saturation pair, window 2; the shortest preset (wall time: docs/benchmarks.md; the rates
+    follow the no-reuse service time measured at the start: a busy start makes a slow run)."""
     base = BenchConfig(
         tokens_per_passage=120, num_passages=96, top_k=3, num_topics=16, num_requests=12, warmup_requests=8,
         loads=(0.7, 1.0), windows=(2,), saturation=(1, 8), max_new_tokens=8, limit_tokens=512, limit_reps=3,
@@ -144,18 +144,18 @@ def quick_config(**overrides: Any) -> BenchConfig:
 
 def standard_config(*, retrieval: bool = False, **overrides: Any) -> BenchConfig:
     """The ``--standard`` preset: resolves a 10% difference in mean TTFT between pcr and its cached or uncached
-    engine baselines (95% interval, ~80% power) in about 20 minutes on 2 quiet CPU cores. Few systems
+    engine baselines (95% interval, ~80% power) in one sitting on a quiet machine. Few systems
     (`STANDARD_SYSTEMS`, or `STANDARD_RETRIEVAL_SYSTEMS` in cache-aware order for ``--retrieval``), one rate
     (load 0.7), 4 interleaved repeats of 20 requests = 80 paired requests per system, saturation 4 x 16 requests,
     no window sweep, no ablations, no limit ratio.
 
     Sizing (docs/DESIGN.md, "Telling systems apart"): the paired requests a 10% difference needs are
     ``((1.96 + 0.84) sd(a - R b) / (0.1 mean(b)))^2`` (`pcr_rag.bench.stats.requests_to_resolve`); the pilot (a
-    ``--quick`` run, 12 paired requests) asked for 29 (pcr vs no-reuse), 53 (vs ssd-on-demand) and 70 (vs
-    dram-only). pcr vs transformers pairs a hit-dependent TTFT with a flat one (sd ~3x larger): 80 requests
-    resolve ~27% there, enough for its 0.35x target. Time: every measured run lasts ~n / rate = 20 x 2.25 s / 0.7
-    (the quiet-machine no-reuse service time) ~ 65 s; 4 systems x 4 repeats ~ 17 min, plus warm-up, saturation
-    and the traces ~ 4 min.
+    ``--quick`` run) asked for fewer than the preset's 80 against every engine baseline. pcr vs transformers pairs a
+    hit-dependent TTFT with a flat one (a larger sd), so 80 requests resolve a coarser difference there, still
+    finer than its target. Time: every timed run lasts ~n / rate x the quiet-machine no-reuse service time, times
+    systems x repeats, plus warm-up, saturation and the traces (the pilot's figures and the wall time:
+    docs/measurements-history.md#figures-moved-from-code-comments).
     """
     base = BenchConfig(
         tokens_per_passage=120, num_passages=RETRIEVAL_PASSAGES if retrieval else 96, top_k=3, num_topics=16,

@@ -103,11 +103,11 @@ def measure_reads(url: str, *, chunk_shape: Sequence[int], dtype: torch.dtype, v
     pipelined round trip (the target's reference) and one GET per value (what the tier issues).
 
     The three run interleaved, ``warmup`` untimed rounds first: the first rounds after the values are written
-    run at a fraction of the later rate on both sides (measured here: a pipelined read of 94 MB went 465 -> 1150
-    MB/s over 8 rounds, the server growing its output buffers), so timing them measures the server's warm-up,
-    not the client. Each loop holds the values it read until it ends, as the tier holds its loads (a loop that drops
-    each value at once reuses warm memory: measured here, about 2x the rate of one that keeps them, the difference
-    being first-touch page faults of 94 MB of fresh memory). Medians of ``repeats`` rounds."""
+    run at a fraction of the later rate on both sides (the server grows its output buffers), so timing them
+    measures the server's warm-up, not the client. Each loop holds the values it read until it ends, as the tier
+    holds its loads (a loop that drops each value at once reuses warm memory and skips the first-touch page faults
+    the tier pays) (see docs/measurements-history.md#figures-moved-from-code-comments). Medians of ``repeats``
+    rounds."""
     import redis
 
     root = namespace_key("remote-read-check", str(dtype), int(chunk_shape[3]))

@@ -505,9 +505,9 @@ def breakdown(report: Mapping[str, Any], rate: float, *, stat: str = "ttft.mean"
 def user_summary(report: Mapping[str, Any], rate: float | None = None, *, system: str = "pcr",
                  baselines: Sequence[str] = ("no-reuse", "dram-only", "ssd-on-demand", "transformers",
                                              "llama-cpp")) -> str:
-    """One line a user would care about, e.g. ``"at 0.5 req/s, pcr: mean TTFT 0.62 s vs no-reuse 2.90 s (4.7x
-    faster [3.9-5.6]), P99 1.10 s vs 5.30 s (4.8x [...]); ..."`` (speed-ups with their 95% intervals, "n.s."
-    when the interval holds 1). Only measured numbers; missing runs are left out."""
+    """One line a user would care about, of the form ``"at R req/s, pcr: mean TTFT A s vs no-reuse B s (Nx
+    faster [lo-hi]), P99 C s vs D s (Mx [...]); ..."`` (speed-ups with their 95% intervals, "n.s." when the
+    interval holds 1). Only numbers from the report; missing runs are left out."""
     at = mid_rate(report) if rate is None else rate
     ours = run_for(report, system, at)
     if ours is None:

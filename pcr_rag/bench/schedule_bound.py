@@ -20,8 +20,8 @@ work; ``overlapping`` counts the requests for which any order could matter at al
 request's prefill is still unfinished under FCFS).
 
 What a measured ratio holds besides the policy: the same work does not take the same time in two runs of one
-bench (measured on 2-core VMs: the same 383-token prefill took 924 ms in one system's run and 697 ms in the
-other's, a few minutes apart). ``speed_ratio`` is the cache-aware run's prefill seconds per computed token over
+bench, minutes apart on a shared host (see docs/measurements-history.md#figures-moved-from-code-comments).
+``speed_ratio`` is the cache-aware run's prefill seconds per computed token over
 the FCFS run's: where it is far from 1, so is the measured TTFT ratio, whatever the order did.
 """
 

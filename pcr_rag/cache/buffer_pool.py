@@ -1,8 +1,9 @@
 """``BufferPool``: the host buffers of dropped DRAM copies, handed out again for new chunks' payloads.
 
-Why: a fresh multi-MB host tensor pays first-touch page faults on its first write. Measured on a 2-core VM: copying
-one 5.9 MB chunk (SmolLM2-135M, 256 tokens, bf16) into a fresh tensor took 6-8 ms, into a buffer already touched
-0.5-0.7 ms. Every chunk a prefill step computes gets such a payload (its DRAM copy), so that fault cost is most of
+Why: a fresh multi-MB host tensor pays first-touch page faults on its first write, so copying a chunk into a fresh
+tensor costs several times the copy into a buffer already touched (see
+docs/measurements-history.md#figures-moved-from-code-comments). Every chunk a prefill step computes gets such a
+payload (its DRAM copy), so that fault cost is most of
 what a miss costs with the cache on. Once the DRAM tier is full, every new chunk evicts an older one, so buffers of
 the same shape come back all the time: reusing them keeps a busy engine's misses free of page faults.
 

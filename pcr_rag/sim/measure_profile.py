@@ -278,7 +278,7 @@ def measure_request_overhead(loaded: Any, *, chunk_size: int = 256, reps: int = 
     steps (`RequestMetrics.prefill_compute_s`), both timed within the same request - queueing hand-off, the
     executor's loop between steps, the first token's choice and emission. Median over ``reps`` (after one warm-up
     request), floored at 0. (An earlier estimator subtracted a second, direct run of the same steps: two
-    seconds-long timings whose difference was noise, -0.2 to +0.46 s, against ~1.3 ms measured this way.)"""
+    seconds-long timings whose difference was mostly noise, larger than the overhead itself.)"""
     cfg = EngineConfig(enable_cache=False, chunk_size=chunk_size, device="cpu", max_new_tokens=1,
                        dtype=loaded.dtype, cache_dir=tempfile.mkdtemp(prefix="pcr-profile-engine-"))
     # default: three ~300-token passages, the bench's default prompt size

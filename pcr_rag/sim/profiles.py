@@ -112,8 +112,8 @@ class Hardware:
 
 
 HARDWARE: dict[str, Hardware] = {
-    # RTX 4090: 165 TFLOP/s dense fp16 tensor (fp32 accumulate), 1008 GB/s GDDR6X, 24 GB. PCIe 4.0 x16 measured
-    # ~24 GB/s (paper), NVMe ~3 GB/s sequential (paper).
+    # RTX 4090: 165 TFLOP/s dense fp16 tensor (fp32 accumulate), 1008 GB/s GDDR6X, 24 GB. PCIe 4.0 x16 and NVMe
+    # sequential rates as the paper reports them.
     "rtx4090": Hardware(
         "rtx4090", 165e12, 0.5, 0.35, 1008e9, 0.7, 24 * GiB, 0.9, 1.5 * GiB, 24 * GB, 24 * GB,
         3 * GB, 3 * GB, 80e-6, 30e-6, 128 * GiB, 2000 * GB, 25e-6, 2e-3, 5e-6,
@@ -123,11 +123,10 @@ HARDWARE: dict[str, Hardware] = {
         "a6000", 154.8e12, 0.5, 0.35, 768e9, 0.7, 48 * GiB, 0.9, 2 * GiB, 24 * GB, 24 * GB,
         3 * GB, 3 * GB, 80e-6, 30e-6, 256 * GiB, 2000 * GB, 25e-6, 2e-3, 5e-6,
     ),
-    # H200 SXM: 989 TFLOP/s dense bf16, 4.8 TB/s HBM3e, 141 GB; PCIe 5.0 x16 ~55 GB/s pinned; Gen4 NVMe 7/5 GB/s.
-    # Checked on one H200 on 2026-12-04 (`pcr-rag bench device`, README "On a GPU"): pinned H2D 54.2 / D2H 55.3
-    # GB/s; Llama-3-8B one-shot prefill of 2,048 tokens 59.8 ms through transformers (this profile derives 69.9);
-    # but pcr-rag's own runtime is launch-bound there (decode 20.3 ms/step at batch 1 vs 6.8 derived), so this
-    # profile models an optimised engine, not pcr-rag's runtime as it is.
+    # H200 SXM: datasheet compute and HBM3e bandwidth, PCIe Gen5 x16 pinned and Gen4 NVMe rates. The links and a
+    # transformers prefill were checked on one H200 (`pcr-rag bench device`; figures in
+    # docs/measurements-history.md#figures-moved-from-code-comments); pcr-rag's own runtime is launch-bound there,
+    # so this profile models an optimised engine, not pcr-rag's runtime as it is.
     "h200": Hardware(
         "h200", 989e12, 0.45, 0.3, 4.8e12, 0.7, 141 * GB, 0.9, 4 * GiB, 55 * GB, 55 * GB,
         7 * GB, 5 * GB, 60e-6, 25e-6, 2048 * GiB, 8000 * GB, 15e-6, 1.5e-3, 4e-6,
@@ -148,8 +147,8 @@ class Profile:
     prefill (work outside the model, measured by ``pcr-rag profile``). ``device_is_host`` means the model runs on the CPU:
     the DRAM tier *is* device memory and "loading" is a host memcpy at ``h2d_bytes_per_s``. ``loads_share_compute``:
     loads and offloads run on the cores the forward uses (a CPU with few cores), so they add to a prefill's time
-    whether or not they are pipelined with it (measured on a 2-core VM: a hit whose 1.9k-token prefix came from SSD
-    took 457-587 ms against 284-322 ms from DRAM, with load waits of 5-25 ms).
+    whether or not they are pipelined with it: a hit whose prefix comes from SSD takes longer than one from DRAM by
+    more than its load waits (see docs/measurements-history.md#figures-moved-from-code-comments).
     """
 
     name: str
