@@ -16,14 +16,15 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pcr_rag"
 
-# A standalone number (not the digits of a name such as float32, AVX512, Llama-3-8B, top-3 or M=1).
-_NUM = r"(?<![\w.\-/=])\d[\d,]*(?:\.\d+)?"
+# A standalone number, or either end of a range such as 6-8 (not the digits of a name such as float32, AVX512,
+# Llama-3-8B, top-3 or M=1).
+_NUM = r"(?:(?<![\w.\-/=])|(?<=\d-))\d[\d,]*(?:\.\d+)?"
 # A number with a time, rate or ratio unit: "0.51 ms", "861 ms", "3.2 GB/s", "1.3x", "12 µs".
 _FIGURE = (
     _NUM + r"\s?(?:ms|µs|us|ns|s|sec|seconds|milliseconds|microseconds|minutes|min|hours"
     r"|GB/s|MB/s|GiB/s|MiB/s|TB/s|tok/s|tokens/s|req/s|x|×)(?![\w/])"
 )
-_STANDALONE = _NUM + r"(?:x|×|%)?(?![\w\-])"
+_STANDALONE = _NUM + r"(?:x|×|%)?(?!\w|-(?!\d))"
 # Words that say the figure was observed rather than chosen.
 _OBSERVED = r"(?:measured|took|waited|went|costs?|vs\.?|versus|observed|benchmark(?:ed)?|median|P50|P99)"
 # Host kinds a measurement is quoted on.
