@@ -25,14 +25,12 @@ from pcr_rag.cache.roots import (
 from pcr_rag.cache.seal import ForgedChunkError, Sealer
 from pcr_rag.cache.storage import StorageBackend
 from pcr_rag.cache.tiers.chunk_file import (
-    ALIGN,
     ChunkHeader,
     check_layers,
     chunk_name,
-    decode_header,
     key_of_name,
     open_layer,
-    stored_header_len,
+    read_header,
     verify_seal,
 )
 from pcr_rag.cache.tiers.ssd_store import SSDStore
@@ -93,15 +91,7 @@ def _read_header(backend: StorageBackend, key: bytes) -> tuple[ChunkHeader, int]
     """``key``'s header, decoded and checked against its name, and the file size; CorruptChunkError / OSError."""
     reader = backend.open(chunk_name(key))
     try:
-        raw = reader.read_at(0, ALIGN)
-        hlen = stored_header_len(raw)
-        if hlen is not None:
-            raw = reader.read_at(0, hlen)
-        header = decode_header(raw, expected_key=key)
-        if reader.size != header.file_bytes:
-            raise CorruptChunkError(f"file is {reader.size} bytes, its header says {header.file_bytes} (truncated "
-                                    f"or padded)")
-        return header, reader.size
+        return read_header(reader, key), reader.size
     finally:
         reader.close()
 

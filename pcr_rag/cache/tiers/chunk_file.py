@@ -34,6 +34,7 @@ import re
 import struct
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import xxhash
@@ -41,6 +42,9 @@ import xxhash
 from pcr_rag.cache.errors import CorruptChunkError
 from pcr_rag.cache.seal import LAYER_TAG_BYTES, MAC_BYTES, NONCE_BYTES, ForgedChunkError, Sealer
 from pcr_rag.cache.tiers.base import ChunkRecord, ChunkRef
+
+if TYPE_CHECKING:
+    from pcr_rag.cache.storage import BlobReader
 
 __all__ = [
     "ALIGN",
@@ -264,6 +268,21 @@ def seal_chunk(meta: ChunkMeta, payload: torch.Tensor, sealer: Sealer, root: byt
         tags = [sealer.layer_tag(nonce, i, data[i * lb : (i + 1) * lb]) for i in range(num_layers)]
     signed = core + _checksums(stored, num_layers) + nonce + b"\x00" * 4 + b"".join(tags)
     return _finish(signed + sealer.sign_header(root, signed)), stored
+
+
+def read_header(reader: BlobReader, key: bytes) -> ChunkHeader:
+    """The header at the start of ``reader`` (a chunk file), decoded and checked against ``key`` and against the
+    file's size (a truncated or padded file is corrupt); raises CorruptChunkError / OSError. Seals are not checked
+    here (`verify_seal`)."""
+    raw = reader.read_at(0, ALIGN)
+    hlen = stored_header_len(raw)
+    if hlen is not None:
+        raw = reader.read_at(0, hlen)
+    header = decode_header(raw, expected_key=key)
+    if reader.size != header.file_bytes:
+        raise CorruptChunkError(f"chunk file is {reader.size} bytes, its header says {header.file_bytes} "
+                                f"(truncated or padded)")
+    return header
 
 
 def decode_header(raw: bytes, expected_key: bytes | None = None) -> ChunkHeader:

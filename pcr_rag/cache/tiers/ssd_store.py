@@ -41,8 +41,8 @@ from pcr_rag.cache.tiers.chunk_file import (
     header_bytes,
     key_of_name,
     open_layer,
+    read_header,
     seal_chunk,
-    stored_header_len,
     verify_seal,
 )
 
@@ -150,16 +150,8 @@ class SSDStore:
     def _open_verified(self, key: bytes) -> tuple[BlobReader, ChunkHeader]:
         reader = self.backend.open(chunk_name(key))
         try:
-            raw = reader.read_at(0, ALIGN)
-            hlen = stored_header_len(raw)
-            if hlen is not None:
-                raw = reader.read_at(0, hlen)
-            header = decode_header(raw, expected_key=key)
+            header = read_header(reader, key)
             verify_seal(header, self.sealer, _ROOT)
-            if reader.size != header.file_bytes:
-                raise CorruptChunkError(
-                    f"chunk file is {reader.size} bytes, header says {header.file_bytes} (truncated or padded)"
-                )
         except BaseException:
             reader.close()
             raise
