@@ -24,12 +24,12 @@ from pcr_rag.errors import ConfigError
 from pcr_rag.runtime.step_budget import check_budget_steps
 from pcr_rag.sim.experiment import (
     SimSettings,
-    SimWorkload,
     build_scenario,
     hit_ratio_study,
     no_reuse_capacity_rps,
     speed_check,
     sweep,
+    workload_from_args,
 )
 from pcr_rag.sim.fleet_cli import add_fleet_arguments, run_fleet_cli
 from pcr_rag.sim.profiles import PREFILL_STEP_MODES, ProfileError, get_profile, shipped_profile_names
@@ -125,16 +125,6 @@ def _budget(text: str) -> float | None:
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return value
-
-
-def workload_from_args(args: argparse.Namespace) -> SimWorkload:
-    return SimWorkload(
-        num_requests=args.requests, warmup_requests=args.warmup, num_passages=args.passages,
-        passage_tokens=args.passage_tokens, top_k=args.top_k, num_topics=args.topics or None, zipf=args.zipf,
-        system_tokens=args.system_tokens, question_tokens=args.question_tokens, output_tokens=args.max_new_tokens,
-        burstiness=args.burstiness, seed=args.seed, chunk_size=args.chunk_size, dram_fraction=args.dram_fraction,
-        ssd_fraction=args.ssd_fraction,
-    )
 
 
 def run(args: argparse.Namespace) -> int:

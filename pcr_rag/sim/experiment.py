@@ -337,3 +337,14 @@ def speed_check(profile: Profile, workload: SimWorkload, settings: SimSettings, 
             "no_reuse_capacity_s": t2 - t1, "simulate_s": t3 - t2, "total_s": t3 - t0,
             "requests_per_s": num_requests / (t3 - t2),
             "mean_ttft_s": statistics.fmean(s.ttft_s for s in recs[0].samples)}
+
+
+def workload_from_args(args: Any) -> SimWorkload:
+    """The `SimWorkload` of ``pcr-rag simulate``'s parsed arguments (an ``argparse.Namespace``)."""
+    return SimWorkload(
+        num_requests=args.requests, warmup_requests=args.warmup, num_passages=args.passages,
+        passage_tokens=args.passage_tokens, top_k=args.top_k, num_topics=args.topics or None, zipf=args.zipf,
+        system_tokens=args.system_tokens, question_tokens=args.question_tokens, output_tokens=args.max_new_tokens,
+        burstiness=args.burstiness, seed=args.seed, chunk_size=args.chunk_size, dram_fraction=args.dram_fraction,
+        ssd_fraction=args.ssd_fraction,
+    )

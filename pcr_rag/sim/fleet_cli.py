@@ -16,7 +16,13 @@ from typing import Any
 
 from pcr_rag.bench.cli import parse_ints
 from pcr_rag.bench.targets import SIM_VALIDATION_TOLERANCE
-from pcr_rag.sim.experiment import SimSettings, SimWorkload, build_scenario, no_reuse_capacity_rps
+from pcr_rag.sim.experiment import (
+    SimSettings,
+    SimWorkload,
+    build_scenario,
+    no_reuse_capacity_rps,
+    workload_from_args,
+)
 from pcr_rag.sim.fleet import (
     REMOTE_MODES,
     ROUTINGS,
@@ -181,8 +187,6 @@ def run_fleet_cli(args: argparse.Namespace, profile: Profile, settings: SimSetti
 
 def _validate(args: argparse.Namespace, profile: Profile, settings: SimSettings, links: Sequence[RemoteLink],
               say: Callable[[str], None]) -> int:
-    from pcr_rag.sim.cli import workload_from_args
-
     wl: SimWorkload = workload_from_args(args)
     scenario = build_scenario(wl, profile, 1)
     rate = args.load * no_reuse_capacity_rps(profile, scenario, settings, wl.chunk_size)

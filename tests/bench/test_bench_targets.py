@@ -36,11 +36,12 @@ def test_target_names_carry_their_thresholds():
     assert set(LIMIT_RATIO_TARGETS) == {"ratio_dram", "ratio_ssd"}
 
 
-def test_readme_quotes_every_target():
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
+def test_the_benchmarks_page_quotes_every_target():
+    """docs/benchmarks.md lists every target a report judges, by the name the report prints (the README links it)."""
+    page = " ".join((REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8").split())
     for t in (*SERVING_TARGETS, *RETRIEVAL_TARGETS, *PAPER_TARGETS):
-        assert f"`{t.name}`" in readme, t.name
-    assert f"DRAM `<= {LIMIT_RATIO_DRAM_MAX:.2f}`" in readme and f"SSD `<= {LIMIT_RATIO_SSD_MAX:.2f}`" in readme
+        assert f"`{t.name}`" in page, t.name
+    assert f"DRAM `<= {LIMIT_RATIO_DRAM_MAX:.2f}`" in page and f"SSD `<= {LIMIT_RATIO_SSD_MAX:.2f}`" in page
 
 
 def test_limit_ratio_is_judged_by_the_targets():

@@ -77,7 +77,7 @@ def test_invalid_config_errors():
     ("announce_ttl_s", float("nan")), ("announce_ttl_s", float("inf")), ("remote_timeout_s", float("nan")),
     ("remote_ttl_s", float("-inf")), ("enable_cache", "no"), ("layerwise", 1), ("warmup", None),
     ("chunk_size", True), ("max_active", True), ("max_model_len", False), ("namespace", 123),
-    ("remote_namespace", None), ("dram_capacity", True), ("itl_budget_steps", float("inf")),
+    ("remote_namespace", None), ("dram_capacity", True), ("itl_budget_steps", float("nan")),
     ("remote_encrypt", "yes"), ("remote_secret", b"bytes-are-not-a-secret-string"),
 ])
 def test_config_rejects_ambiguous_values(field, value):
