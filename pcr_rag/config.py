@@ -110,8 +110,11 @@ class EngineConfig:
         io_workers: threads for SSD reads (prefetch and on-demand loads).
         model_cache_dir: where converted models are kept (None: the model loader's default).
         remote_url: a Valkey/Redis server shared by replicas, as a tier below SSD: "redis://[:password@]host:port/0",
-            "rediss://..." (TLS), "valkey://..." / "valkeys://..."; None (the default) = no remote tier. Replicas
-            share chunks when model, dtype, chunk size, weights, ``namespace`` and ``remote_namespace`` agree.
+            "rediss://..." (TLS), "valkey://..." / "valkeys://..."; or a Valkey/Redis Cluster:
+            "redis+cluster://[:password@]host1:port,host2:port" (seed nodes; also "valkey+cluster://",
+            "rediss+cluster://", "valkeys+cluster://"), one round trip per node a lookup involves and a breaker per
+            node; None (the default) = no remote tier. Replicas share chunks when model, dtype, chunk size,
+            weights, ``namespace`` and ``remote_namespace`` agree.
         remote_capacity: bytes of remote values this engine tracks (the server's maxmemory bounds what it holds).
         remote_ttl_s: expiry of the values this engine writes (0 = none: the server's eviction policy decides).
         remote_namespace: prefix of every remote key ("<remote_namespace>:<chunk key hex>").

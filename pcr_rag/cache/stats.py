@@ -36,12 +36,16 @@ class CacheStats:
     - ``bytes_used`` / ``bytes_high_water`` / ``capacity_bytes`` / ``chunks``: per tier, now.
     - ``remote_io``: the remote tier's counters (empty without one): ``lookups`` (round trips), ``lookup_found``
       and ``misses`` (chunks), ``hits`` (values read and verified), ``errors``, ``skipped`` (calls the open
-      circuit breaker refused), ``corrupt`` (values that failed verification, deleted), ``bytes_read`` /
+      circuit breaker refused), ``corrupt`` (values that failed verification, deleted), ``forged`` (values whose
+      MAC failed or whose authenticated header contradicts the reader's root, plan or KV layout: deleted and
+      recomputed), ``bytes_read`` /
       ``bytes_written``, ``writes`` / ``writes_existing`` (``SET NX`` found one) / ``writes_dropped`` (queue full
       or breaker open) / ``writes_failed``, ``recompute_chosen`` (remote chunks not loaded because recomputing
       was cheaper), ``breaker_open`` (0/1) and ``breaker_trips``, ``rtt_s``, ``read_bytes_per_s``,
       ``compute_s_per_token`` (the measured speeds the load-or-recompute decision uses), ``write_queue_depth``,
-      ``latency_s`` (mean/p50/p95/p99 of recent calls, seconds).
+      ``latency_s`` (mean/p50/p95/p99 of recent calls, seconds). On a cluster (``redis+cluster://``), also
+      ``nodes`` / ``nodes_open`` (primaries known / with an open per-node breaker), ``node_errors``,
+      ``node_skipped``, ``node_breaker_trips``, ``redirects`` (MOVED followed) and ``slot_map_refreshes``.
     """
 
     hit_chunks: dict[str, int] = field(default_factory=_tiers)
