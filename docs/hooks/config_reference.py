@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import textwrap
 from typing import Any
 
 from mkdocs.config.defaults import MkDocsConfig
@@ -36,20 +37,24 @@ Generated when the site is built, from the dataclasses' fields and docstrings (t
   `$PCR_RAG_REMOTE_SECRET`.
 - **Sizes** are bytes, as an int or a string such as `"2GiB"`.
 
-```toml
-model = "smollm2-135m-instruct"
-
-[engine]
-cache_dir = "/var/cache/pcr"
-dram_capacity = "8GiB"
-remote_url = "redis://cache.internal:6379/0"
-remote_secret_file = "/etc/pcr-rag/remote-secret"
-
-[server]
-host = "0.0.0.0"
-shutdown_timeout_s = 60
-```
+An example file (the one in `pcr_rag.server.cli`'s docstring, which `pcr-rag serve --help` shows):
 """
+
+
+
+def config_example() -> str:
+    """The TOML example of `pcr_rag.server.cli`'s docstring (its one ``::`` block), so the page and ``--help``
+    show one example."""
+    from pcr_rag.server import cli
+
+    block = (cli.__doc__ or "").split("::\n\n", 1)[1]
+    lines: list[str] = []
+    for line in block.splitlines():
+        if line and not line.startswith("    "):
+            break
+        lines.append(line)
+    return textwrap.dedent("\n".join(lines)).strip()
+
 
 SECTIONS: tuple[tuple[str, str, str], ...] = (
     ("engine", "EngineConfig", "`pcr_rag.EngineConfig`: the engine (model placement, cache tiers, batching, "
@@ -80,7 +85,7 @@ def render() -> str:
     from pcr_rag.server.cli import SERVE_ENGINE_DEFAULTS, flag_specs
 
     specs = flag_specs()
-    out = [INTRO]
+    out = [INTRO, f"\n```toml\n{config_example()}\n```\n"]
     for section, name, blurb in SECTIONS:
         cls = CLASSES[section]
         defaults = {f.name: (f.default if f.default is not dataclasses.MISSING else
