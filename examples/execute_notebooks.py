@@ -4,10 +4,12 @@
 
 Each notebook runs top to bottom in a fresh kernel from the examples folder (as Jupyter opens it) and is written
 back with its outputs, without the per-cell execution timestamps, and with ``metadata.pcr_rag.inputs_sha256``:
-the hash of its code cells and of the files under examples/data that it reads (`inputs_sha256`). The test
+the hash of its code cells and of the files under examples/data that it reads (`inputs_sha256`), and
+``metadata.pcr_rag.host_kind`` (`host_kind`: CPU kernels, KV dtype, threads). The test
 (tests/test_examples.py) recomputes that hash, so a notebook whose cells or data changed after its outputs were
 saved fails until ``make notebooks`` runs again, and it re-executes the notebook and compares the outputs of the
-cells tagged ``answers`` (deterministic: greedy decoding, a fresh cache, no timings) with the saved ones.
+cells tagged ``answers`` (deterministic: greedy decoding, a fresh cache, no timings) with the saved ones on a
+host of the same kind (elsewhere a greedy token may differ: run ``make notebooks`` there to compare).
 """
 
 from __future__ import annotations
@@ -36,6 +38,25 @@ def inputs_sha256(nb, data: Path = DATA) -> str:
     for path in sorted(p for p in data.rglob("*") if p.is_file()):
         h.update(b"\0file\0" + path.relative_to(data).as_posix().encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
+
+
+_HOST_KIND = """
+import torch
+from pcr_rag.runtime.model import resolve_dtype
+dtype = str(resolve_dtype("auto", torch.device("cpu"))).replace("torch.", "")
+print(f"{torch.backends.cpu.get_cpu_capability()}/{dtype}/threads={torch.get_num_threads()}")
+"""
+
+
+def host_kind() -> str:
+    """What a greedy answer on the CPU depends on besides the code and the model: torch's CPU kernels, the KV
+    dtype the engine picks on this CPU (bf16 where it is native, else float32) and the thread count (the forward's
+    plan). Asked of a fresh interpreter with this environment, as a notebook kernel starts (a test process may have
+    changed its own thread count). Saved answers are compared only on a host of the same kind."""
+    import subprocess
+
+    return subprocess.run([sys.executable, "-c", _HOST_KIND], check=True, capture_output=True, text=True,
+                          timeout=300).stdout.strip()
 
 
 def execute(nb, timeout_s: int = 900):
@@ -74,7 +95,7 @@ def save_executed(path: Path) -> None:
         raise RuntimeError(f"{path.name}: a cell failed: {errors[0].ename}: {errors[0].evalue}")
     for cell in nb.cells:
         cell.get("metadata", {}).pop("execution", None)
-    nb.metadata["pcr_rag"] = {"inputs_sha256": inputs_sha256(nb)}
+    nb.metadata["pcr_rag"] = {"inputs_sha256": inputs_sha256(nb), "host_kind": host_kind()}
     nbformat.write(nb, path)
 
 

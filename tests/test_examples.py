@@ -145,6 +145,10 @@ def test_notebook_reexecutes_to_its_saved_answers(notebook: str, monkeypatch) ->
     saved = nbformat.read(EXAMPLES / notebook, as_version=4)
     fresh = runner.execute(copy.deepcopy(saved))
     assert not [o for c in _code_cells(fresh) for o in c.outputs if o.output_type == "error"]
+    saved_on, here = saved.metadata.get("pcr_rag", {}).get("host_kind"), runner.host_kind()
+    if saved_on != here:
+        pytest.skip(f"{notebook} ran without an error; its answers were saved on a {saved_on} host and this is "
+                    f"a {here} one, where a greedy token may differ: run `make notebooks` here to compare")
     pairs = [(s, f) for s, f in zip(_code_cells(saved), _code_cells(fresh))
              if runner.DETERMINISTIC_TAG in s.metadata.get("tags", [])]
     assert pairs
