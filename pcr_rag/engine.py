@@ -16,6 +16,7 @@ layer by layer and inserted -> batched decode with every other running request, 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -24,6 +25,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pcr_rag import logs, tracing
 from pcr_rag.cache import CacheConfig, CacheEngine, CacheStats, ChunkSpec, Tier, plan_chunks
 from pcr_rag.cache.config import remote_with_layout
 from pcr_rag.cache.keys import scope_key
@@ -276,15 +278,20 @@ class PCREngine:
         plan = self._plan(seg, root)
         ticket = self.board.claim(prompt.documents, namespace or "") if prompt.documents else None
         channel = TokenChannel()
+        request_id = self.scheduler.next_id()
+        trace = tracing.capture(self.loaded.name, _operation_name(prompt), self.loaded.kv.bytes_per_token,
+                                None if ticket is None else ticket.ticket_id)
         req = Request(
-            request_id=self.scheduler.next_id(), token_ids=seg.token_ids, plan=plan, params=params,
+            request_id=request_id, token_ids=seg.token_ids, plan=plan, params=params,
             submitted_at=time.perf_counter(), on_token=channel.put, documents_found=seg.documents_found,
-            constraint=constraint,
+            constraint=constraint, log_id=logs.request_id() or f"req-{request_id}", trace=trace,
         )
         req.ssd_keys_at_entry = self._ssd_keys(req.keys) | (ticket.ssd_keys_at_entry if ticket else frozenset())
         req.metrics.announced = ticket is not None
         req.future.add_done_callback(channel.close)
         req.future.add_done_callback(self._count_failure)
+        if trace is not None:
+            req.future.add_done_callback(functools.partial(trace.finish, req))
         self.scheduler.submit(req)
         self.builder.accept(context)
         return RequestHandle(req, channel, self._cancel, timeout)
@@ -385,8 +392,10 @@ class PCREngine:
         else:
             seg = self.builder.predict_prefix(scoped, system=system, prefix=prefix, separator=separator, flat=flat,
                                               context=context)
-        keys = [c.key for c in self._plan(seg, root)]
-        ticket = self.board.add(docs, keys, self._ssd_keys(keys), namespace or "")
+        with tracing.announcement_span(len(docs)) as span:
+            keys = [c.key for c in self._plan(seg, root)]
+            ticket = self.board.add(docs, keys, self._ssd_keys(keys), namespace or "")
+            tracing.remember_announcement(span, ticket.ticket_id, len(keys))
         self.builder.accept(context)
         self._queue_changed()
         return ticket
@@ -628,3 +637,9 @@ class PCREngine:
         exc = future.exception()
         if exc is not None:
             self.recorder.record_failure(cancelled=isinstance(exc, RequestCancelledError))
+
+
+def _operation_name(prompt: Prompt) -> str:
+    """The GenAI operation a prompt is (`pcr_rag.tracing`): "text_completion" for a flat prompt that continues raw
+    text, else "chat" (rendered with the chat template)."""
+    return "text_completion" if isinstance(prompt, FlatPrompt) and not prompt.chat else "chat"

@@ -41,6 +41,7 @@ from pcr_rag.prompt import (
     split_documents,
 )
 from pcr_rag.runtime.grammar import ResponseFormat
+from pcr_rag.tracing import RequestTrace
 
 if TYPE_CHECKING:
     from collections.abc import Generator
@@ -467,6 +468,8 @@ class Request:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     documents_found: int = 0
     constraint: TokenConstraint | None = None
+    log_id: str = ""  # the id its log lines carry (`pcr_rag.logs`): the server's request id, else "req-<request_id>"
+    trace: RequestTrace | None = None  # its spans' parent and the times they need; None when tracing is off
 
     @property
     def keys(self) -> list[bytes]:

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from pcr_rag import logs
 from pcr_rag.errors import EngineClosedError, RequestCancelledError, RequestFailedError
 from pcr_rag.metrics import MetricsRecorder
 from pcr_rag.requests import GenerationResult, Request, RequestState
@@ -162,11 +163,14 @@ class BatchExecutor:
         which may run finish), and a nested phase is always its caller's last act, so a failure is named by the
         phase that raised it."""
         a.phase = phase
+        scope = logs.REQUEST_ID.set(a.request.log_id or None)  # its log lines name it (`pcr_rag.logs`)
         try:
             return action(*args)
         except Exception as exc:  # noqa: BLE001 - delivered to this request's caller through its future
             self._fail(a, exc)
             return _FAILED
+        finally:
+            logs.REQUEST_ID.reset(scope)
 
     def _holds_row(self, a: ActiveRequest) -> bool:
         return self._active.get(a.row) is a
@@ -322,7 +326,9 @@ class BatchExecutor:
         if isinstance(exc, _DELIVERED_AS_IS):
             error = exc
         else:
-            log.warning("request %d failed during %s: %s: %s", req.request_id, a.phase, type(exc).__name__, exc)
+            with logs.request_scope(req.log_id or None):
+                log.warning("request %d failed during %s: %s: %s", req.request_id, a.phase, type(exc).__name__,
+                            exc)
             error = RequestFailedError(
                 f"request {req.request_id} failed during {a.phase}: {type(exc).__name__}: {exc}; its row was "
                 f"released and the engine keeps serving other requests")

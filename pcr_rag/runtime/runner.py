@@ -90,6 +90,7 @@ class _InflightStep:
     offload: ChunkOffload | None
     seconds: float = 0.0
     waited: float = 0.0
+    started_at: float = field(default_factory=time.perf_counter)  # perf_counter seconds (a traced request's span)
 
 
 class PrefillTask:
@@ -117,6 +118,7 @@ class PrefillTask:
         self.began_at = math.inf               # perf_counter seconds of its first `advance` (the schedule's aging)
         self._inflight: _InflightStep | None = None
         self.last_step: tuple[int, float] = (0, 0.0)  # the last complete step's (tokens, compute s): the executor's
+        self._trace = getattr(request, "trace", None)  # a traced request notes its load's and steps' times
 
     # ------------------------------------------------------------------------------------------------ state
     @property
@@ -153,6 +155,8 @@ class PrefillTask:
             self._lease = cache.acquire(self.plan, max_chunks=self._max_chunks)
             matched = self._lease.num_chunks
         if matched:
+            if self._trace is not None:
+                self._trace.note_load_began(time.perf_counter())
             self._collect_sources(matched)
         self.position = min(self.plan[matched - 1].end, self.total - 1) if matched else 0
         self._stored_upto = matched
@@ -249,6 +253,11 @@ class PrefillTask:
             return None
         self._inflight = None
         compute_s = step.seconds - step.waited
+        if self._trace is not None:
+            done_at = time.perf_counter()
+            self._trace.note_step(step.started_at, done_at, step.end - step.start)
+            if self._load is not None:
+                self._trace.note_load_done(done_at)  # the step's layers waited for every layer of the prefix
         if self._load is not None:
             self.load_wait_s += step.waited
             self._load = None
