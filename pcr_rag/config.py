@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import typing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -48,6 +50,39 @@ def _check_seconds(name: str, value: object, *, positive: bool) -> None:
         raise ConfigError(f"{name} must be {'>' if positive else '>='} 0, got {value!r}")
 
 
+#: RemoteConfig field -> EngineConfig field, where the name is not ``remote_`` + the RemoteConfig name
+_REMOTE_RENAMED = {"capacity_bytes": "remote_capacity"}
+_REMOTE_ENGINE_OWNED = ("kv_layout",)  # derived from the loaded model, never configured
+
+
+def _remote_fields() -> type:
+    """A keyword-only dataclass of `EngineConfig`'s ``remote_*`` fields, generated from `RemoteConfig`'s own
+    declarations (type, default, ``repr``), so the remote tier's settings are declared once.
+
+    ``url`` (required by `RemoteConfig`) becomes the optional ``remote_url``: None means no remote tier.
+    """
+    hints = typing.get_type_hints(RemoteConfig)
+    specs: list[tuple[str, Any, Any]] = []
+    for f in dataclasses.fields(RemoteConfig):
+        if f.name in _REMOTE_ENGINE_OWNED:
+            continue
+        name = _REMOTE_RENAMED.get(f.name, f"remote_{f.name}")
+        if f.default is dataclasses.MISSING:  # url
+            specs.append((name, hints[f.name] | None, field(default=None, repr=f.repr)))
+        else:
+            specs.append((name, hints[f.name], field(default=f.default, repr=f.repr)))
+    cls = dataclasses.make_dataclass("RemoteFields", specs, kw_only=True)
+    cls.__module__ = __name__
+    cls.__doc__ = "EngineConfig's remote_* fields, generated from RemoteConfig (see `_remote_fields`)."
+    return cls
+
+
+#: EngineConfig field -> RemoteConfig field
+REMOTE_FIELDS: dict[str, str] = {_REMOTE_RENAMED.get(f.name, f"remote_{f.name}"): f.name
+                                 for f in dataclasses.fields(RemoteConfig) if f.name not in _REMOTE_ENGINE_OWNED}
+RemoteFields = _remote_fields()
+
+
 def default_cache_dir() -> Path:
     """`$PCR_RAG_CACHE_DIR`, else `~/.cache/pcr-rag/kv`."""
     env = os.environ.get("PCR_RAG_CACHE_DIR")
@@ -55,8 +90,10 @@ def default_cache_dir() -> Path:
 
 
 @dataclass
-class EngineConfig:
+class EngineConfig(RemoteFields):  # type: ignore[misc,valid-type]
     """Configuration of a `PCREngine`.
+
+    The ``remote_*`` fields are `RemoteConfig`'s (declared there once, keyword-only here).
 
     Attributes:
         cache_dir: directory of the SSD tier (one engine per directory; a lock file enforces it).
@@ -124,6 +161,7 @@ class EngineConfig:
             skipped for the back-off (seconds) and requests run on the local tiers; then one trial call decides.
         remote_write_queue: chunks waiting to be written to the remote store; beyond it writes are dropped
             (counted), never waited for.
+        remote_max_connections: connections the remote client pools (per node of a cluster).
         remote_secret: the replicas' shared secret (str, at least 16 characters) that authenticates every remote
             value (a keyed MAC over key, parent, namespace root, token digest, dtype, shape and payload); never
             written to the store. None reads ``$PCR_RAG_REMOTE_SECRET``. A ``remote_url`` without a secret refuses
@@ -182,18 +220,6 @@ class EngineConfig:
     freeze_gc: bool = False
     io_workers: int = 2
     model_cache_dir: str | Path | None = None
-    remote_url: str | None = None
-    remote_capacity: int | str = "64GiB"
-    remote_ttl_s: float = 0.0
-    remote_namespace: str = "pcr-rag"
-    remote_connect_timeout_s: float = 0.25
-    remote_timeout_s: float = 1.0
-    remote_breaker_errors: int = 3
-    remote_breaker_backoff_s: float = 5.0
-    remote_write_queue: int = 64
-    remote_secret: str | None = field(default=None, repr=False)
-    remote_insecure: bool = False
-    remote_encrypt: bool = False
     ssd_encrypt: bool = False
     system_prompt_scope: str = "shared"
     token_cache_bytes: int | str = "64MiB"
@@ -228,7 +254,7 @@ class EngineConfig:
         for name in ("remote_connect_timeout_s", "remote_timeout_s", "remote_breaker_backoff_s"):
             _check_seconds(name, getattr(self, name), positive=True)
         for name in ("max_queue", "max_active", "io_workers", "prefill_chunk_tokens", "remote_breaker_errors",
-                     "remote_write_queue"):
+                     "remote_write_queue", "remote_max_connections"):
             _check_int(name, getattr(self, name), minimum=1)
         check_budget_steps(self.itl_budget_steps)
         if self.max_model_len is not None:
@@ -306,12 +332,8 @@ class EngineConfig:
         if self.remote_url is None:
             return None
         try:
-            return RemoteConfig(
-                url=self.remote_url, capacity_bytes=self.remote_capacity, ttl_s=self.remote_ttl_s,
-                namespace=self.remote_namespace, connect_timeout_s=self.remote_connect_timeout_s,
-                timeout_s=self.remote_timeout_s, breaker_errors=self.remote_breaker_errors,
-                breaker_backoff_s=self.remote_breaker_backoff_s, write_queue=self.remote_write_queue,
-                secret=self.secret, insecure=self.remote_insecure, encrypt=self.remote_encrypt)
+            return RemoteConfig(**{name: getattr(self, field_name) for field_name, name in REMOTE_FIELDS.items()
+                                   if name != "secret"}, secret=self.secret)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"remote tier: {exc}") from exc
 

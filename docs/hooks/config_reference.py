@@ -30,8 +30,12 @@ Generated when the site is built, from the dataclasses' fields and docstrings (t
 
 - **Python**: `PCREngine(config=EngineConfig(...))`; the integrations take `config=` too.
 - **`pcr-rag serve`**: every field is a flag (the column below; `--x / --no-x` for switches), or a key in a TOML
-  file given with `--config pcr.toml` (`[engine]` and `[server]` tables; `model` and `log_level` at the top).
-  Precedence, lowest first: the dataclass default, serve's own default, the file, the command line.
+  file given with `--config pcr.toml` (`[engine]` and `[server]` tables; `model` and `log_level` at the top), or
+  an environment variable (shown under each flag: `PCR_RAG_` and the file key in capitals, except the older
+  `PCR_RAG_API_KEY` and `PCR_RAG_MODEL_CACHE`). In the environment a switch is `true`/`false` (or `1`/`0`,
+  `yes`/`no`, `on`/`off`), a list is comma-separated, a table is a JSON object; an empty variable counts as unset.
+  Precedence, lowest first: the dataclass default, serve's own default, the file, the environment, the command
+  line (flags > env > file > defaults).
 - **Secrets** never take a value on the command line (it would show in `ps`): `remote_secret` is read from
   `--remote-secret-file PATH` (key `remote_secret_file`), a file only its owner can read, else from
   `$PCR_RAG_REMOTE_SECRET`.
@@ -105,6 +109,8 @@ def render() -> str:
                 flags = f"`{spec.flag} {spec.metavar}`"
             if spec.aliases:
                 flags += " (also " + ", ".join(f"`{a}`" for a in spec.aliases) + ")"
+            if spec.env:
+                flags += f"<br>env `{spec.env}`"
             out.append(f"| **`{spec.field}`**<br>{_cell(flags)} | {_cell(default)} | {_cell(spec.help)} |")
         out.append("")
     return "\n".join(out)

@@ -11,10 +11,16 @@ the same setting (``--max-num-seqs``, ``--quantization``, ``--enable-prefix-cach
 ``--uvicorn-log-level``; ``--max-model-len``, ``--served-model-name``, ``--host``, ``--port`` are the fields' own).
 The remote secret (``remote_secret``, declared ``repr=False``) has no value flag, since a value on the command line
 shows in ``ps``: ``--remote-secret-file PATH`` reads it from a file only its owner can read, else the engine reads
-``$PCR_RAG_REMOTE_SECRET``. API keys: ``--api-key`` (repeatable), else the config file, else ``$PCR_RAG_API_KEY``.
+``$PCR_RAG_REMOTE_SECRET``. API keys: ``--api-key`` (repeatable), else ``$PCR_RAG_API_KEY`` (comma-separated), else
+the config file.
+
+Every field can also come from an environment variable, ``PCR_RAG_`` and its config-file key in capitals
+(``PCR_RAG_MAX_ACTIVE=4``, ``PCR_RAG_LAYERWISE=false``, ``PCR_RAG_REMOTE_SECRET_FILE=/run/secrets/pcr``), except
+where `ENV_NAMES` keeps an older name (``PCR_RAG_API_KEY``, ``PCR_RAG_MODEL_CACHE``); see `pcr_rag.server.flags`
+for how values are written.
 
 Precedence, lowest first: the dataclass defaults, serve's own (`SERVE_ENGINE_DEFAULTS`: the server owns its
-process, so ``freeze_gc`` is on), the ``--config`` file, the command line.
+process, so ``freeze_gc`` is on), the ``--config`` file, the environment, the command line.
 
 The config file is TOML: top-level keys are `ServeOptions` fields, the ``[engine]`` table holds `EngineConfig`
 fields and ``[server]`` holds `ServerSettings` fields, named as the fields (``-`` may stand for ``_``), values typed
@@ -49,19 +55,22 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal, get_args
 
+from pcr_rag import logs
 from pcr_rag.config import EngineConfig
 from pcr_rag.errors import ConfigError
+from pcr_rag.logs import LOG_FORMATS, LogFormat
 from pcr_rag.runtime.admission import SCHEDULES
 from pcr_rag.runtime.weights import WEIGHT_FORMATS
-from pcr_rag.server.flags import FlagSpec, add_flag, dataclass_flags, from_table, given, load_toml
+from pcr_rag.server.flags import FlagSpec, add_flag, dataclass_flags, from_env, from_table, given, load_toml
 from pcr_rag.server.settings import ServerSettings
 
-__all__ = ["ALIASES", "API_KEY_ENV", "SERVE_ENGINE_DEFAULTS", "ServeConfig", "ServeOptions", "add_arguments",
+__all__ = ["ALIASES", "API_KEY_ENV", "ENV_NAMES", "ENV_PREFIX", "SERVE_ENGINE_DEFAULTS", "ServeConfig", "ServeOptions", "add_arguments",
            "build_configs", "flag_specs", "run", "serve_config"]
 
 log = logging.getLogger(__name__)
 
 API_KEY_ENV = "PCR_RAG_API_KEY"
+ENV_PREFIX = "PCR_RAG_"  # a field's environment variable: this and its config-file key in capitals
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
 
@@ -72,14 +81,19 @@ class ServeOptions:
 
     model: model alias or local HF directory (None: the default model, smollm2-135m-instruct).
     log_level: the server's (uvicorn's) log level.
+    log_format: the log lines' format: "text", or "json" (one JSON object per line, `pcr_rag.logs`); either way
+        each line of a request carries its request id.
     """
 
     model: str | None = None
     log_level: LogLevel = "info"
+    log_format: LogFormat = "text"
 
     def __post_init__(self) -> None:
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level must be one of {list(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"log_format must be one of {list(LOG_FORMATS)}, got {self.log_format!r}")
 
 
 @dataclass(frozen=True)
@@ -101,10 +115,15 @@ ALIASES: dict[str, dict[str, tuple[str, ...]]] = {
                "model_cache_dir": ("--download-dir",)},
     "server": {"api_keys": ("--api-key",), "shutdown_timeout_s": ("--shutdown-timeout",)},
 }
+# section -> field -> its environment variable where that is not the generated name (names users already set)
+ENV_NAMES: dict[str, dict[str, str]] = {
+    "server": {"api_keys": API_KEY_ENV},
+    "engine": {"model_cache_dir": "PCR_RAG_MODEL_CACHE"},  # the model loader's own default (runtime.model_cache)
+}
 _CHOICES: dict[str, dict[str, tuple[str, ...]]] = {"engine": {"schedule": SCHEDULES, "weights": WEIGHT_FORMATS}}
 _NOTES: dict[str, dict[str, str]] = {
     "engine": {"extra": "Free-form KEY=VALUE settings kept with the config (repeatable; string values)."},
-    "server": {"api_keys": f"Repeatable; default: ${API_KEY_ENV} (comma-separated)."},
+    "server": {"api_keys": f"Repeatable (${API_KEY_ENV}: comma-separated)."},
 }
 SECTIONS: dict[str, type] = {"serve": ServeOptions, "engine": EngineConfig, "server": ServerSettings}
 _GROUPS = {
@@ -117,24 +136,36 @@ _GROUPS = {
 
 @lru_cache(maxsize=1)
 def flag_specs() -> dict[str, tuple[FlagSpec, ...]]:
-    """Section -> one `FlagSpec` per field of its dataclass (generated, never listed by hand)."""
-    return {section: dataclass_flags(cls, section=section, aliases=ALIASES.get(section),
-                                     choices=_CHOICES.get(section),
-                                     defaults=SERVE_ENGINE_DEFAULTS if section == "engine" else None,
-                                     notes=_NOTES.get(section))
-            for section, cls in SECTIONS.items()}
+    """Section -> one `FlagSpec` per field of its dataclass (generated, never listed by hand), the remote tier's
+    last. RuntimeError if two fields would share an environment variable."""
+    out = {section: dataclass_flags(cls, section=section, aliases=ALIASES.get(section),
+                                    choices=_CHOICES.get(section),
+                                    defaults=SERVE_ENGINE_DEFAULTS if section == "engine" else None,
+                                    notes=_NOTES.get(section), env_prefix=ENV_PREFIX, env_names=ENV_NAMES.get(section))
+           for section, cls in SECTIONS.items()}
+    out["engine"] = tuple(sorted(out["engine"], key=lambda spec: _group_of(spec) == "remote tier"))
+    seen: dict[str, str] = {}
+    for spec in (spec for specs in out.values() for spec in specs):
+        if spec.env in seen:
+            raise RuntimeError(f"{spec.dest} and {seen[spec.env]} would share {spec.env}; name one in ENV_NAMES")
+        seen[spec.env] = spec.dest
+    return out
 
 
 def _group_of(spec: FlagSpec) -> str:
     if spec.section == "engine" and spec.field.startswith("remote_"):
         return "remote tier"
-    return {"serve": "server" if spec.field == "log_level" else "engine"}.get(spec.section, spec.section)
+    return {"serve": "server" if spec.field.startswith("log_") else "engine"}.get(spec.section, spec.section)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # exact flag names only: with flags generated from fields, an abbreviation that works today becomes ambiguous
     # (or means another flag) when a field with the same prefix is added
     parser.allow_abbrev = False
+    parser.epilog = ((parser.epilog + "\n\n") if parser.epilog else "") + (
+        f"Every setting may also come from an environment variable: {ENV_PREFIX} and its config-file key in capitals "
+        f"(e.g. {ENV_PREFIX}MAX_ACTIVE=4, {ENV_PREFIX}LAYERWISE=false; API keys: {API_KEY_ENV}=k1,k2). "
+        "Precedence: flags > environment > --config file > defaults.")
     parser.add_argument("--config", metavar="FILE.toml", default=None,
                         help="read settings from a TOML file ([engine] and [server] tables, model and log_level at "
                              "the top); flags on the command line override it")
@@ -168,23 +199,20 @@ def _config_file(path: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _env_api_keys(environ: Mapping[str, str]) -> tuple[str, ...]:
-    return tuple(environ.get(API_KEY_ENV, "").split(","))
-
-
 def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServeConfig:
-    """The validated configuration of a parsed command line; loads no model. ConfigError / ValueError say what is
-    wrong (`EngineConfig` raises ConfigError, `ServerSettings` ValueError)."""
+    """The validated configuration of a parsed command line and the environment (``environ``, default
+    ``os.environ``); loads no model. Layers, lowest first: defaults, the config file, the environment, the flags.
+    ConfigError / ValueError say what is wrong (`EngineConfig` raises ConfigError, `ServerSettings` ValueError)."""
     environ = os.environ if environ is None else environ
     values: dict[str, dict[str, Any]] = {"serve": {}, "engine": dict(SERVE_ENGINE_DEFAULTS), "server": {}}
     if getattr(args, "config", None):
         for section, found in _config_file(args.config).items():
             values[section].update(found)
     for section, specs in flag_specs().items():
+        values[section].update(from_env(environ, specs))
         values[section].update(given(args, specs))
     server = values["server"]
-    keys = server.get("api_keys", _env_api_keys(environ))
-    server["api_keys"] = tuple(k.strip() for k in keys if k.strip())
+    server["api_keys"] = tuple(k.strip() for k in server.get("api_keys", ()) if k.strip())
     return ServeConfig(engine=EngineConfig(**values["engine"]), server=ServerSettings(**server),
                        options=ServeOptions(**values["serve"]))
 
@@ -202,6 +230,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:  # before the model loads: say what is wrong and stop
         log.error("pcr-rag serve: %s (see pcr-rag serve --help)", exc)
         return 2
+    logs.install(config.options.log_format)
     from pcr_rag.engine import PCREngine
     from pcr_rag.server.lifecycle import serve
 

@@ -5,6 +5,13 @@
 `add_flag` puts a spec on an argparse group; every flag defaults to ``argparse.SUPPRESS``, so `given` returns only
 the flags that were on the command line, which lets a config file sit between the dataclass defaults and the command
 line. `from_table` reads a config file's table with the same conversions and messages, and refuses unknown keys.
+`from_env` reads each field's environment variable (`FlagSpec.env`, ``PCR_RAG_<KEY>`` for `pcr-rag serve`) with
+the same conversions; a caller layers them: defaults < file < environment < command line.
+
+Environment values are written as on the command line, except: a switch takes ``true``/``false`` (also
+``1``/``0``, ``yes``/``no``, ``on``/``off``); a repeatable string flag takes a comma-separated list; a dict takes a
+JSON object (or one ``KEY=VALUE``); a secret's variable (``..._FILE``) names the file that holds it. An empty
+variable counts as unset.
 
 Annotations and their flags (an ``Optional`` one also takes ``none``):
 
@@ -43,7 +50,7 @@ from typing import Any, Literal
 from pcr_rag.errors import ConfigError
 from pcr_rag.units import parse_bytes
 
-__all__ = ["FlagSpec", "add_flag", "dataclass_flags", "field_docs", "from_table", "given", "load_toml",
+__all__ = ["FlagSpec", "add_flag", "dataclass_flags", "field_docs", "from_env", "from_table", "given", "load_toml",
            "read_private_file", "read_secret_file"]
 
 Kind = Literal["bool", "int", "float", "str", "path", "bytes", "choice", "list", "dict", "secret"]
@@ -61,7 +68,8 @@ class FlagSpec:
 
     ``section`` names the dataclass (it prefixes the argparse ``dest``, so two dataclasses may share a field name);
     ``default`` is the value the flag stands for when absent (shown in ``--help``); ``aliases`` are extra option
-    strings (older names, vLLM's names); ``choices`` restrict a string (from ``Literal`` or given by the caller).
+    strings (older names, vLLM's names); ``choices`` restrict a string (from ``Literal`` or given by the caller);
+    ``env`` is the environment variable that may also set it ("" = none).
     """
 
     section: str
@@ -72,6 +80,7 @@ class FlagSpec:
     help: str
     aliases: tuple[str, ...] = ()
     choices: tuple[str, ...] = ()
+    env: str = ""
 
     @property
     def dest(self) -> str:
@@ -143,6 +152,20 @@ class FlagSpec:
                     "choice": f"one of {', '.join(self.choices)}"}.get(self.kind, "a string")
         raise ValueError(f"expected {expected}, got {value!r}")
 
+    def from_env_text(self, text: str) -> Any:
+        """An environment variable's value as the field's value (see the module docstring); ValueError says why
+        not."""
+        if self.kind == "bool":
+            word = text.strip().lower()
+            if word in _TRUE_WORDS or word in _FALSE_WORDS:
+                return word in _TRUE_WORDS
+            raise ValueError(f"expected true or false, got {text!r}")
+        if self.kind == "list":
+            return tuple(item.strip() for item in text.split(",") if item.strip())
+        if self.kind == "dict":
+            return dict(_dict_items(text))
+        return self.from_text(text)
+
     @property
     def metavar(self) -> str:
         if self.kind == "choice":
@@ -164,6 +187,8 @@ class FlagSpec:
 
 
 _PYTHON_WORDS = {"True": "true", "False": "false", "None": "null"}
+_TRUE_WORDS = ("true", "1", "yes", "on")
+_FALSE_WORDS = ("false", "0", "no", "off")
 
 
 def _dict_items(text: str) -> tuple[tuple[str, Any], ...]:
@@ -289,16 +314,21 @@ def _kind(name: str, hint: Any) -> tuple[Kind, bool, tuple[str, ...]]:
 
 def dataclass_flags(cls: type, *, section: str, aliases: Mapping[str, tuple[str, ...]] | None = None,
                     choices: Mapping[str, Iterable[str]] | None = None, defaults: Mapping[str, Any] | None = None,
-                    notes: Mapping[str, str] | None = None) -> tuple[FlagSpec, ...]:
+                    notes: Mapping[str, str] | None = None, env_prefix: str = "",
+                    env_names: Mapping[str, str] | None = None) -> tuple[FlagSpec, ...]:
     """One `FlagSpec` per field of the dataclass ``cls`` that its constructor takes (``init``), in field order.
 
-    ``aliases`` / ``choices`` / ``defaults`` / ``notes`` are keyed by field name: extra option strings, allowed
-    strings, the default a caller applies instead of the dataclass's (shown in ``--help``), and text added to the
-    docstring's. A key that is not a field raises KeyError (a renamed field must not leave an alias behind).
+    ``aliases`` / ``choices`` / ``defaults`` / ``notes`` / ``env_names`` are keyed by field name: extra option
+    strings, allowed strings, the default a caller applies instead of the dataclass's (shown in ``--help``), text
+    added to the docstring's, and an environment variable's name other than the generated one. A key that is not a
+    field raises KeyError (a renamed field must not leave an alias behind). With ``env_prefix``, each field's
+    environment variable is ``env_prefix`` + its key in capitals (``PCR_RAG_`` + ``max_active`` ->
+    ``PCR_RAG_MAX_ACTIVE``; a secret's ``PCR_RAG_REMOTE_SECRET_FILE``); without, fields have none.
     """
     aliases, choices, defaults, notes = aliases or {}, choices or {}, defaults or {}, notes or {}
+    env_names = env_names or {}
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    for extra in (aliases, choices, defaults, notes):
+    for extra in (aliases, choices, defaults, notes, env_names):
         unknown = sorted(set(extra) - set(fields))
         if unknown:
             raise KeyError(f"{cls.__name__} has no field(s) {unknown}")
@@ -323,8 +353,10 @@ def dataclass_flags(cls: type, *, section: str, aliases: Mapping[str, tuple[str,
         else:
             default = None
         text = " ".join(t for t in (docs.get(name, ""), notes.get(name, "")) if t) or name.replace("_", " ")
-        specs.append(FlagSpec(section=section, field=name, kind=kind, optional=optional, default=default,
-                              help=text, aliases=tuple(aliases.get(name, ())), choices=allowed))
+        spec = FlagSpec(section=section, field=name, kind=kind, optional=optional, default=default, help=text,
+                        aliases=tuple(aliases.get(name, ())), choices=allowed)
+        env = env_names.get(name, env_prefix + spec.key.upper() if env_prefix else "")
+        specs.append(dataclasses.replace(spec, env=env))
     return tuple(specs)
 
 
@@ -404,6 +436,21 @@ def from_table(table: Mapping[str, Any], specs: Iterable[FlagSpec], *, where: st
             out[spec.field] = spec.from_value(value)
         except ValueError as exc:
             raise ConfigError(f"{where}: {raw_key}: {exc}") from None
+    return out
+
+
+def from_env(environ: Mapping[str, str], specs: Iterable[FlagSpec]) -> dict[str, Any]:
+    """Field -> value for each of ``specs`` whose environment variable is set (and not empty) in ``environ``;
+    ConfigError names the variable and says what it expected."""
+    out: dict[str, Any] = {}
+    for spec in specs:
+        text = environ.get(spec.env, "") if spec.env else ""
+        if not text.strip():
+            continue
+        try:
+            out[spec.field] = spec.from_env_text(text)
+        except ValueError as exc:
+            raise ConfigError(f"environment variable {spec.env}: {exc}") from None
     return out
 
 

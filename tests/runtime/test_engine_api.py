@@ -87,6 +87,37 @@ def test_config_rejects_ambiguous_values(field, value):
         EngineConfig(**{field: value})
 
 
+def test_the_remote_fields_are_remote_configs_own():
+    """EngineConfig's remote_* fields are RemoteConfig's declarations (type, default, repr), declared once: a
+    RemoteConfig field is at once an EngineConfig field, and remote_config passes every one of them on."""
+    import dataclasses
+    import typing
+
+    from pcr_rag.cache.config import RemoteConfig
+    from pcr_rag.config import REMOTE_FIELDS
+
+    engine = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    engine_hints, remote_hints = typing.get_type_hints(EngineConfig), typing.get_type_hints(RemoteConfig)
+    for f in dataclasses.fields(RemoteConfig):
+        if f.name == "kv_layout":  # the engine derives it from the loaded model
+            continue
+        name = "remote_capacity" if f.name == "capacity_bytes" else f"remote_{f.name}"
+        assert REMOTE_FIELDS[name] == f.name and name in engine, name
+        if f.name != "url":  # optional on the engine: no url, no remote tier
+            assert engine[name].default == f.default and engine_hints[name] == remote_hints[f.name], name
+        assert engine[name].repr == f.repr and engine[name].kw_only, name
+    config = EngineConfig(remote_url="memory://x", remote_max_connections=3, remote_write_queue=5,
+                          remote_secret="s" * 16, remote_capacity="1GiB")
+    remote = config.remote_config
+    assert (remote.url, remote.max_connections, remote.write_queue, remote.capacity_bytes) == (
+        "memory://x", 3, 5, 2**30)
+    assert "s" * 16 not in repr(config)
+    with pytest.raises(ConfigError, match="remote_max_connections"):
+        EngineConfig(remote_max_connections=0)
+    positional = EngineConfig("/tmp/pcr-kv")  # keyword-only: the first positional field is still cache_dir
+    assert (str(positional.cache_dir), positional.remote_url) == ("/tmp/pcr-kv", None)
+
+
 def test_unknown_model_alias_lists_known():
     from pcr_rag.runtime.model import UnknownModelError
 

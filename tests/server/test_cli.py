@@ -338,8 +338,9 @@ def test_keys_in_a_config_file_need_a_private_file(tmp_path):
     with pytest.raises(ConfigError, match=r"holds api_keys, metrics_key, so it must be private: .*chmod 600"):
         configs(["--config", shared])
     private = write_config(tmp_path / "private.toml", text, 0o600)
-    server = configs(["--config", private], environ={cli.API_KEY_ENV: "env-key"}).server
+    server = configs(["--config", private]).server
     assert (server.api_keys, server.metrics_key) == (("k1", "k2"), "scraper-key")
+    assert configs(["--config", private], environ={cli.API_KEY_ENV: "env-key"}).server.api_keys == ("env-key",)
 
 
 def test_a_missing_config_file_exits_2(tmp_path, monkeypatch, caplog):
@@ -404,3 +405,67 @@ def test_the_generator_covers_new_fields_and_refuses_what_it_cannot_carry():
         dataclass_flags(Odd, section="odd")
     with pytest.raises(KeyError, match="no field"):
         dataclass_flags(Later, section="later", aliases={"renamed": ("--old",)})
+
+
+def test_every_field_has_its_own_environment_variable():
+    specs = [spec for section in cli.flag_specs().values() for spec in section]
+    names = [spec.env for spec in specs]
+    assert all(n.startswith("PCR_RAG_") for n in names) and len(set(names)) == len(names)
+    env = {spec.dest: spec.env for spec in specs}
+    assert (env["engine.max_active"], env["engine.cache_dir"], env["engine.remote_secret"]) == (
+        "PCR_RAG_MAX_ACTIVE", "PCR_RAG_CACHE_DIR", "PCR_RAG_REMOTE_SECRET_FILE")
+    assert (env["server.api_keys"], env["engine.model_cache_dir"], env["serve.model"]) == (
+        "PCR_RAG_API_KEY", "PCR_RAG_MODEL_CACHE", "PCR_RAG_MODEL")  # the older names keep working
+    assert "PCR_RAG_MAX_ACTIVE=4" in parser().format_help()
+
+
+def test_every_kind_of_field_comes_from_the_environment(tmp_path):
+    secret = private_file(tmp_path / "secret", SECRET)
+    environ = {"PCR_RAG_MODEL": "tiny", "PCR_RAG_LOG_LEVEL": "debug", "PCR_RAG_MAX_ACTIVE": "3",
+               "PCR_RAG_LAYERWISE": "false", "PCR_RAG_PREFETCH": "0", "PCR_RAG_DRAM_CAPACITY": "1GiB",
+               "PCR_RAG_MAX_MODEL_LEN": "none", "PCR_RAG_ANNOUNCE_TTL_S": "7.5", "PCR_RAG_SCHEDULE": "fcfs",
+               "PCR_RAG_EXTRA": '{"team": "search"}', "PCR_RAG_CHAT_TEMPLATE_KWARGS": "enable_thinking=false",
+               "PCR_RAG_CACHE_DIR": str(tmp_path / "kv"), "PCR_RAG_REMOTE_URL": "redis://cache:6379/0",
+               "PCR_RAG_REMOTE_SECRET_FILE": str(secret), "PCR_RAG_REMOTE_MAX_CONNECTIONS": "4",
+               "PCR_RAG_PORT": "9002", "PCR_RAG_TENANT_PER_KEY": "yes", "PCR_RAG_API_KEY": "k1, k2,,",
+               "PCR_RAG_METRICS_PUBLIC": "on", "PCR_RAG_NAMESPACE": ""}  # empty: unset
+    config = configs([], environ=environ)
+    e, s = config.engine, config.server
+    assert (e.max_active, e.layerwise, e.prefetch, e.dram_capacity, e.max_model_len, e.announce_ttl_s) == (
+        3, False, False, 2**30, None, 7.5)
+    assert (e.schedule, e.extra, e.chat_template_kwargs, e.cache_dir, e.namespace) == (
+        "fcfs", {"team": "search"}, {"enable_thinking": False}, tmp_path / "kv", "")
+    assert (e.remote_url, e.remote_secret, e.remote_config.max_connections) == ("redis://cache:6379/0", SECRET, 4)
+    assert (s.port, s.tenant_per_key, s.api_keys, s.metrics_public) == (9002, True, ("k1", "k2"), True)
+    assert config.options == cli.ServeOptions(model="tiny", log_level="debug")
+
+
+def test_flags_beat_the_environment_which_beats_the_file(tmp_path):
+    path = write_config(tmp_path / "pcr.toml", "model = 'file'\n[engine]\nmax_active = 2\nchunk_size = 32\n"
+                                              "prefetch_window = 3\n[server]\nport = 9000\n")
+    environ = {"PCR_RAG_MAX_ACTIVE": "4", "PCR_RAG_CHUNK_SIZE": "64", "PCR_RAG_PORT": "9001", "PCR_RAG_MODEL": "env"}
+    config = configs(["--config", path, "--chunk-size", "128"], environ=environ)
+    assert (config.engine.prefetch_window, config.engine.max_active, config.engine.chunk_size) == (3, 4, 128)
+    assert (config.server.port, config.options.model) == (9001, "env")
+    assert configs(["--config", path], environ={}).engine.max_active == 2
+
+
+@pytest.mark.parametrize("environ, message", [
+    ({"PCR_RAG_MAX_ACTIVE": "many"}, "environment variable PCR_RAG_MAX_ACTIVE: expected an integer, got 'many'"),
+    ({"PCR_RAG_LAYERWISE": "maybe"}, "environment variable PCR_RAG_LAYERWISE: expected true or false"),
+    ({"PCR_RAG_SCHEDULE": "lifo"}, "PCR_RAG_SCHEDULE: expected one of fcfs, cache-aware, got 'lifo'"),
+    ({"PCR_RAG_ANNOUNCE_TTL_S": "inf"}, "PCR_RAG_ANNOUNCE_TTL_S: expected a finite number"),
+    ({"PCR_RAG_EXTRA": "{not json"}, "PCR_RAG_EXTRA: expected a JSON object or KEY=VALUE"),
+    ({"PCR_RAG_REMOTE_SECRET_FILE": "/nonexistent/secret"}, "PCR_RAG_REMOTE_SECRET_FILE: cannot read secret file"),
+])
+def test_a_bad_environment_variable_is_named(environ, message):
+    with pytest.raises(ConfigError) as exc:
+        configs([], environ=environ)
+    assert message in str(exc.value)
+
+
+def test_a_bad_environment_variable_exits_2_before_the_model_loads(monkeypatch, caplog):
+    monkeypatch.setattr(pcr_rag.engine, "PCREngine", _NoModel)
+    monkeypatch.setenv("PCR_RAG_MAX_ACTIVE", "0")
+    assert top_cli.main(["serve"]) == 2
+    assert "max_active must be an int >= 1" in caplog.text
