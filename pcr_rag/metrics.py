@@ -23,7 +23,9 @@ class RequestMetrics:
     itl_s: gaps between consecutive generated tokens.
     computed_tokens + reused_tokens == prompt_tokens; reused_by_tier splits reused_tokens by the tier the KV
     came from when the request ran. prefetch_hit_chunks: chunks on SSD when the request entered the queue (or
-    was announced) and in memory when it ran.
+    was announced) and in memory when it ran. recomputed_after_error: times its prefill gave up cached KV because
+    the cache or a store failed (a load raising, a checksum or MAC failing, a read timing out, the lease itself
+    failing) and recomputed it instead.
     """
 
     ttft_s: float = 0.0
@@ -88,6 +90,7 @@ class MetricsRecorder:
         self.computed_tokens = 0
         self.reused_by_tier = dict.fromkeys(TIERS, 0)
         self.prefetch_hit_chunks = 0
+        self.recomputed_after_error = 0  # prefills that gave up cached KV after a cache or store failure
 
     def record(self, m: RequestMetrics) -> None:
         with self._lock:
@@ -98,6 +101,7 @@ class MetricsRecorder:
             for tier, n in m.reused_by_tier.items():
                 self.reused_by_tier[tier] = self.reused_by_tier.get(tier, 0) + n
             self.prefetch_hit_chunks += m.prefetch_hit_chunks
+            self.recomputed_after_error += m.recomputed_after_error
 
     def record_failure(self, cancelled: bool = False) -> None:
         with self._lock:
@@ -118,6 +122,7 @@ class MetricsRecorder:
                 "reused_tokens": sum(self.reused_by_tier.values()),
                 "reused_by_tier": dict(self.reused_by_tier),
                 "prefetch_hit_chunks": self.prefetch_hit_chunks,
+                "recomputed_after_error": self.recomputed_after_error,
             }
         total = out["prompt_tokens"]
         out["hit_ratio"] = {t: (n / total if total else 0.0) for t, n in out["reused_by_tier"].items()}

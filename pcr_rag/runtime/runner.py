@@ -13,8 +13,10 @@ Prefill, on the request's arena row:
 
 Because the forward is split-invariant, a hit replays bit for bit what it skips, whatever the step sizes. When
 every chunk is cached, the last token is still computed (its logits are the first token's) - the rest of the last
-chunk is loaded. A chunk that fails verification while loading raises `PrefixLoadError`; the task then leases
-the prefix before that chunk and recomputes from there (counted in ``retries``).
+chunk is loaded. A chunk that fails to load (verification, a MAC, an I/O error or a timeout, from any tier) raises
+`PrefixLoadError`; the task then leases the prefix before that chunk and recomputes from there; a lease that cannot
+be taken at all (the cache or store raising) recomputes the whole prompt. Both count in ``retries``: a cache
+failure never fails the request.
 """
 
 from __future__ import annotations
@@ -216,20 +218,42 @@ class PrefillTask:
         try:
             if not self.begun:
                 self.began_at = started
-                self.begin()
+                self._begin_or_recompute()
             while True:
                 try:
                     return self._step(budget, layers)
                 except PrefixLoadError as exc:
-                    self.retries += 1
-                    log.warning("recomputing from chunk %d: %s", exc.chunk_index, exc)
-                    self._inflight = None
-                    self._cancel_load()
-                    self.release()
-                    self._max_chunks = min(self._max_chunks, exc.chunk_index)
-                    self.begin()
+                    self._recompute_from(exc.chunk_index, exc)
+                    self._begin_or_recompute()
         finally:
             self.step_seconds += time.perf_counter() - started
+
+    def _begin_or_recompute(self) -> None:
+        """`begin`, falling back to less reuse when the cache fails: a chunk whose load fails (`PrefixLoadError`,
+        raised here when loads are not layer-wise) is recomputed from there, and any other failure of the cache
+        or a store while leasing (a lookup, a tier read or a timeout raising) recomputes the whole prompt without
+        a lease. Each fallback counts in ``retries``. Invariant: a cache failure never fails the request, and its
+        tokens are the cache-off ones (the forward is split-invariant, so recomputing from any chunk is exact)."""
+        while True:
+            try:
+                self.begin()
+                return
+            except PrefixLoadError as exc:
+                self._recompute_from(exc.chunk_index, exc)
+            except Exception as exc:  # noqa: BLE001 - a broken cache or store falls back to recompute
+                self._recompute_from(0, exc)
+
+    def _recompute_from(self, chunk_index: int, exc: BaseException) -> None:
+        """Give up the lease and reuse only the plan's chunks before ``chunk_index`` at the next `begin` (counted
+        in ``retries``). Terminates: ``_max_chunks`` drops each time, and with 0 no lease is taken."""
+        if self._max_chunks == 0:
+            raise exc  # nothing was leased: not a cache failure
+        self.retries += 1
+        log.warning("recomputing from chunk %d after a cache failure: %s: %s", chunk_index, type(exc).__name__, exc)
+        self._inflight = None
+        self._cancel_load()
+        self.release()
+        self._max_chunks = min(self._max_chunks, chunk_index)
 
     def _step(self, budget: int, layers: Callable[[int], int] | None) -> torch.Tensor | None:
         step = self._inflight

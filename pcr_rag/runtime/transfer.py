@@ -211,6 +211,8 @@ class PrefixLoad:
                     self._copy_layer(src, layer)
             except PrefixLoadError as exc:
                 self._fail(exc)
+            except Exception as exc:  # noqa: BLE001 - a memory copy that fails is recomputed, as on the loader thread
+                self._fail(PrefixLoadError(self._current_index, exc))
             self.ready_at[layer] = time.perf_counter()
             self._ready[layer].set()
         self._ready[layer].wait()

@@ -177,6 +177,9 @@ class _EngineCollector(Collector):
         yield gauge("cache_pinned_chunks", "Chunks pinned now by running requests and loads (0 when idle).",
                     cache.pinned_chunks)
         yield counter("cache_load_failures", "Cached chunks that failed to load (recomputed).", cache.load_failures)
+        yield counter("cache_failures_recomputed", "Times a prefill recomputed cached KV after a cache or store failure "
+                      "(a load, checksum, MAC or timeout failing during the lease) instead of failing.",
+                      req.get("recomputed_after_error", 0))
         yield counter("remote_values_forged", "Remote values rejected as forged (MAC, root, plan or layout), deleted.",
                       cache.remote_io.get("forged", 0))
         yield counter("prefetch_loads", "SSD -> DRAM loads started by the prefetcher.", pf["loads_started"])

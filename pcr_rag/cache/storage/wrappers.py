@@ -119,19 +119,34 @@ class SlowBackend(DelegatingBackend):
 
 
 class FaultyBackend(DelegatingBackend):
-    """Injects write failures: every write raises ``OSError(write_errno)`` while ``write_errno`` is set, and
-    with ``disk_bytes`` set, a write that would make the stored total exceed it raises ENOSPC (a full disk)."""
+    """Injects failures: every write raises ``OSError(write_errno)`` while ``write_errno`` is set, and with
+    ``disk_bytes`` set, a write that would make the stored total exceed it raises ENOSPC (a full disk). While
+    ``read_fault`` is set (an exception instance, e.g. ``TimeoutError(...)`` or ``OSError(EIO, ...)``), every read
+    of an opened blob raises it (counted in ``read_failures``): a failing or timing-out disk under a load."""
 
     def __init__(
-        self, inner: StorageBackend, *, write_errno: int | None = None, disk_bytes: int | None = None
+        self, inner: StorageBackend, *, write_errno: int | None = None, disk_bytes: int | None = None,
+        read_fault: BaseException | None = None,
     ):
         super().__init__(inner)
         self.write_errno = write_errno
         self.disk_bytes = disk_bytes
+        self.read_fault = read_fault
         self.write_attempts = 0
         self.write_failures = 0
+        self.read_failures = 0
         self._sizes: dict[str, int] = {}
         self._mutex = threading.Lock()
+
+    def open(self, name: str) -> BlobReader:
+        return _ObservedReader(self.inner.open(name), self._maybe_fail_read, _ignore)
+
+    def _maybe_fail_read(self, nbytes: int) -> None:
+        fault = self.read_fault
+        if fault is not None:
+            with self._mutex:
+                self.read_failures += 1
+            raise fault
 
     def write_atomic(self, name: str, parts: Sequence[Buffer], head: DeferredHead | None = None) -> int:
         size = total_bytes(parts, head)
