@@ -33,6 +33,7 @@ from pcr_rag.cache.roots import RootIdentity, RootManifest, foreign_chunks_note
 from pcr_rag.cache.storage.private_dir import refuse_unsafe
 from pcr_rag.config import EngineConfig
 from pcr_rag.errors import EngineClosedError, InvalidRequestError, PromptTooLongError, RequestCancelledError
+from pcr_rag.limits import DEFAULT_LIMITS
 from pcr_rag.metrics import MetricsRecorder, prometheus_text
 from pcr_rag.prompt import Doc, DocumentPieces, PromptBuilder, PromptContext, SegmentedPrompt, split_documents
 from pcr_rag.reorder import reuse_order
@@ -183,6 +184,7 @@ class PCREngine:
         # response formats compiled against the vocabulary (the rows of the logits), cached by format
         vocab_rows = self.loaded.model.get_output_embeddings().weight.shape[0]
         self.grammars = GrammarCompiler(self.loaded.tokenizer, vocab_rows, self.loaded.eos_token_ids)
+        self.limits = DEFAULT_LIMITS  # bounds on a request's stop strings, format and tools (checked in submit)
         self.recorder = MetricsRecorder()
         self.board = AnnouncementBoard(config.announce_ttl_s)
         self._closed = False
@@ -261,6 +263,9 @@ class PCREngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        self.limits.check_stop(params.stop)
+        if params.response_format is not None:
+            self.limits.check_format(params.response_format.source)
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not timeout > 0):
             raise InvalidRequestError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
@@ -274,6 +279,8 @@ class PCREngine:
         n = seg.num_tokens
         if n + params.max_new_tokens > self.max_model_len:
             raise PromptTooLongError(n, params.max_new_tokens, self.max_model_len, limit)
+        if params.response_format is not None:
+            self.scheduler.check_room()  # a full queue refuses before the grammar is compiled and cached
         constraint = None if params.response_format is None else self.grammars.matcher(params.response_format)
         plan = self._plan(seg, root)
         ticket = self.board.claim(prompt.documents, namespace or "") if prompt.documents else None

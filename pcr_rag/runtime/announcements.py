@@ -14,11 +14,13 @@ import itertools
 import secrets
 import threading
 import time
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 TICKET_ID_BITS = 53
+DEFAULT_MAX_PENDING = 4096  # tickets on a board, all namespaces together (as the server's max_tickets)
+DEFAULT_MAX_PER_NAMESPACE = 1024  # tickets of one namespace (tenant) on a board
 
 
 @dataclass
@@ -38,45 +40,67 @@ class Ticket:
 
 
 class AnnouncementBoard:
-    """Announced, not yet claimed requests in arrival order. Thread-safe."""
+    """Announced, not yet claimed requests in arrival order. Thread-safe.
 
-    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    Bounded: at most ``max_pending`` tickets in all and ``max_per_namespace`` per namespace (a tenant); an
+    announcement beyond either bound evicts the oldest ticket of its namespace (over the namespace's bound) or of
+    the board (over the total), which is marked expired as a lapsed one would be, so one tenant announcing without
+    end holds at most its share and never pushes out another tenant's tickets while under the total. Every
+    operation but `keys` costs O(1) in the board's size: tickets are indexed by id and by (namespace, documents)."""
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic, *,
+                 max_pending: int = DEFAULT_MAX_PENDING, max_per_namespace: int = DEFAULT_MAX_PER_NAMESPACE) -> None:
+        for name, value in (("max_pending", max_pending), ("max_per_namespace", max_per_namespace)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self.ttl_s = ttl_s
         self.clock = clock
+        self.max_pending = max_pending
+        self.max_per_namespace = max_per_namespace
         self._lock = threading.Lock()
-        self._tickets: deque[Ticket] = deque()
+        self._tickets: OrderedDict[int, Ticket] = OrderedDict()  # by id, oldest first
+        self._by_docs: dict[tuple[str, tuple[str, ...]], OrderedDict[int, Ticket]] = {}
+        self._by_namespace: dict[str, OrderedDict[int, Ticket]] = {}
         self.announced = 0
         self.claimed = 0
         self.expired = 0
+        self.evicted = 0
 
     def add(self, documents: tuple[str, ...], keys: Sequence[bytes],
             ssd_keys: frozenset[bytes] = frozenset(), namespace: str = "") -> Ticket:
         now = self.clock()
         with self._lock:
-            pending = {t.ticket_id for t in self._tickets}
             ticket_id = 0
-            while ticket_id == 0 or ticket_id in pending:
+            while ticket_id == 0 or ticket_id in self._tickets:
                 ticket_id = secrets.randbits(TICKET_ID_BITS)
             t = Ticket(ticket_id, documents, tuple(keys), now, now + self.ttl_s, ssd_keys, namespace)
-            self._tickets.append(t)
+            own = self._by_namespace.get(namespace)
+            if own is not None and len(own) >= self.max_per_namespace:
+                self._evict(next(iter(own.values())))
+            if len(self._tickets) >= self.max_pending:
+                self._evict(next(iter(self._tickets.values())))
+            self._tickets[ticket_id] = t
+            self._by_docs.setdefault((namespace, documents), OrderedDict())[ticket_id] = t
+            self._by_namespace.setdefault(namespace, OrderedDict())[ticket_id] = t
             self.announced += 1
         return t
 
     def claim(self, documents: tuple[str, ...], namespace: str = "") -> Ticket | None:
         """The oldest live ticket of ``namespace`` with exactly these documents, removed from the board."""
         with self._lock:
-            for t in self._tickets:
-                if t.documents == documents and t.namespace == namespace:
-                    self._tickets.remove(t)
-                    t.claimed = True
-                    self.claimed += 1
-                    return t
-        return None
+            same = self._by_docs.get((namespace, documents))
+            if not same:
+                return None
+            t = next(iter(same.values()))
+            self._remove(t)
+            t.claimed = True
+            self.claimed += 1
+            return t
 
     def cancel(self, ticket: Ticket) -> bool:
         with self._lock:
-            if ticket in self._tickets:
-                self._tickets.remove(ticket)
+            if self._tickets.get(ticket.ticket_id) is ticket:
+                self._remove(ticket)
                 ticket.expired = True
                 return True
         return False
@@ -85,8 +109,11 @@ class AnnouncementBoard:
         now = self.clock()
         n = 0
         with self._lock:
-            while self._tickets and self._tickets[0].expires_at <= now:
-                t = self._tickets.popleft()
+            while self._tickets:
+                t = next(iter(self._tickets.values()))
+                if t.expires_at > now:
+                    break
+                self._remove(t)
                 t.expired = True
                 n += 1
             self.expired += n
@@ -94,8 +121,31 @@ class AnnouncementBoard:
 
     def keys(self, limit: int) -> list[tuple[bytes, ...]]:
         with self._lock:
-            return [t.keys for t in itertools.islice(self._tickets, limit)]
+            return [t.keys for t in itertools.islice(self._tickets.values(), limit)]
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._tickets)
+
+    def pending(self, namespace: str) -> int:
+        """Tickets of ``namespace`` on the board."""
+        with self._lock:
+            return len(self._by_namespace.get(namespace, ()))
+
+    # ------------------------------------------------------------------ under the lock
+    def _evict(self, t: Ticket) -> None:
+        self._remove(t)
+        t.expired = True
+        self.evicted += 1
+
+    def _remove(self, t: Ticket) -> None:
+        del self._tickets[t.ticket_id]
+        docs_key = (t.namespace, t.documents)
+        same = self._by_docs[docs_key]
+        del same[t.ticket_id]
+        if not same:
+            del self._by_docs[docs_key]
+        own = self._by_namespace[t.namespace]
+        del own[t.ticket_id]
+        if not own:
+            del self._by_namespace[t.namespace]

@@ -7,8 +7,10 @@
   Construction validates the grammar with the library (no tokenizer needed), so a schema it rejects raises
   `InvalidRequestError` before any compute.
 - `GrammarCompiler`: one per engine (tokenizer, vocabulary size, EOS ids). ``matcher(fmt)`` compiles ``fmt``
-  against the vocabulary once (an LRU of ``cache_size`` compiled grammars, keyed by the format) and hands out a
-  fresh `GrammarMatcher` per request.
+  against the vocabulary once (an LRU of at most ``cache_size`` compiled grammars standing for at most
+  ``cache_bytes`` of grammar text, keyed by the format) and hands out a fresh `GrammarMatcher` per request. It runs
+  for admitted requests only, so a refused request fills no cache; a compiled grammar's digest also spares later
+  `ResponseFormat` constructions the validation.
 - `GrammarMatcher`: the `TokenConstraint` of one request. ``mask_logits`` sets every token the grammar does not
   allow next to -inf in that row's logits only, so a constrained request's tokens never depend on its batch
   company. EOS is allowed exactly when the grammar accepts the text so far; once nothing but EOS may follow,
@@ -24,13 +26,13 @@ docs/measurements-history.md#figures-moved-from-code-comments). llguidance also 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, Literal
 
 import llguidance
@@ -50,6 +52,10 @@ FORMAT_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "grammar
 # whitespace, so a small model cannot drift into endless newlines between tokens.
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 DEFAULT_CACHE_SIZE = 64  # compiled grammars kept per engine
+# bytes of source and grammar text the compiled grammars kept per engine may stand for: a compiled
+# grammar grows with its grammar's text, so a few huge formats cannot hold what many small ones would
+DEFAULT_CACHE_BYTES = 32 * 2**20
+VALIDATED_GRAMMARS = 1024  # digests of valid grammars remembered process-wide (32 bytes each)
 
 
 class GrammarError(InvalidRequestError):
@@ -161,9 +167,48 @@ def _grammar_text(kind: str, source: str) -> str:
     return llguidance.LLMatcher.grammar_from_lark(source)
 
 
-@lru_cache(maxsize=256)
+class _Validated:
+    """Digests of grammars known to be valid, the most recent ``capacity`` of them: a server sees the same schema
+    on request after request, and validating it again costs as much as the first time. Only a grammar a
+    `GrammarCompiler` compiled for an admitted request is remembered (`add`), so a request refused for its model,
+    length or a full queue leaves nothing behind; and only a 32-byte digest is kept, never the grammar, so the
+    set's memory is bounded whatever the formats' sizes. Thread-safe."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._digests: OrderedDict[bytes, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def digest(grammar: str) -> bytes:
+        return hashlib.blake2b(grammar.encode("utf-8", "surrogatepass"), digest_size=32).digest()
+
+    def __contains__(self, digest: bytes) -> bool:
+        with self._lock:
+            if digest in self._digests:
+                self._digests.move_to_end(digest)
+                return True
+            return False
+
+    def add(self, digest: bytes) -> None:
+        with self._lock:
+            self._digests[digest] = None
+            self._digests.move_to_end(digest)
+            while len(self._digests) > self.capacity:
+                self._digests.popitem(last=False)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._digests)
+
+
+_VALIDATED = _Validated(VALIDATED_GRAMMARS)
+
+
 def _check_grammar(grammar: str) -> None:
-    """Validate without a tokenizer (cached: `SamplingParams` is rebuilt on every `from_kwargs`)."""
+    """Validate without a tokenizer; a grammar a compiler already compiled (`_VALIDATED`) is not checked again."""
+    if _Validated.digest(grammar) in _VALIDATED:
+        return
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
         raise GrammarError(f"the response format was rejected by the grammar compiler: {_one_line(messages)}; "
@@ -239,16 +284,20 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Iterable[int], *,
-                 cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+                 cache_size: int = DEFAULT_CACHE_SIZE, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         if cache_size < 1:
             raise ValueError(f"cache_size must be >= 1, got {cache_size}")
+        if cache_bytes < 1:
+            raise ValueError(f"cache_bytes must be >= 1, got {cache_bytes}")
         self.tokenizer = tokenizer
         self.vocab_size = int(vocab_size)
         self.eos_ids = sorted(set(eos_ids))
         self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
         self._lock = threading.Lock()
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
-        self._compiled: OrderedDict[ResponseFormat, llguidance.LLMatcher] = OrderedDict()
+        self._compiled: OrderedDict[ResponseFormat, tuple[llguidance.LLMatcher, int]] = OrderedDict()
+        self.cached_bytes = 0  # the kept formats' source and grammar text, in bytes
         self.hits = 0
         self.misses = 0
 
@@ -256,27 +305,36 @@ class GrammarCompiler:
         return len(self._compiled)
 
     def matcher(self, fmt: ResponseFormat) -> GrammarMatcher:
-        """A fresh matcher for one request. Raises `GrammarError` if ``fmt`` does not compile for this vocabulary."""
+        """A fresh matcher for one request. Raises `GrammarError` if ``fmt`` does not compile for this vocabulary.
+        The cache keeps at most ``cache_size`` formats standing for at most ``cache_bytes`` (least recently used
+        go first; a format over ``cache_bytes`` on its own is compiled and not kept)."""
         with self._lock:
-            template = self._compiled.get(fmt)
-            if template is not None:
+            entry = self._compiled.get(fmt)
+            if entry is not None:
                 self._compiled.move_to_end(fmt)
                 self.hits += 1
+                template = entry[0]
             else:
-                template = self._compile(fmt)
+                grammar = fmt.grammar
+                template = self._compile(grammar)
                 self.misses += 1
-                self._compiled[fmt] = template
-                if len(self._compiled) > self.cache_size:
-                    self._compiled.popitem(last=False)
+                _VALIDATED.add(_Validated.digest(grammar))
+                cost = len(fmt.source.encode("utf-8", "surrogatepass")) + len(grammar)
+                if cost <= self.cache_bytes:
+                    self._compiled[fmt] = (template, cost)
+                    self.cached_bytes += cost
+                    while len(self._compiled) > self.cache_size or self.cached_bytes > self.cache_bytes:
+                        _, (_, dropped) = self._compiled.popitem(last=False)
+                        self.cached_bytes -= dropped
             return GrammarMatcher(template.deep_copy(), self.vocab_size)
 
-    def _compile(self, fmt: ResponseFormat) -> llguidance.LLMatcher:
+    def _compile(self, grammar: str) -> llguidance.LLMatcher:
         tok = self._llg_tokenizer()
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(fmt.grammar, tok)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tok)
         if is_error:
             raise GrammarError(f"the response format does not compile for this model's vocabulary: "
                                f"{_one_line(messages)}")
-        matcher = llguidance.LLMatcher(tok, fmt.grammar, log_level=0)
+        matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"the response format does not compile: {matcher.get_error()}")
         return matcher

@@ -433,7 +433,10 @@ class DecodeRow:
 
 
 def _find_stop(text: str, stops: Sequence[str], searched_upto: int) -> int | None:
-    """Index where the earliest stop string starts in ``text`` (searching only what could be new), else None."""
+    """Index where the earliest stop string starts in ``text``, else None. ``text[:searched_upto]`` held none, so
+    only a match the new characters complete can be there: each stop is looked for in the tail that starts
+    ``len(stop) - 1`` characters before them. A token's cost is then the new characters plus the stops' lengths
+    (bounded by `pcr_rag.limits.RequestLimits`), never the length of the output."""
     best = None
     for s in stops:
         if not s:

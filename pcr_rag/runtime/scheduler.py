@@ -85,12 +85,21 @@ class Scheduler:
         return next(self._ids)
 
     # ------------------------------------------------------------------------------------------------ queue
+    def check_room(self) -> None:
+        """Raise what `submit` would for a closed engine or a full queue, without queueing (a cheap check made
+        before a request's costly preparation)."""
+        with self._cond:
+            self._check_room()
+
+    def _check_room(self) -> None:
+        if self._closed:
+            raise EngineClosedError("the engine is closed; create a new PCREngine")
+        if len(self._waiting) >= self.max_queue:
+            raise QueueFullError(f"{len(self._waiting)} requests are waiting (max_queue={self.max_queue})")
+
     def submit(self, req: Request) -> Request:
         with self._cond:
-            if self._closed:
-                raise EngineClosedError("the engine is closed; create a new PCREngine")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFullError(f"{len(self._waiting)} requests are waiting (max_queue={self.max_queue})")
+            self._check_room()
             self._waiting.append(req)
             self.max_depth = max(self.max_depth, len(self._waiting))
             self._cond.notify_all()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -143,11 +144,14 @@ class ServerState:
     def prepare(self, kind: str, raw: bytes, tenant: Tenant) -> tuple[GenerationRequest, list[RequestHandle]]:
         """Parse, check and submit one generation request, one engine request per choice (on a request thread:
         this tokenizes). A choice the engine refuses cancels the choices already submitted."""
-        req = (parse_chat_request(raw, self.engine.tokenizer) if kind == "chat"
-               else parse_completion_request(raw))
+        def precheck(model: str) -> None:  # before any grammar is validated
+            self.check_accepting()
+            self.check_model(model)
+
+        limits = self.engine.limits
+        req = (parse_chat_request(raw, self.engine.tokenizer, limits, precheck) if kind == "chat"
+               else parse_completion_request(raw, limits, precheck))
         param = "messages" if kind == "chat" else "prompt"
-        self.check_accepting()
-        self.check_model(req.model)
         self.check_chars(req.prompt_chars, param)
         handles: list[RequestHandle] = []
         try:
@@ -182,12 +186,17 @@ class ServerState:
 
     # ------------------------------------------------------------------------------------------ tickets
     def keep_ticket(self, namespace: str, ticket: Ticket) -> None:
-        stale = [tid for tid, (_, t) in self._tickets.items() if t.claimed or t.expired]
-        for tid in stale:
-            del self._tickets[tid]
+        """Remember ``ticket`` for withdrawal. Past ``max_tickets`` the claimed and expired ones are forgotten,
+        then the oldest live ones, which are withdrawn from the engine's board too (a ticket nobody can withdraw
+        any more must not hold the board's room until it expires)."""
+        if len(self._tickets) >= self.settings.max_tickets:
+            stale = [tid for tid, (_, t) in self._tickets.items() if t.claimed or t.expired]
+            for tid in stale:
+                del self._tickets[tid]
+        while len(self._tickets) >= self.settings.max_tickets:
+            _, (_, oldest) = self._tickets.popitem(last=False)
+            self.engine.cancel_announcement(oldest)
         self._tickets[ticket.ticket_id] = (namespace, ticket)
-        while len(self._tickets) > self.settings.max_tickets:
-            self._tickets.popitem(last=False)
 
     def withdraw_ticket(self, namespace: str, ticket_id: int) -> bool:
         entry = self._tickets.get(ticket_id)
@@ -383,12 +392,16 @@ def create_app(engine: PCREngine, settings: ServerSettings | None = None, *, own
             state.finished(handles)
         for result in results:
             state.observe(result)
-        if req.kind == "chat":
-            answers = [answer_message(r.text, r.finish_reason, req.tools) for r in results]
-            body = chat_response(rid, created, state.model_name, results, req.return_token_ids, answers)
-        else:
-            body = completion_response(rid, created, state.model_name, results, req.return_token_ids)
-        return JSONResponse(body)
+
+        def encode() -> bytes:  # n choices of long answers with top logprobs are megabytes of JSON
+            if req.kind == "chat":
+                answers = [answer_message(r.text, r.finish_reason, req.tools) for r in results]
+                body = chat_response(rid, created, state.model_name, results, req.return_token_ids, answers)
+            else:
+                body = completion_response(rid, created, state.model_name, results, req.return_token_ids)
+            return _json_bytes(body)
+
+        return Response(await state.off_loop(encode), media_type="application/json")
 
     async def stream_events(handles: list[RequestHandle], req: GenerationRequest, rid: str,
                             created: int) -> AsyncIterator[bytes]:
@@ -457,6 +470,11 @@ def create_app(engine: PCREngine, settings: ServerSettings | None = None, *, own
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+def _json_bytes(body: Any) -> bytes:
+    """``body`` as `JSONResponse` encodes it (compact UTF-8, no NaN)."""
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body: 413 past ``limit`` bytes (by Content-Length or as it streams in); 499 when the client
     went away while sending it, 408 when the connection guard closed it for sending too slowly."""

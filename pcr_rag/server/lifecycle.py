@@ -13,7 +13,9 @@ adds them at the protocol level, where bytes arrive: a request's headers must be
 ``header_timeout_s`` of its first byte (or of the connection, for its first request) and fit
 ``max_header_bytes``, else the server answers 408 / 431 and closes the connection; its body must be complete within
 ``body_timeout_s`` of its headers, else the connection is closed and the request (which sees a disconnect) is
-counted as 408.
+counted as 408. A client that stops reading its response cannot hold its connection either: the connection's
+output beyond the kernel's buffers is bounded by ``write_buffer_bytes`` (above it the response waits), and when
+none of it is read for ``write_timeout_s`` the connection is dropped, which cancels its requests.
 """
 
 from __future__ import annotations
@@ -49,9 +51,13 @@ class _DeadlineGuard:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     max_header_bytes: int = 64 * 1024
+    write_timeout_s: float = 30.0
+    write_buffer_bytes: int = 256 * 1024
 
     _phase: str = "idle"
     _timer: asyncio.TimerHandle | None = None
+    _write_timer: asyncio.TimerHandle | None = None
+    _unsent: int = 0
     _header_bytes: int = 0
     _tail: bytes = b""
 
@@ -60,12 +66,48 @@ class _DeadlineGuard:
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)  # type: ignore[misc]
+        transport.set_write_buffer_limits(high=self.write_buffer_bytes)
         self._enter("headers")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel()
+        self._cancel_write()
         self._phase = "closed"
         super().connection_lost(exc)  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ a client that stops reading
+    def pause_writing(self) -> None:
+        """The transport's buffer passed ``write_buffer_bytes`` (the response now waits): arm the write deadline."""
+        super().pause_writing()  # type: ignore[misc]
+        if self._write_timer is None:
+            self._arm_write()
+
+    def resume_writing(self) -> None:
+        self._cancel_write()
+        super().resume_writing()  # type: ignore[misc]
+
+    def _arm_write(self) -> None:
+        self._unsent = self.transport.get_write_buffer_size()  # type: ignore[attr-defined]
+        self._write_timer = self.loop.call_later(self.write_timeout_s, self._write_expired)  # type: ignore[attr-defined]
+
+    def _cancel_write(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _write_expired(self) -> None:
+        """No byte of the buffered output left for ``write_timeout_s``: drop the connection (``abort``, not
+        ``close``, which would wait for the buffer to drain). Its response sees a disconnect, which cancels its
+        requests. A client that reads, however slowly, re-arms the deadline."""
+        self._write_timer = None
+        transport = self.transport  # type: ignore[attr-defined]
+        if transport.is_closing() and transport.get_write_buffer_size() == 0:
+            return
+        if transport.get_write_buffer_size() < self._unsent:
+            self._arm_write()  # progress: the client reads
+            return
+        log.info("dropping a connection whose client read none of its response for %g s", self.write_timeout_s)
+        transport.abort()
 
     def data_received(self, data: bytes) -> None:
         cycle = getattr(self, "cycle", None)
@@ -140,7 +182,8 @@ def guarded_protocol(settings: ServerSettings, impl: str = "auto") -> type[async
     """uvicorn's HTTP protocol class with the settings' header and body deadlines and header size limit.
     ``impl``: "httptools", "h11", or "auto" (httptools when installed, else h11, as uvicorn's ``auto``)."""
     limits = {"header_timeout_s": settings.header_timeout_s, "body_timeout_s": settings.body_timeout_s,
-              "max_header_bytes": settings.max_header_bytes}
+              "max_header_bytes": settings.max_header_bytes, "write_timeout_s": settings.write_timeout_s,
+              "write_buffer_bytes": settings.write_buffer_bytes}
     if impl == "auto":
         try:
             import httptools  # noqa: F401
@@ -215,7 +258,9 @@ def _server(engine: PCREngine, settings: ServerSettings, *, owns_engine: bool,
             log_level: str) -> _DrainingServer:
     app = create_app(engine, settings, owns_engine=owns_engine)
     # uvicorn's limit counts the connection the request came on: max_connections + 1 serves max_connections
+    # log_config=None: uvicorn's lines go to the root handler (`pcr_rag.logs`: request ids, --log-format json)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level, access_log=False,
+                            log_config=None,
                             timeout_graceful_shutdown=settings.shutdown_timeout_s, lifespan="on",
                             http=guarded_protocol(settings), limit_concurrency=settings.max_connections + 1,
                             timeout_keep_alive=settings.keep_alive_timeout_s,

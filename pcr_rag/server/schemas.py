@@ -55,13 +55,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pcr_rag.errors import InvalidRequestError
+from pcr_rag.limits import DEFAULT_LIMITS, RequestLimits
 from pcr_rag.prompt import Doc, check_template_kwargs, split_documents
 from pcr_rag.requests import (
     GREEDY_BELOW,
@@ -433,11 +434,20 @@ def parse_body(raw: bytes, model: type[M]) -> M:
     return parsed
 
 
-def parse_chat_request(raw: bytes, tokenizer: Any) -> GenerationRequest:
+def parse_chat_request(raw: bytes, tokenizer: Any, limits: RequestLimits = DEFAULT_LIMITS,
+                       precheck: Callable[[str], None] | None = None) -> GenerationRequest:
     """A `/v1/chat/completions` body -> `GenerationRequest`; `APIError` (400) on anything invalid. ``tokenizer``:
-    the engine's (its chat template decides how tool turns and the tools' instruction are rendered)."""
+    the engine's (its chat template decides how tool turns and the tools' instruction are rendered). ``limits``
+    bound the stop strings, response format and tools before any of them is validated; ``precheck(model)`` runs
+    the caller's cheap checks (the model's name, whether the server accepts) right after the JSON is parsed,
+    before any grammar is validated."""
     body = parse_body(raw, ChatCompletionRequest)
+    if precheck is not None:
+        precheck(body.model)
     _check_unsupported(body, ChatCompletionRequest)
+    _check_bounds(body, limits)
+    if body.tools:
+        _bounded(limits.check_tools, _json_bytes([t.model_dump() for t in body.tools]), "tools")
     max_tokens = _max_tokens(body, "max_tokens", "max_completion_tokens")
     response_format = _response_format(body.response_format)
     docs = request_documents(body.documents, body.scopes)
@@ -466,10 +476,15 @@ def parse_chat_request(raw: bytes, tokenizer: Any) -> GenerationRequest:
                     logprobs)
 
 
-def parse_completion_request(raw: bytes) -> GenerationRequest:
-    """A `/v1/completions` body -> `GenerationRequest`; `APIError` (400) on anything invalid."""
+def parse_completion_request(raw: bytes, limits: RequestLimits = DEFAULT_LIMITS,
+                             precheck: Callable[[str], None] | None = None) -> GenerationRequest:
+    """A `/v1/completions` body -> `GenerationRequest`; `APIError` (400) on anything invalid. ``limits`` and
+    ``precheck`` as for `parse_chat_request`."""
     body = parse_body(raw, CompletionRequest)
+    if precheck is not None:
+        precheck(body.model)
     _check_unsupported(body, CompletionRequest)
+    _check_bounds(body, limits)
     text = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
     chat = bool(body.chat_template)
     if body.system is not None and not chat:
@@ -620,6 +635,27 @@ def _check_unsupported(body: _Generation, model: type[_Generation]) -> None:
         value = getattr(body, name)
         if value not in neutral:
             raise APIError.bad_request(f"{name}={_short(value)}: {_WHAT_TO_DO[name]}", param=name)
+
+
+def _json_bytes(value: Any) -> int:
+    return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass"))
+
+
+def _bounded(check: Callable[[Any], None], value: Any, param: str) -> None:
+    try:
+        check(value)
+    except InvalidRequestError as exc:
+        raise APIError.bad_request(str(exc), param=param) from None
+
+
+def _check_bounds(body: _Generation, limits: RequestLimits) -> None:
+    """400 when the stop strings or the response format are over ``limits`` (before either is used)."""
+    if body.stop is not None:
+        stops = [body.stop] if isinstance(body.stop, str) else [s for s in body.stop if s]
+        _bounded(limits.check_stop, stops, "stop")
+    if body.response_format is not None:
+        _bounded(limits.check_format, json.dumps(body.response_format, separators=(",", ":"), ensure_ascii=False),
+                 "response_format")
 
 
 def _response_format(fmt: dict[str, Any] | None) -> ResponseFormat | None:

@@ -42,6 +42,11 @@ class ServerSettings:
     max_connections: connections served at once; a request arriving on a connection beyond it gets 503 at once
         (uvicorn's ``limit_concurrency``, which also counts in-flight requests).
     max_header_bytes: bytes a request's line and headers may take; more gets 431 and the connection closed.
+    write_timeout_s: seconds a response's unsent output may wait without the client reading any of it; past it
+        the connection is dropped, which cancels its requests and frees their rows and the connection's slot (a
+        client that stops reading cannot hold the server).
+    write_buffer_bytes: output a connection buffers beyond what the kernel took; above it the response waits for
+        the client to read (the write-buffer high-water mark; one message may pass it once).
     request_threads: threads that parse, render, tokenize and submit requests (and compile their grammars) off the
         event loop, so a large body never delays other requests' responses or ``/health``; requests beyond them
         wait their turn.
@@ -62,6 +67,8 @@ class ServerSettings:
     keep_alive_timeout_s: float = 5.0
     max_connections: int = 1024
     max_header_bytes: int = 64 * 1024
+    write_timeout_s: float = 30.0
+    write_buffer_bytes: int = 256 * 1024
     request_threads: int = _default_request_threads()
 
     def __post_init__(self) -> None:
@@ -69,10 +76,10 @@ class ServerSettings:
             raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
         for name in ("shutdown_timeout_s", "keep_alive_timeout_s"):
             _check_seconds(name, getattr(self, name), allow_zero=True)
-        for name in ("header_timeout_s", "body_timeout_s"):
+        for name in ("header_timeout_s", "body_timeout_s", "write_timeout_s"):
             _check_seconds(name, getattr(self, name), allow_zero=False)
         for name, low in (("max_body_bytes", 1024), ("max_tickets", 1), ("max_connections", 1),
-                          ("max_header_bytes", 1024), ("request_threads", 1)):
+                          ("max_header_bytes", 1024), ("write_buffer_bytes", 1024), ("request_threads", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
