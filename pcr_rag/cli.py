@@ -11,6 +11,8 @@ import importlib
 import logging
 import sys
 
+from pcr_rag import logs
+
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("pcr_rag.demo", "run the embedded RAG demo (LlamaIndex + Chroma + PCRLLM), cache on vs off"),
     "generate": ("pcr_rag.generate_cli", "answer one question over documents with the PCR engine"),
@@ -47,10 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     head, rest = parser.parse_known_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if head.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logs.install("text", logging.DEBUG if head.verbose else logging.INFO)  # `pcr-rag serve` may switch to JSON
     if head.command is None:
         parser.print_help()
         return 2

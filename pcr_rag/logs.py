@@ -1,5 +1,6 @@
 """Log lines that name their request: a request id in a context variable, a filter that puts it on every record,
-and the commands' root handler in text or JSON (``pcr-rag serve --log-format json``).
+and the commands' root handler in text or JSON (``pcr-rag serve --log-format json``, which also turns the model loaders'
+progress bars off, so stderr holds JSON lines only).
 
 The id: `pcr-rag serve` sets it per HTTP request (the client's ``X-Request-Id`` when it sends a sane one, else a new
 one; echoed in the response); `PCREngine.submit` keeps the id current at submission (else ``req-<request_id>``) on
@@ -68,10 +69,22 @@ def formatter(fmt: LogFormat) -> logging.Formatter:
     if fmt == "json":
         from pythonjsonlogger.json import JsonFormatter
 
-        return JsonFormatter("%(asctime)s %(levelname)s %(name)s %(message)s %(request_id)s",
-                             rename_fields={"asctime": "timestamp", "levelname": "level", "name": "logger"},
-                             timestamp=False)
+        return JsonFormatter("%(levelname)s %(name)s %(message)s %(request_id)s",
+                             rename_fields={"levelname": "level", "name": "logger"}, timestamp=True)
     raise ValueError(f"log format must be one of {list(LOG_FORMATS)}, got {fmt!r}")
+
+
+class _StderrHandler(logging.StreamHandler):
+    """A stream handler on the current ``sys.stderr``, looked up per record as logging's last resort does (a
+    replaced stderr, e.g. a test's capture, is followed rather than written to after it closed)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: TextIO) -> None:
+        pass
 
 
 _installed: logging.Handler | None = None
@@ -83,7 +96,7 @@ def install(fmt: LogFormat = "text", level: int | None = None, stream: TextIO | 
     after its flags are parsed); other handlers stay. ``level``: the root level (None: unchanged)."""
     global _installed
     root = logging.getLogger()
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler = logging.StreamHandler(stream) if stream is not None else _StderrHandler()
     handler.setFormatter(formatter(fmt))
     handler.addFilter(RequestIdFilter())
     if _installed is not None:
@@ -92,4 +105,19 @@ def install(fmt: LogFormat = "text", level: int | None = None, stream: TextIO | 
     _installed = handler
     if level is not None:
         root.setLevel(level)
+    if fmt == "json":
+        _disable_progress_bars()
     return handler
+
+
+def _disable_progress_bars() -> None:
+    """JSON logs: stderr carries JSON lines only, so the model loaders' progress bars (transformers',
+    huggingface_hub's tqdm bars) are turned off."""
+    with contextlib.suppress(ImportError):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    with contextlib.suppress(ImportError):
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()

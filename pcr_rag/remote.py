@@ -28,6 +28,10 @@ full) and 5xx (a draining server's 503) are retried; no attempt starts after the
 clips each attempt's timeout to it and refuses one that would start later, so a timeout is not retried past it).
 Announcements are not retried: they only buy a prefetch, and a late one buys nothing.
 
+Tracing (`pcr_rag.tracing`, when the process traces): every call carries the caller's span as W3C ``traceparent``
+(an httpx request hook, retries included), so the server's spans join the caller's trace; an announcement runs in a
+``pcr_rag.announce`` CLIENT span of its own.
+
 Errors once retries are spent: 400 ``context_length_exceeded`` `RemotePromptTooLongError` (a
 `PromptTooLongError`), other 400/404/413/422 `InvalidRequestError` (so the integrations report them as they do
 locally), 429 `QueueFullError`, 401/403 `RemoteAuthError`, 499 or a cancelled stream `RequestCancelledError`; an
@@ -55,6 +59,7 @@ import httpx
 import openai
 from openai import AsyncOpenAI, OpenAI
 
+from pcr_rag import tracing
 from pcr_rag.errors import InvalidRequestError, PCRError, RequestCancelledError
 from pcr_rag.metrics import RequestMetrics
 from pcr_rag.prompt import Doc, split_documents
@@ -139,6 +144,16 @@ async def _aclip_to_deadline(request: httpx.Request) -> None:
     _clip_to_deadline(request)
 
 
+def _inject_trace(request: httpx.Request) -> None:
+    """httpx request hook: the calling context's span goes along as W3C ``traceparent`` (`pcr_rag.tracing`), so
+    the server's spans join the caller's trace (nothing when tracing is off)."""
+    tracing.inject(request.headers)
+
+
+async def _ainject_trace(request: httpx.Request) -> None:
+    _inject_trace(request)
+
+
 @contextlib.contextmanager
 def _deadline(at: float) -> Iterator[None]:
     token = _DEADLINE.set(at)
@@ -183,7 +198,7 @@ class RemoteEngine:
                                              max_retries=max_retries, timeout=self._timeout(None))
         self._async_transport = async_transport
         self._client = OpenAI(**self._options, http_client=openai.DefaultHttpxClient(
-            transport=transport, event_hooks={"request": [_clip_to_deadline]}))
+            transport=transport, event_hooks={"request": [_clip_to_deadline, _inject_trace]}))
         self._info: RemoteModelInfo | None = None
         self._info_lock = threading.Lock()
         self._closed = False
@@ -198,7 +213,7 @@ class RemoteEngine:
     def async_client(self) -> AsyncOpenAI:
         """A new `openai.AsyncOpenAI` for one call on the running loop; close it (``async with``) when done."""
         return AsyncOpenAI(**self._options, http_client=openai.DefaultAsyncHttpxClient(
-            transport=self._async_transport, event_hooks={"request": [_aclip_to_deadline]}))
+            transport=self._async_transport, event_hooks={"request": [_aclip_to_deadline, _ainject_trace]}))
 
     # ------------------------------------------------------------------------------------------ properties
     @property
@@ -290,7 +305,8 @@ class RemoteEngine:
         and scopes as for `PCREngine.announce`. Blocks its thread up to ``ANNOUNCE_TIMEOUT_S``: from a coroutine,
         await `aannounce` instead."""
         texts, body = self._announce_body(documents, query, system, prefix, separator, layout, scopes)
-        data = self._raw("post", "/pcr/announce", body, timeout=ANNOUNCE_TIMEOUT_S, max_retries=0)
+        with tracing.announcement_span(len(texts), client=True):
+            data = self._raw("post", "/pcr/announce", body, timeout=ANNOUNCE_TIMEOUT_S, max_retries=0)
         return RemoteTicket(int(data["id"]), texts, int(data.get("chunks", 0)))
 
     async def aannounce(self, documents: Sequence[str | Doc], query: str | None = None, *,
@@ -335,7 +351,8 @@ class RemoteEngine:
 
     async def _announce_into(self, ticket: RemoteTicket, body: dict[str, Any],
                              withdraw_if: Callable[[], bool] | None = None) -> None:
-        data = await self._araw("post", "/pcr/announce", body, timeout=ANNOUNCE_TIMEOUT_S, max_retries=0)
+        with tracing.announcement_span(len(body["documents"]), client=True):
+            data = await self._araw("post", "/pcr/announce", body, timeout=ANNOUNCE_TIMEOUT_S, max_retries=0)
         ticket.ticket_id, ticket.chunks = int(data["id"]), int(data.get("chunks", 0))
         if ticket.expired or (withdraw_if is not None and withdraw_if()):  # withdrawn, or too late, on its way
             ticket.expired = True

@@ -313,6 +313,9 @@ class BatchExecutor:
             first_token_logits=a.first_logits.detach().float().cpu(),
             logprobs=[self.token_texts.describe(r) for r in d.sampler.logprobs] if req.params.logprobs else None)
         self.recorder.record(m)
+        log.debug("request %d finished (%s): %d prompt tokens, %d reused, %d generated, ttft %.3f s, e2e %.3f s",
+                  req.request_id, d.finish_reason, m.prompt_tokens, m.reused_tokens, m.generated_tokens, m.ttft_s,
+                  m.e2e_s)
         self._release(a)
         req.state = RequestState.FINISHED
         if not req.future.done():

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import json
 import logging
 import time
@@ -52,6 +53,7 @@ from pcr_rag.server import openapi as api_components
 from pcr_rag.server.auth import Authenticator, MetricsGuard, Tenant
 from pcr_rag.server.errors import APIError, from_engine_error, internal_error
 from pcr_rag.server.metrics import CONTENT_TYPE, ServerMetrics
+from pcr_rag.server.observability import RequestContext
 from pcr_rag.server.prompt_bound import PromptCharBound
 from pcr_rag.server.schemas import (
     AnnounceRequest,
@@ -105,10 +107,11 @@ class ServerState:
         self._tickets: OrderedDict[int, tuple[str, Ticket]] = OrderedDict()
 
     async def off_loop(self, fn: Callable[..., T], *args: Any, orphan: Callable[[T], None] | None = None) -> T:
-        """``fn(*args)`` on a request thread, awaited. When the awaiting task is cancelled while ``fn`` runs, its
-        result goes to ``orphan`` (e.g. a submitted request is cancelled) instead of being lost."""
+        """``fn(*args)`` on a request thread, awaited, in a copy of the caller's context (its request id and span,
+        `pcr_rag.server.observability`). When the awaiting task is cancelled while ``fn`` runs, its result goes to
+        ``orphan`` (e.g. a submitted request is cancelled) instead of being lost."""
         try:
-            future = self.pool.submit(fn, *args)
+            future = self.pool.submit(contextvars.copy_context().run, fn, *args)
         except RuntimeError:  # the pool is shut down: the app is shutting down
             raise APIError.unavailable("the server is shutting down; retry against another instance") from None
         try:
@@ -252,6 +255,7 @@ def create_app(engine: PCREngine, settings: ServerSettings | None = None, *, own
                   openapi_url=None)
     app.state.pcr = state
     app.add_middleware(_InternalErrors, metrics=state.metrics)
+    app.add_middleware(RequestContext)  # outermost: the request id and span cover everything below
 
     def tenant(request: Request) -> Tenant:
         return state.auth.authenticate(request.headers.get("authorization"))

@@ -12,6 +12,7 @@ import logging
 import uuid
 from typing import Any
 
+from pcr_rag import logs
 from pcr_rag.errors import EngineClosedError, InvalidRequestError, PromptTooLongError, QueueFullError
 
 log = logging.getLogger(__name__)
@@ -79,9 +80,9 @@ def from_engine_error(exc: Exception) -> APIError:
 
 
 def internal_error(exc: BaseException, what: str) -> APIError:
-    """A 500 for an unexpected exception: logged with its traceback under a new request id, which the body gives
-    (the body holds no exception text)."""
-    request_id = "req-" + uuid.uuid4().hex[:16]
+    """A 500 for an unexpected exception: logged with its traceback under the request's id (`pcr_rag.logs`; a new
+    one outside a request), which the body gives (the body holds no exception text)."""
+    request_id = logs.request_id() or "req-" + uuid.uuid4().hex[:16]
     log.error("%s [%s]", what, request_id, exc_info=exc)
     return APIError(500, f"internal server error (request id {request_id}); the server's log has the details under "
                          f"that id", type="server_error", code="internal_error")
