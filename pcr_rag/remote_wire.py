@@ -29,7 +29,7 @@ __all__ = ["DeadlinePassed", "RemoteAuthError", "RemoteEngineError", "RemoteProm
 # SamplingParams fields sent under their own (OpenAI) name as SDK arguments, and vLLM's extensions (extra_body)
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "seed": "seed", "presence_penalty": "presence_penalty",
                  "frequency_penalty": "frequency_penalty"}
-_VLLM_NAMES = ("top_k", "repetition_penalty")
+_VLLM_NAMES = ("top_k", "repetition_penalty", "min_p", "min_tokens", "ignore_eos")
 
 
 class RemoteEngineError(PCRError):

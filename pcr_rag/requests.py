@@ -215,9 +215,15 @@ class SamplingParams:
         loses ``presence_penalty`` once it appeared and ``frequency_penalty`` per time it appeared.
     logprobs: return each generated token's logprob (`GenerationResult.logprobs`, `StreamChunk.logprobs`).
     top_logprobs: 0..20 most likely alternatives per token with their logprobs (OpenAI's bound); needs logprobs.
+    min_p: in [0, 1] (vLLM's): when sampling, a token whose probability (after temperature) is below ``min_p``
+        times the most likely token's is left out; 0 = off.
+    min_tokens: the answer has at least this many tokens (vLLM's): until then end-of-sequence is masked (unless a
+        grammar allows nothing else) and stop strings are not looked for; at most ``max_new_tokens``.
+    ignore_eos: end-of-sequence does not end the answer (vLLM's, for fixed-length runs): the token is kept as
+        one of the answer's and decoding goes on until ``max_new_tokens``, a stop string or a grammar's end.
 
-    Penalties apply to greedy decoding too; top_k and top_p only to sampling. Every option acts on the request's
-    own row and tokens, so a request's tokens and logprobs never depend on its batch company. Below
+    Penalties apply to greedy decoding too; top_k, top_p and min_p only to sampling. Every option acts on the
+    request's own row and tokens, so a request's tokens and logprobs never depend on its batch company. Below
     `GREEDY_BELOW` a temperature decodes greedily (as vLLM: a smaller one would overflow the scaled logits).
     """
 
@@ -233,6 +239,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: bool = False
     top_logprobs: int = 0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         n = self.max_new_tokens
@@ -309,6 +318,18 @@ def _check_penalties_and_logprobs(p: SamplingParams) -> None:
         raise InvalidRequestError(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {n!r}")
     if n and not p.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs=True (as OpenAI's API)")
+    m = p.min_p
+    if not _is_number(m) or not 0 <= m <= 1:
+        raise InvalidRequestError(f"min_p must be a number in [0, 1] (0 = off), got {m!r}")
+    object.__setattr__(p, "min_p", float(m))
+    t = p.min_tokens
+    if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+        raise InvalidRequestError(f"min_tokens must be an int >= 0, got {t!r}")
+    if p.max_new_tokens is not None and t > p.max_new_tokens:
+        raise InvalidRequestError(f"min_tokens={t} is more than max_new_tokens={p.max_new_tokens}; lower it or "
+                                  f"raise max_tokens")
+    if not isinstance(p.ignore_eos, bool):
+        raise InvalidRequestError(f"ignore_eos must be True or False, got {p.ignore_eos!r}")
 
 
 GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily (vLLM's _SAMPLING_EPS)

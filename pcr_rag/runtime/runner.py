@@ -376,7 +376,7 @@ class DecodeRow:
         self.eos_ids = eos_ids
         self.on_token = on_token
         self.sampler = TokenSampler(request.params, getattr(request, "constraint", None),
-                                    prompt_token_ids=request.token_ids)
+                                    prompt_token_ids=request.token_ids, eos_ids=eos_ids)
         self._decoded = IncrementalText(tokenizer)  # holds the answer's tokens (`tokens`) and decodes them
         self.text = ""
         self.finish_reason = "length"
@@ -403,11 +403,12 @@ class DecodeRow:
         if self._last_t is not None:
             self.request.metrics.itl_s.append(now - self._last_t)
         self._last_t = now
-        if tok in self.eos_ids:
+        if tok in self.eos_ids and not self.params.ignore_eos:
             return self._end("stop")
         self.sampler.accept(tok)
         new_text = self._decoded.append(tok)  # appends to `tokens`; the text of them all, decoding the recent ones
-        stop_at = _find_stop(new_text, self.params.stop, len(self.text))
+        stops = self.params.stop if len(self.tokens) >= self.params.min_tokens else ()  # vLLM: none before min_tokens
+        stop_at = _find_stop(new_text, stops, len(self.text))
         if stop_at is not None:
             delta = new_text[len(self.text): stop_at]
             if delta:

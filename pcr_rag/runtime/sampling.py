@@ -6,16 +6,18 @@ prompt's and those it generated), never on the other rows of the batch. A `Token
 `pcr_rag.runtime.grammar`) masks the logits before the choice and is told every accepted token.
 
 The steps, in vLLM's order, on one row's float32 logits:
-1. the constraint's mask (disallowed tokens at -inf);
+1. the constraint's mask (disallowed tokens at -inf), and end-of-sequence masked while the answer is shorter than
+   ``min_tokens`` (unless that would leave no token: a grammar that allows only the end wins);
 2. the logprobs, when asked for: ``log_softmax`` of these logits, before penalties and temperature (the model's
    own distribution over the allowed tokens, as vLLM's default ``raw_logprobs``);
 3. penalties: ``repetition_penalty`` r over every token of the prompt and of the answer so far (a positive logit
    divided by r, a negative one multiplied by it: HF / vLLM); then OpenAI's
    ``logit[j] -= frequency_penalty * c[j] + presence_penalty * (c[j] > 0)``, c[j] = times token j was generated;
 4. a temperature below `GREEDY_BELOW` (0 included) picks the argmax (a tiny temperature would overflow the scaled
-   logits to inf and the softmax to NaN); else the logits divided by the temperature, ``top_k`` (the k highest,
-   ties at the k-th as `torch.topk` orders them), then ``top_p`` (the smallest head of the sorted distribution
-   whose mass reaches top_p), sampled.
+   logits to inf and the softmax to NaN); else the logits divided by the temperature, ``min_p`` (tokens whose
+   probability is below ``min_p`` times the highest are dropped), ``top_k`` (the k highest, ties at the k-th as
+   `torch.topk` orders them), then ``top_p`` (the smallest head of the sorted distribution whose mass reaches
+   top_p), sampled.
 
 Cost: a request without penalties, top_k or logprobs runs exactly the steps it ran before they existed. Penalties
 read and write only the tokens the request has seen (plus one copy of its row's logits); top_k draws from k
@@ -64,12 +66,15 @@ class TokenSampler:
 
     ``prompt_token_ids``: the request's prompt, which ``repetition_penalty`` counts as seen. ``logprobs`` holds one
     `RawLogprob` per accepted token (when ``params.logprobs``), in order: the end-of-sequence token, which is never
-    accepted, has none."""
+    accepted, has none (unless ``ignore_eos`` makes it one of the answer's). ``eos_ids``: the tokens ``min_tokens``
+    masks until that many were accepted."""
 
     def __init__(self, params: SamplingParams, constraint: TokenConstraint | None = None, *,
-                 prompt_token_ids: Sequence[int] = ()) -> None:
+                 prompt_token_ids: Sequence[int] = (), eos_ids: Sequence[int] = ()) -> None:
         self.params = params
         self.constraint = constraint
+        self._eos_ids = tuple(sorted(eos_ids)) if params.min_tokens else ()
+        self._accepted = 0
         self.greedy = params.temperature < GREEDY_BELOW
         self._gen: torch.Generator | None = None
         if not self.greedy:
@@ -95,6 +100,8 @@ class TokenSampler:
         if self.constraint is not None:
             scores = self.constraint.mask_logits(scores.clone())
         p = self.params
+        if self._eos_ids and self._accepted < p.min_tokens:
+            scores = _mask_ids(scores if self.constraint is not None else scores.clone(), self._eos_ids)
         logprobs = torch.log_softmax(scores, dim=-1) if p.logprobs else None
         if self._repetition or self._additive:
             scores = self._penalize(scores)
@@ -109,6 +116,9 @@ class TokenSampler:
     def _sample(self, scores: torch.Tensor) -> int:
         p = self.params
         scaled = scores / p.temperature
+        if p.min_p > 0:
+            probs = torch.softmax(scaled, dim=-1)
+            scaled = scaled.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
         if 0 < p.top_k < scaled.shape[-1]:  # only the k best take part: a k-long softmax, top-p and draw
             values, ids = torch.topk(scaled, p.top_k)  # sorted, highest first
             head = torch.softmax(values, dim=-1).cpu()
@@ -154,6 +164,7 @@ class TokenSampler:
         return RawLogprob(token, float(logprobs[token].item()))
 
     def accept(self, token_id: int) -> None:
+        self._accepted += 1
         if self.constraint is not None:
             self.constraint.accept(token_id)
         if self._additive:
@@ -165,6 +176,19 @@ class TokenSampler:
         if self._pending is not None:
             self.logprobs.append(self._pending)
             self._pending = None
+
+
+def _mask_ids(scores: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:
+    """``scores`` (modified in place) with ``ids`` at -inf, unless no other token is left: then unchanged (a grammar
+    that allows only the end of the answer is obeyed rather than leaving nothing to choose)."""
+    index = torch.tensor([i for i in ids if 0 <= i < scores.shape[-1]], dtype=torch.long, device=scores.device)
+    if not index.numel():
+        return scores
+    kept = scores[index].clone()
+    scores[index] = float("-inf")
+    if not bool(torch.isfinite(scores).any()):
+        scores[index] = kept
+    return scores
 
 
 class TokenTexts:

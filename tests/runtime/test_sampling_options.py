@@ -47,6 +47,8 @@ def _engine(tiny, path, **kw) -> PCREngine:
     dict(frequency_penalty=-2.01), dict(frequency_penalty=math.nan), dict(presence_penalty="1"),
     dict(logprobs=1), dict(top_logprobs=21), dict(top_logprobs=-1), dict(top_logprobs=3),
     dict(logprobs=True, top_logprobs=2.0), dict(temperature=math.inf),
+    dict(min_p=-0.1), dict(min_p=1.5), dict(min_p=math.nan), dict(min_p="0.1"), dict(min_tokens=-1),
+    dict(min_tokens=1.5), dict(min_tokens=True), dict(min_tokens=5, max_new_tokens=3), dict(ignore_eos=1),
 ])
 def test_bad_sampling_options_are_refused_before_compute(bad):
     with pytest.raises(InvalidRequestError):
@@ -193,3 +195,103 @@ def test_openai_shapes_are_json_safe():
     legacy = completion_logprobs([entry, entry], text_offset=3)
     assert legacy == {"tokens": ["ab", "ab"], "token_logprobs": [-0.5, -0.5],
                       "top_logprobs": [{"ab": -0.5, "c": -9999.0}] * 2, "text_offset": [3, 5]}
+
+
+# ------------------------------------------------------------------ min_p, min_tokens, ignore_eos (vLLM's)
+def test_min_p_drops_tokens_below_its_share_of_the_most_likely():
+    logits = torch.tensor([0.0, 1.0, 0.9, -5.0, 0.95])  # probabilities relative to the best: .37, 1, .9, .002, .95
+    picks = {TokenSampler(SamplingParams(temperature=1.0, min_p=0.5, seed=s)).select(logits) for s in range(80)}
+    assert picks == {1, 2, 4}
+    picks = {TokenSampler(SamplingParams(temperature=1.0, seed=s)).select(logits) for s in range(80)}
+    assert 0 in picks  # without min_p the token at .37 of the best is drawn now and then
+    assert TokenSampler(SamplingParams(min_p=0.99)).select(logits) == 1  # greedy: min_p changes nothing
+
+
+class _OnlyEnd:
+    """A constraint that allows token 0 (the end) only."""
+
+    def mask_logits(self, logits):
+        logits[1:] = float("-inf")
+        return logits
+
+    def accept(self, token_id):
+        pass
+
+    def is_terminated(self):
+        return False
+
+
+def test_min_tokens_masks_the_end_until_that_many_tokens_were_accepted():
+    logits = torch.tensor([5.0, 1.0, 2.0, 0.0])  # token 0 (end of sequence) is the greedy choice
+    sampler = TokenSampler(SamplingParams(min_tokens=2), eos_ids=(0, 99))
+    picks = []
+    for _ in range(3):
+        picks.append(sampler.select(logits))
+        sampler.accept(picks[-1])
+    assert picks == [2, 2, 0] and logits[0] == 5.0  # the caller's logits are left alone
+    assert TokenSampler(SamplingParams(), eos_ids=(0,)).select(logits) == 0  # min_tokens=0: off
+    # a grammar that allows nothing but the end is obeyed, min_tokens or not
+    assert TokenSampler(SamplingParams(min_tokens=3), _OnlyEnd(), eos_ids=(0,)).select(logits) == 0
+
+
+def _eos_model(eos_at: int, path):
+    """A tiny model whose end-of-sequence id is the token its greedy answer to PROMPTS[1] writes at ``eos_at``
+    (which it did not write before), and that answer without the end."""
+    model, tok = tiny_model("llama")
+    with PCREngine(model=model, tokenizer=tok, config=EngineConfig(
+            cache_dir=path, chunk_size=16, dram_capacity="32MiB", ssd_capacity=0, max_new_tokens=24,
+            device=TEST_DEVICE, enable_cache=False)) as eng:
+        free = eng.submit(PROMPTS[1], SamplingParams()).result(timeout=120).token_ids
+    index = next(i for i in range(eos_at, len(free)) if free[i] not in free[:i])
+    model.config.eos_token_id = free[index]
+    model.generation_config.eos_token_id = free[index]
+    return (model, tok), free, index
+
+
+def test_ignore_eos_and_min_tokens_decode_past_the_end(tmp_path):
+    tiny, free, index = _eos_model(3, tmp_path / "free")
+    eos = free[index]
+    with _engine(tiny, tmp_path / "e", max_new_tokens=24) as eng:
+        plain = eng.submit(PROMPTS[1], SamplingParams()).result(timeout=120)
+        ignored = eng.submit(PROMPTS[1], SamplingParams(ignore_eos=True)).result(timeout=120)
+        at_least = eng.submit(PROMPTS[1], SamplingParams(min_tokens=index + 3)).result(timeout=120)
+        stopped = eng.submit(PROMPTS[1], SamplingParams(min_tokens=2, stop=["\x00never"])).result(timeout=120)
+    assert plain.token_ids == free[:index] and plain.finish_reason == "stop"  # ends at the end token
+    assert ignored.token_ids == free and ignored.finish_reason == "length"  # the end token kept, decoding went on
+    assert eos in ignored.token_ids
+    assert len(at_least.token_ids) >= index + 3 and eos not in at_least.token_ids[:index + 3]
+    assert stopped.token_ids == free[:index]  # min_tokens below the end changes nothing
+
+
+def test_min_tokens_holds_back_stop_strings(tiny, tmp_path):
+    with _engine(tiny, tmp_path / "e", max_new_tokens=16) as eng:
+        free = eng.submit(PROMPTS[0], SamplingParams()).result(timeout=120)
+        stop = free.text[len(free.text) // 4:len(free.text) // 4 + 2]
+        assert stop.strip(), "the test needs two visible characters of the answer"
+        cut = eng.submit(PROMPTS[0], SamplingParams(stop=[stop])).result(timeout=120)
+        held = eng.submit(PROMPTS[0], SamplingParams(stop=[stop], min_tokens=len(cut.token_ids) + 2)).result(
+            timeout=120)
+    assert len(cut.token_ids) < len(free.token_ids)
+    assert len(held.token_ids) >= len(cut.token_ids) + 2  # vLLM: no stop string is looked for before min_tokens
+    assert held.token_ids == free.token_ids[:len(held.token_ids)]
+
+
+NEW_OPTION_SETS = [
+    SamplingParams(temperature=1.2, min_p=0.2, seed=7, logprobs=True),
+    SamplingParams(min_tokens=10, logprobs=True, top_logprobs=2),
+    SamplingParams(ignore_eos=True, logprobs=True),
+    SamplingParams(temperature=0.8, min_p=0.05, top_k=9, min_tokens=5, ignore_eos=True, seed=3),
+]
+
+
+def test_min_p_min_tokens_and_ignore_eos_keep_a_request_independent_of_its_batch_company(tmp_path):
+    tiny, _, _ = _eos_model(2, tmp_path / "free")
+    with _engine(tiny, tmp_path / "alone", max_new_tokens=20) as eng:
+        alone = [eng.submit(p, o).result(timeout=120) for p, o in zip(PROMPTS, NEW_OPTION_SETS)]
+    with _engine(tiny, tmp_path / "busy", max_new_tokens=20) as eng:
+        for shift in range(2):
+            order = [(i + shift) % 4 for i in range(4)]
+            handles = {i: eng.submit(PROMPTS[i], NEW_OPTION_SETS[i]) for i in order}
+            for i, h in handles.items():
+                busy = h.result(timeout=120)
+                assert busy.token_ids == alone[i].token_ids and busy.logprobs == alone[i].logprobs, i

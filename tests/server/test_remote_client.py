@@ -257,6 +257,9 @@ WIRE = {
     "frequency_penalty": (0.5, ("frequency_penalty", "frequency_penalty")),
     "logprobs": (True, ("logprobs", "logprobs")),
     "top_logprobs": (3, ("top_logprobs", "logprobs")),
+    "min_p": (0.1, ("min_p", "min_p")),
+    "min_tokens": (2, ("min_tokens", "min_tokens")),
+    "ignore_eos": (True, ("ignore_eos", "ignore_eos")),
 }
 FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
 
