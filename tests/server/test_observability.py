@@ -78,13 +78,12 @@ def test_remote_engine_carries_the_callers_trace_to_the_server_announce_included
     tracer_provider, exporter = provider
     app = tracer_provider.get_tracer("app")
     docs = ["A retrieved passage about tracing RAG pipelines end to end, from retriever to LLM. " * 2]
-    with RemoteEngine(base_url) as remote:
-        with app.start_as_current_span("query") as query:
-            with app.start_as_current_span("retrieve"):
-                remote.announce(docs, query="what is traced?")
-            with app.start_as_current_span("llm"):
-                remote.submit(ChatPrompt([{"role": "user", "content": f"{docs[0]}\nwhat is traced?"}], docs),
-                              SamplingParams(max_new_tokens=2)).result()
+    with RemoteEngine(base_url) as remote, app.start_as_current_span("query") as query:
+        with app.start_as_current_span("retrieve"):
+            remote.announce(docs, query="what is traced?")
+        with app.start_as_current_span("llm"):
+            remote.submit(ChatPrompt([{"role": "user", "content": f"{docs[0]}\nwhat is traced?"}], docs),
+                          SamplingParams(max_new_tokens=2)).result()
     trace_id = query.get_span_context().trace_id
     request_span = f"chat {engine.loaded.name}"
     spans_named(exporter, request_span, "POST /v1/chat/completions")
