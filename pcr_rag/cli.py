@@ -22,10 +22,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "cache-bench": ("pcr_rag.bench.cache_bench", "micro-benchmarks of the cache engine (match, SSD store)"),
     "serve": ("pcr_rag.server.cli", "OpenAI-compatible HTTP server: many processes share one engine and cache"),
     "cache": ("pcr_rag.cache_cli", "see and manage an SSD cache directory: info, prune, verify"),
+    "size": ("pcr_rag.size_cli", "KV bytes per token/chunk/document of a model, and the DRAM/SSD for a hit rate"),
 }
 
 # the extra that installs what a subcommand imports beyond the core dependencies (pyproject.toml)
-EXTRAS: dict[str, str] = {"demo": "rag", "bench": "bench", "cache-bench": "bench", "serve": "serve"}
+EXTRAS: dict[str, str] = {"demo": "rag", "generate": "engine", "bench": "bench", "simulate": "engine",
+                          "profile": "engine", "cache-bench": "bench", "serve": "serve", "cache": "engine"}
 
 # "pcr-rag <command> <name> ...": a sub-command of a sub-command, with its own module (same interface)
 NESTED: dict[tuple[str, str], tuple[str, str]] = {

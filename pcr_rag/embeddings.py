@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-from transformers import AutoModel, AutoTokenizer
 
 from pcr_rag.errors import PCRError
+from pcr_rag.runtime import provenance
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +63,7 @@ class MiniLMEncoder:
     def __init__(self, device: str = "cpu", batch_size: int = 32, model_dir: str | Path | None = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.device = torch.device(device)
+        self.device = device  # a torch device string; torch itself loads with the weights (the engine extra)
         self.batch_size = batch_size
         self._model_dir = Path(model_dir) if model_dir is not None else None
         self._lock = threading.Lock()
@@ -77,9 +76,14 @@ class MiniLMEncoder:
 
     def _load(self) -> None:
         path = self._model_dir or minilm_model_dir()
+        if self._model_dir is None:  # the packaged files: checked against the digests pcr-rag records
+            provenance.verify_directory(provenance.MINILM, path)
         logger.info("loading MiniLM embedding model from %s", path)
-        self._tokenizer = AutoTokenizer.from_pretrained(str(path))
-        model = AutoModel.from_pretrained(str(path), dtype=torch.float32)
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+
+        self._tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        model = AutoModel.from_pretrained(str(path), dtype=torch.float32, local_files_only=True)
         self._model = model.to(self.device).eval()
 
     def encode(self, texts: Sequence[str]) -> list[list[float]]:
@@ -94,6 +98,8 @@ class MiniLMEncoder:
         with self._lock:
             if self._model is None:
                 self._load()
+            import torch
+
             out: list[list[float]] = []
             for start in range(0, len(texts), self.batch_size):
                 batch = list(texts[start : start + self.batch_size])

@@ -58,3 +58,25 @@ class PrefixLoadError(PCRError):
         super().__init__(f"cached chunk #{chunk_index} could not be loaded: {cause}")
         self.chunk_index = chunk_index
         self.cause = cause
+
+
+ENGINE_PACKAGES = frozenset({"torch", "transformers", "accelerate", "gguf", "xxhash", "filelock"})
+"""What the ``engine`` extra installs beyond the core (the core is the thin HTTP client of `pcr-rag serve`)."""
+
+
+class EngineNotInstalledError(PCRError, ImportError):
+    """A model in this process was asked for, but the engine's dependencies (the ``engine`` extra) are missing.
+
+    The core install is the thin client: ``base_url=`` and `pcr_rag.remote.RemoteEngine` work without torch."""
+
+
+def engine_not_installed(exc: ModuleNotFoundError) -> ImportError:
+    """The error to raise for ``exc``: an `EngineNotInstalledError` saying what to install when the missing
+    module is one of the engine's dependencies, else ``exc`` itself."""
+    missing = (exc.name or "").split(".")[0]
+    if missing not in ENGINE_PACKAGES:
+        return exc
+    return EngineNotInstalledError(
+        f"running the model in this process needs {missing!r}, which the 'engine' extra installs: "
+        f"pip install 'pcr-rag[engine]' (with torch from the index your platform needs, see the README); "
+        f"to use a running `pcr-rag serve` instead, pass base_url=")

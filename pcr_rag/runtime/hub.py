@@ -6,8 +6,9 @@ network, whatever the settings, from the snapshot ``refs/main`` (or ``revision``
 
 A repo that is not cached is downloaded only when the caller allows it (``EngineConfig.allow_download=True``,
 ``pcr-rag serve --allow-download``): pcr-rag contacts no model hub by default. ``HF_HUB_OFFLINE=1`` (or
-``TRANSFORMERS_OFFLINE=1``) set by the user, in the environment before pcr-rag was imported, forbids it even then, as
-it does for transformers and vLLM.
+``TRANSFORMERS_OFFLINE=1``) in the environment forbids it even then, as it does for transformers and vLLM.
+Offline is asked per call (``local_files_only=True``): pcr-rag changes no environment variable and no
+huggingface_hub setting, so the application's own hub users (an embedding model, a reranker) download as before.
 A download fetches the files a transformers model directory needs (configs, safetensors weights, tokenizer files,
 chat templates), not every file of the repo.
 """
@@ -17,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import threading
 from pathlib import Path
 
 from pcr_rag.errors import PCRError
@@ -27,9 +27,12 @@ log = logging.getLogger(__name__)
 #: What a download fetches: enough for ``from_pretrained`` of a safetensors model and its tokenizer.
 DOWNLOAD_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*")
 _REPO_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
-_USER_OFFLINE = any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-                    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))  # read before pcr-rag sets them
-_ONLINE_LOCK = threading.Lock()  # huggingface_hub's offline switch is process-wide: one download turns it off
+_OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def _user_offline() -> bool:
+    """Whether the environment forbids downloads now (the variables as huggingface_hub reads them)."""
+    return any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on") for name in _OFFLINE_VARIABLES)
 
 
 class HubModelError(PCRError, ValueError):
@@ -79,28 +82,15 @@ def resolve_repo(repo_id: str, *, revision: str | None = None, allow_download: b
             f"model {repo_id!r} is {where}, and pcr-rag never downloads from a model hub unless allowed: pass "
             f"allow_download=True (EngineConfig / PCREngine(allow_download=True), `pcr-rag serve --allow-download`), "
             f"or fetch it first with `hf download {repo_id}` (set HF_HOME to use another cache)")
-    if _USER_OFFLINE:
+    if _user_offline():
         raise ModelNotCachedError(
             f"model {repo_id!r} is {where}; allow_download=True, but HF_HUB_OFFLINE=1 is set in the environment, "
             f"which forbids downloads: unset it, or fetch the model where the network is reachable")
     log.info("model %s: downloading from the Hugging Face hub into %s", repo_id, cache)
     try:
-        with _ONLINE_LOCK:
-            return Path(_download_online(snapshot_download, repo_id, revision, cache))
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=False,
+                                      allow_patterns=list(DOWNLOAD_PATTERNS)))
     except (HfHubHTTPError, OfflineModeIsEnabled, OSError) as exc:
         raise ModelNotCachedError(f"model {repo_id!r} is {where}, and downloading it failed: "
                                   f"{type(exc).__name__}: {exc}") from exc
 
-
-def _download_online(snapshot_download, repo_id: str, revision: str | None, cache: Path) -> str:
-    """``snapshot_download`` with huggingface_hub's offline switch off for the call (pcr-rag turns it on at import
-    so that nothing else ever reaches the hub), restored afterwards."""
-    from huggingface_hub import constants
-
-    before = constants.HF_HUB_OFFLINE
-    constants.HF_HUB_OFFLINE = False
-    try:
-        return snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=False,
-                                 allow_patterns=list(DOWNLOAD_PATTERNS))
-    finally:
-        constants.HF_HUB_OFFLINE = before

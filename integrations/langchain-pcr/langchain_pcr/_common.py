@@ -14,9 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 
-from pcr_rag.config import with_chat_template
 from pcr_rag.requests import GenerationResult
-from pcr_rag.shared import shared_engine
 
 if TYPE_CHECKING:
     from pcr_rag.engine import PCREngine
@@ -69,7 +67,15 @@ class EngineHolder:
             if self._engine is None:
                 if owner.engine is not None:
                     self._engine = owner.engine
-                else:
+                else:  # the local engine: torch and transformers (pcr-rag[engine]) load here, never for base_url=
+                    try:
+                        from pcr_rag.config import with_chat_template
+                        from pcr_rag.shared import shared_engine
+                    except ModuleNotFoundError as exc:
+                        from pcr_rag.errors import engine_not_installed
+
+                        raise engine_not_installed(exc) from exc
+
                     template = getattr(owner, "chat_template", None)  # ChatPCR's str; PCRLLM's is a bool
                     config = with_chat_template(owner.config, template if isinstance(template, str) else None)
                     self._engine = shared_engine(owner.model, owner.tokenizer, config)
