@@ -27,7 +27,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 # the extra that installs what a subcommand imports beyond the core dependencies (pyproject.toml)
 EXTRAS: dict[str, str] = {"demo": "rag", "generate": "engine", "bench": "bench", "simulate": "engine",
-                          "profile": "engine", "cache-bench": "bench", "serve": "serve", "cache": "engine"}
+                          "profile": "engine", "cache-bench": "bench", "serve": "serve", "cache": "engine",
+                          "size": "engine"}
 
 # "pcr-rag <command> <name> ...": a sub-command of a sub-command, with its own module (same interface)
 NESTED: dict[tuple[str, str], tuple[str, str]] = {
