@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
+import threading
 from collections.abc import AsyncGenerator, Callable, Generator, Sequence
 from contextlib import aclosing, closing
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -45,7 +47,7 @@ from llama_index.llms.pcr.structured import (
     tool_specs,
 )
 
-from pcr_rag.config import with_chat_template
+from pcr_rag.config import EngineConfig, with_chat_template
 from pcr_rag.errors import InvalidRequestError
 from pcr_rag.prompt import Doc
 from pcr_rag.requests import (
@@ -58,6 +60,7 @@ from pcr_rag.requests import (
     StreamChunk,
 )
 from pcr_rag.runtime.grammar import ResponseFormat
+from pcr_rag.runtime.model import DEFAULT_MODEL
 from pcr_rag.shared import shared_engine
 from pcr_rag.structured import (
     ToolSpec,
@@ -114,6 +117,21 @@ def _translate_errors(func: F) -> F:
     del wrapper.__wrapped__
     return wrapper
 
+# Serialises first loads (`PCRLLM.engine`): two threads' first calls on one LLM load its engine once. One lock for
+# all LLMs costs nothing: `shared_engine` serialises engine creation process-wide anyway.
+_LOAD_LOCK = threading.Lock()
+
+
+def _given_model_name(model: Any) -> str:
+    """A name for the model before it loads: the alias or path given, a model object's ``name_or_path``."""
+    if model is None:
+        return DEFAULT_MODEL
+    if isinstance(model, (str, os.PathLike)):
+        return os.fspath(model)
+    config = getattr(model, "config", None)
+    return str(getattr(config, "name_or_path", "") or type(model).__name__)
+
+
 _ROLES = {
     MessageRole.SYSTEM: "system",
     MessageRole.DEVELOPER: "system",
@@ -127,9 +145,11 @@ _ROLES = {
 class PCRLLM(FunctionCallingLLM):
     """LlamaIndex LLM served by a `pcr_rag.PCREngine`: retrieved documents' KV is cached and reused.
 
-    Drop it into any pipeline: ``index.as_query_engine(llm=PCRLLM())``. The model loads when the LLM is
-    constructed (or pass ``engine=`` to use your own `PCREngine`; otherwise one engine per model/config is shared
-    by every PCRLLM and LangChain wrapper in the process).
+    Drop it into any pipeline: ``index.as_query_engine(llm=PCRLLM())``. Construction is cheap: no model loads.
+    The model loads on the LLM's first use (a call, ``engine``, ``count_tokens``/``tokenize``, or ``metadata``
+    when the context window cannot be read from the model's config or GGUF header; see `metadata`), once, even
+    when several threads make that first call together. Pass ``engine=`` to use your own `PCREngine`; otherwise
+    one engine per model/config is shared by every PCRLLM and LangChain wrapper in the process.
 
     Retrieval hook: with ``retrieval_hook=True`` (default) constructing a PCRLLM installs a process-wide
     instrumentation handler; when a retriever finishes, the retrieved nodes are announced to the engine (the request
@@ -197,7 +217,9 @@ class PCRLLM(FunctionCallingLLM):
     base_url: str | None = Field(default=None, description="a pcr-rag server (pcr-rag serve) to send calls to")
     api_key: str | None = Field(default=None, exclude=True, repr=False, description="the server's API key")
 
-    _engine: Any = PrivateAttr(default=None)
+    _engine: Any = PrivateAttr(default=None)  # None until the first use loads it (or engine= / base_url=)
+    _engine_config: EngineConfig | None = PrivateAttr(default=None)  # the shared engine's (local mode)
+    _context_window: int | None = PrivateAttr(default=None)  # read without loading (see `metadata`)
 
     def __init__(self, engine: Any = None, **kwargs: Any) -> None:
         if engine is not None:
@@ -207,11 +229,11 @@ class PCRLLM(FunctionCallingLLM):
                 raise ValueError(f"pass either engine= or {clash} (they configure the engine), not both")
         super().__init__(**kwargs)
         if self.base_url is not None:
-            self._engine = remote_engine(self, engine)
+            self._engine = remote_engine(self, engine)  # a client: nothing loads in this process
         else:
+            self._engine = engine  # None: the shared engine loads on first use (`engine`)
             template = self.chat_template if isinstance(self.chat_template, str) else None
-            self._engine = engine if engine is not None else shared_engine(
-                self.model, self.tokenizer, with_chat_template(self.config, template))
+            self._engine_config = with_chat_template(self.config, template) or EngineConfig()  # checked now
         retrieval_hook().register_llm(self)
         if self.retrieval_hook:
             install_retrieval_hook()
@@ -222,31 +244,65 @@ class PCRLLM(FunctionCallingLLM):
 
     @property
     def engine(self) -> Any:
-        """The `PCREngine` serving this LLM."""
+        """The `PCREngine` serving this LLM; the first access loads the model (the process-wide shared engine for
+        this model/config, `pcr_rag.shared.shared_engine`). Concurrent first accesses load it once."""
+        engine = self._engine
+        if engine is not None:
+            return engine
+        with _LOAD_LOCK:
+            if self._engine is None:
+                self._engine = shared_engine(self.model, self.tokenizer, self._engine_config)
+            return self._engine
+
+    @property
+    def loaded_engine(self) -> Any:
+        """The engine if it is already there (``engine=``, ``base_url=`` or a first use), else None; never loads."""
         return self._engine
 
     @property
     def metadata(self) -> LLMMetadata:
         """``context_window`` is the engine's ``max_model_len`` (prompt + new tokens of one request), not the
-        model's own context: the engine refuses a longer prompt, so LlamaIndex must pack prompts to this size."""
+        model's own context: the engine refuses a longer prompt, so LlamaIndex must pack prompts to this size.
+
+        LlamaIndex reads ``metadata`` when it builds a query engine, before any call, so this does not load the
+        model when it can help it: until the engine is loaded, ``context_window`` is read from the model's config
+        (a model object's, a directory's ``config.json``) or its GGUF header (an alias, a ``.gguf`` file), as
+        the engine will compute it (`llama_index.llms.pcr._context`); ``model_name`` is then the alias or path
+        given. Only a model known by neither (a Hugging Face repo id) loads here."""
+        engine = self._engine
+        window = int(engine.max_model_len) if engine is not None else self._unloaded_context_window()
+        engine = self._engine  # loaded by _unloaded_context_window when the window was not readable
+        config = engine.config if engine is not None else (self._engine_config or EngineConfig())
         return LLMMetadata(
-            context_window=int(self._engine.max_model_len),
-            num_output=int(self.max_new_tokens or self._engine.config.max_new_tokens),
+            context_window=window,
+            num_output=int(self.max_new_tokens or config.max_new_tokens),
             is_chat_model=self.is_chat_model,
             is_function_calling_model=True,
-            model_name=self._engine.loaded.name,
+            model_name=engine.loaded.name if engine is not None else _given_model_name(self.model),
             system_role=MessageRole.SYSTEM,
         )
 
+    def _unloaded_context_window(self) -> int:
+        """``max_model_len`` of the engine this LLM will load, read without loading it where possible."""
+        if self._context_window is None:
+            from llama_index.llms.pcr._context import context_window_without_weights  # gguf: only when read
+
+            self._context_window = context_window_without_weights(self.model, self.tokenizer,
+                                                                  self._engine_config or EngineConfig())
+        if self._context_window is None:
+            logger.info("the context window of %r is known only from the loaded model; loading it now", self.model)
+            return int(self.engine.max_model_len)
+        return self._context_window
+
     def count_tokens(self, text: str) -> int:
         """Tokens of ``text`` under the model's tokenizer (for `Settings.tokenizer`-style budgeting)."""
-        return int(self._engine.count_tokens(text))
+        return int(self.engine.count_tokens(text))
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of ``text`` under the engine's tokenizer (no special tokens; the server's ``/tokenize`` with
         ``base_url``). ``Settings.tokenizer = llm.tokenize`` makes LlamaIndex's prompt packing and
         `TokenCountingHandler` count the model's own tokens."""
-        return [int(i) for i in self._engine.tokenizer(text, add_special_tokens=False)["input_ids"]]
+        return [int(i) for i in self.engine.tokenizer(text, add_special_tokens=False)["input_ids"]]
 
     # ------------------------------------------------------------------------------------------ requests
     def _submit(self, make_prompt: Callable[[tuple[str, ...], list[str]], Prompt], units: list[str],
@@ -261,7 +317,7 @@ class PCRLLM(FunctionCallingLLM):
                                   self.seed)
         params = SamplingParams.from_kwargs(defaults, **kwargs)
         documents, units = self._documents(units, explicit)
-        return self._engine.submit(make_prompt(documents, units), params, timeout=timeout)
+        return self.engine.submit(make_prompt(documents, units), params, timeout=timeout)
 
     def _documents(self, units: list[str], explicit: Sequence[Any] | None) -> tuple[tuple[Any, ...], list[str]]:
         """The documents to pass with a call whose text units are ``units``: explicit ones (str or `pcr_rag.Doc`),
@@ -281,10 +337,10 @@ class PCRLLM(FunctionCallingLLM):
                 return (), units
             documents = ann.documents
         if self.reorder == "cache-aware":
-            documents, units = cache_aware_documents(self._engine, units, documents, ann)
+            documents, units = cache_aware_documents(self.engine, units, documents, ann)
         if ann is None:
             return tuple(Doc(d, scopes[d]) if d in scopes else d for d in documents), units
-        return ann.with_scopes(ann.documents_for(self._engine, "\n".join(units))), units
+        return ann.with_scopes(ann.documents_for(self.engine, "\n".join(units))), units
 
     def _submit_completion(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> RequestHandle:
         if not isinstance(prompt, str):
@@ -311,19 +367,19 @@ class PCRLLM(FunctionCallingLLM):
         tools = tuple(kwargs.pop("tools", None) or ())
         choice = kwargs.pop("tool_choice", None) or "auto"
         has_tool_turns = any(m.role == MessageRole.TOOL or tool_selections(m) for m in messages)
-        native = has_tool_turns and template_renders_tool_calls(self._engine.tokenizer)
+        native = has_tool_turns and template_renders_tool_calls(self.engine.tokenizer)
         turns = to_chat_turns(messages, native_tools=native)
         if self.system_prompt and not any(t["role"] == "system" for t in turns):
             turns.insert(0, {"role": "system", "content": self.system_prompt})
         if not any(t["content"].strip() for t in turns):
             raise PCRRequestError("PCRLLM received only empty messages; pass a non-empty query")
         if tools:
-            turns = add_instruction(turns, tools_instruction(tools, choice), self._engine.tokenizer)
+            turns = add_instruction(turns, tools_instruction(tools, choice), self.engine.tokenizer)
             kwargs["response_format"] = tool_call_format(tools, choice)
         elif kwargs.get("response_format") is not None:
             fmt = ResponseFormat.of(kwargs["response_format"])
             if fmt.kind == "json_schema" and fmt.schema is not None:  # the model sees the schema; after the documents
-                turns = add_instruction(turns, schema_instruction(fmt.schema), self._engine.tokenizer)
+                turns = add_instruction(turns, schema_instruction(fmt.schema), self.engine.tokenizer)
             kwargs["response_format"] = fmt
         callable_tools = tools if choice != "none" else ()
         handle = self._submit(

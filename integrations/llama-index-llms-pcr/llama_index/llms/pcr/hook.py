@@ -131,18 +131,19 @@ class PCRRetrievalHook:
 
     # ------------------------------------------------------------------------------------------ LLMs
     def register_llm(self, llm: Any) -> None:
-        """Make ``llm`` (a `PCRLLM`: anything with an ``engine``) known: spans holding it announce to its engine,
-        and a retrieval that shows no LLM announces to every registered one's engine. Held weakly."""
+        """Make ``llm`` (a `PCRLLM`: anything with an ``engine``) known: spans holding it announce to its engine
+        (loading it: that LLM answers next), and a retrieval that shows no LLM announces to the already-loaded
+        engine of every registered one (``loaded_engine``). Held weakly."""
         with self._lock:
             self._llms[id(llm)] = llm
 
     def live_engines(self) -> list[Any]:
-        """The distinct open engines of every live registered LLM."""
+        """The distinct open engines of every live registered LLM that has loaded one (none is loaded here)."""
         with self._lock:
             llms = list(self._llms.values())
         engines: dict[int, Any] = {}
         for llm in llms:
-            engine = llm.engine
+            engine = getattr(llm, "loaded_engine", None)
             if engine is not None and not engine.closed:
                 engines.setdefault(id(engine), engine)
         return list(engines.values())

@@ -65,7 +65,9 @@ class PCRReorderPostprocessor(BaseNodePostprocessor):
     def __init__(self, target: Any = None, **kwargs: Any) -> None:
         if target is None:
             raise TypeError("PCRReorderPostprocessor needs the PCRLLM (or PCREngine) whose cache decides the order")
-        _engine_of(target)
+        if not hasattr(target, "order_for_reuse") and not hasattr(type(target), "engine"):
+            # checked without reading ``target.engine``: that would load a PCRLLM's model now
+            raise TypeError(f"expected a PCRLLM or a PCREngine, got {type(target).__name__}")
         # ``target`` is this class's field; mypy checks against the parent's synthesized pydantic __init__
         super().__init__(target=target, **kwargs)  # type: ignore[call-arg]
 
