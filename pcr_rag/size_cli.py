@@ -13,6 +13,8 @@ import math
 from typing import Any
 
 from pcr_rag.config import EngineConfig
+from pcr_rag.errors import PCRError
+from pcr_rag.sizing import HIT_RATES, SizingError, kv_size, model_config, need_for_hit_rate
 from pcr_rag.units import format_bytes
 
 DEFAULTS = EngineConfig()
@@ -42,8 +44,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def report(args: argparse.Namespace) -> dict[str, Any]:
     """The figures `run` prints, as plain numbers (bytes, documents, fractions)."""
-    from pcr_rag.sizing import HIT_RATES, SizingError, kv_size, model_config, need_for_hit_rate
-
     if args.tokens_per_doc < 1:
         raise SizingError(f"--tokens-per-doc must be >= 1, got {args.tokens_per_doc}")
     if args.chunk_size < 1:
@@ -105,8 +105,6 @@ def _text(r: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pcr_rag.errors import PCRError
-
     try:
         r = report(args)
     except (PCRError, ValueError, OSError) as exc:
