@@ -170,12 +170,13 @@ class EngineConfig(RemoteFields):  # type: ignore[misc,valid-type]
             who can write to the store can change answers). One warning at start.
         remote_encrypt: also encrypt remote payloads (AES-GCM under a key derived from the secret per namespace
             root), so the store never holds KV in the clear. Needs a secret.
-        system_prompt_scope: "shared" (default) or "private": the sharing scope of the text before the first
-            document (system prompt, instruction, template head) in a request with a namespace. Documents are
-            private in such a request unless marked shared (`pcr_rag.Doc`), and reuse is prefix-only, so tenants
-            share the head and the shared documents after it, and only when the first document is shared (a
+        system_prompt_scope: "shared" (default) or "private": the sharing scope of the template and system text
+            before the first document (the chat template, system turns, the engine's instruction) in a request
+            with a namespace. User and assistant turns and a raw prompt's text are never shared, and documents are
+            private in such a request unless marked shared (`pcr_rag.Doc`); reuse is prefix-only, so tenants share
+            the template head and the shared documents after it, and only when the first document is shared (a
             request without a shared document keeps its own keys, as before scopes). "private" shares nothing
-            across namespaces; use it when the template puts the question or earlier turns before the documents.
+            across namespaces; use it when system prompts are per user.
         token_cache_bytes: bytes the prompt builder's cache of tokenized pieces (texts, ids, learned layouts) may
             hold, across namespaces (or a "64MiB"-style string); only accepted requests fill it.
         ssd_encrypt: encrypt SSD chunk files the same way (AES-GCM, key derived from ``remote_secret`` or

@@ -455,7 +455,7 @@ class PCREngine:
 
         pieces = self.builder.document_pieces(lay, context=context)
         head = (self.builder.tokenize_piece(pieces.head, first=True, context=context),) if pieces.head else ()
-        start = self._walk_start(head, private.pop(), pieces, root, known)
+        start = self._walk_start(head, private.pop(), pieces, root, known, lay.head_is_template)
         if start is None:
             return items
         walk_root, walk_head = start
@@ -469,14 +469,17 @@ class PCREngine:
         return [items[i] for i in walk.order]
 
     def _walk_start(self, head: tuple[tuple[int, ...], ...], private: bool, pieces: DocumentPieces, root: bytes,
-                    known: Callable[[bytes], bool]) -> tuple[bytes, tuple[tuple[int, ...], ...]] | None:
+                    known: Callable[[bytes], bool],
+                    head_is_template: bool = True) -> tuple[bytes, tuple[tuple[int, ...], ...]] | None:
         """Where `order_for_reuse`'s walk starts for documents all ``private`` (or all shared) in a request whose
         namespace has ``root``: (the key the first document chains from, the head segments still to walk), as
         `_plan` keys that request; None when the head is not cached (nothing after it can be) or the layout puts
-        non-whitespace text between shared documents (it is private in a namespaced request)."""
+        non-whitespace text between shared documents (it is private in a namespaced request). ``head_is_template``:
+        the layout's head holds no request text (`DocumentLayout.head_is_template`); otherwise a namespaced
+        request is private from its head on."""
         shared_root = self.root_key
         namespaced = root != shared_root
-        shared_head = not namespaced or self.builder.system_prompt_scope == "shared"
+        shared_head = not namespaced or (self.builder.system_prompt_scope == "shared" and head_is_template)
         if not private:
             if namespaced and not shared_head:
                 return root, head  # private from the head on: the tenant's own chain

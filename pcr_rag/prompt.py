@@ -21,13 +21,20 @@ Invariants:
   the whitespace before it, and in later positions the separator) whenever its cuts need no adjustment (the
   default layouts of the engine, LlamaIndex and LangChain; see docs/DESIGN.md): the same in every position with
   the same lead, and independent of the text after it.
-- Sharing scopes (`Doc`): ``SegmentedPrompt.private_from`` is the first segment that holds anything private. In a
-  request with a namespace, a segment is shared only when every character of it is a shared document, the head
-  (the text before the first document, when ``system_prompt_scope`` is "shared") or whitespace; so the query, the
-  text between documents and unmarked documents are private. The head is shared only in front of a shared
-  document: a namespaced request without one is private from its first segment on (its keys are those of before
-  scopes existed, and nothing of it is reused across namespaces). In a request without a namespace (the
-  engine-wide namespace, the shared pool) only a segment that touches a document marked "private" is private.
+- Sharing scopes (`Doc`): ``SegmentedPrompt.private_from`` is the first segment that holds anything private; a
+  namespaced request's text is private from the first character that is not provably shared. A segment is shared
+  only when every character of it is a shared document located in the order given, the template part (below) or
+  whitespace; so the query, the text between documents, unmarked documents and every user or assistant turn are
+  private. The template part is the text before the first document that the engine renders without any user or
+  assistant text (the chat template, the system turn, the engine's own instruction: ``template_end``, proven by
+  rendering the same request with a marker in place of its first non-system turn); it is shared only when
+  ``system_prompt_scope`` is "shared", and only in front of a shared document: a namespaced request without one
+  is private from its first segment on (its keys are those of before scopes existed, and nothing of it is reused
+  across namespaces). A document that is private (marked so, or unmarked in a namespaced request), and in a
+  namespaced request any document not located in the order given, makes everything from its first occurrence in
+  the text on private (`_private_start`); a document marked private that the text does not hold verbatim cannot be
+  placed, so the request is refused (`InvalidRequestError`). In a request without a namespace (the engine-wide
+  namespace, the shared pool) only the text from a document marked "private" on is private.
 - Per-request state is per namespace (`PromptContext`): pieces are tokenized through a byte-bounded cache keyed by
   namespace and text, and the flat layout is learned per namespace; a request's new entries and layout are kept
   only once the engine accepted it (`PromptBuilder.accept`), so a rejected request leaves nothing behind and one
@@ -51,6 +58,11 @@ log = logging.getLogger(__name__)
 
 DEFAULT_INSTRUCTION = "Answer the question using the documents below."
 DEFAULT_SEPARATOR = "\n\n"
+#: Stands for the request text when a template is rendered to find where that text starts (`template_end`).
+_MARKER = "\x00PCR_DOCS\x00"
+#: Chat roles whose turns are system text (shared when ``system_prompt_scope`` is "shared"); every other turn is
+#: user or assistant text, never shared across namespaces.
+SYSTEM_ROLES = frozenset({"system", "developer"})
 _PROBE_DOCUMENT = "a"  # a one-letter document: how a layout's cuts fit around text that starts and ends a word
 SCOPES = ("shared", "private")
 DEFAULT_TOKEN_CACHE_BYTES = 64 * 1024 * 1024
@@ -118,10 +130,19 @@ class SegmentedPrompt:
 class DocumentLayout:
     """Where the documents of a prompt go: ``head`` is the text before the first document, ``separator`` the
     text between two documents. ``head + separator.join(documents)`` is the prompt up to the end of the last
-    document (what `PromptBuilder.predict_prefix` segments and `pcr_rag.reorder` walks)."""
+    document (what `PromptBuilder.predict_prefix` segments and `pcr_rag.reorder` walks). ``template_chars``: how
+    many leading characters of ``head`` are template or system text (`SegmentedPrompt` sharing scopes); the rest
+    of the head is request text (a user turn, a raw prompt), private in a namespaced request."""
 
     head: str
     separator: str
+    template_chars: int = 0
+
+    @property
+    def head_is_template(self) -> bool:
+        """Whether the head holds no request text (past ``template_chars`` only whitespace, if anything)."""
+        rest = self.head[self.template_chars:]
+        return not rest or rest.isspace()
 
 
 @dataclass(frozen=True)
@@ -499,15 +520,17 @@ class PromptBuilder:
                   context: PromptContext | None = None) -> SegmentedPrompt:
         """[system + instruction][doc 1]..[doc k][question], rendered as one user turn."""
         text = self.render_chat(self.rag_user_text(query, documents), system)
-        return self.segment(text, documents, context=context)
+        template_end = self.rag_template_end(text, system) if documents else 0
+        return self.segment(text, documents, context=context, template_end=template_end)
 
     def build_flat(self, prompt: str, documents: Sequence[str | Doc], *, chat: bool = True,
                    system: str | None = None, context: PromptContext | None = None) -> SegmentedPrompt:
         """A prompt that contains the documents verbatim, in order (e.g. rendered by a framework's template)."""
         text = self.render_chat(prompt, system) if chat else prompt
-        seg = self.segment(text, documents, context=context)
+        template_end = self.user_template_end(text, system) if chat and documents else 0
+        seg = self.segment(text, documents, context=context, template_end=template_end)
         if seg.documents_found:
-            self._learn_layout(text, validate_documents(documents), context)
+            self._learn_layout(text, validate_documents(documents), context, template_end)
         return seg
 
     def build_chat(self, messages: Sequence[dict[str, str]], documents: Sequence[str | Doc], *,
@@ -517,9 +540,10 @@ class PromptBuilder:
         variables); the documents found in it get their own runs (and teach the builder the framework's layout,
         as `build_flat`)."""
         text = self.render_messages(messages, template_kwargs)
-        seg = self.segment(text, documents, context=context)
+        template_end = self.chat_template_end(text, messages, template_kwargs) if documents else 0
+        seg = self.segment(text, documents, context=context, template_end=template_end)
         if seg.documents_found:
-            self._learn_layout(text, validate_documents(documents), context)
+            self._learn_layout(text, validate_documents(documents), context, template_end)
         return seg
 
     def predict_prefix(self, documents: Sequence[str | Doc], *, system: str | None = None,
@@ -537,7 +561,7 @@ class PromptBuilder:
         # the last document's trailing whitespace goes with the text after it (the canonical cut), unknown here
         docs = [*texts[:-1], texts[-1].rstrip()] if texts else []
         return self.segment(lay.head + lay.separator.join(docs), [Doc(t, sc) for t, sc in zip(docs, scopes)],
-                            context=context)
+                            context=context, template_end=lay.template_chars)
 
     def layout(self, *, system: str | None = None, prefix: str | None = None, separator: str | None = None,
                flat: bool = False, namespace: str = "") -> DocumentLayout:
@@ -545,14 +569,18 @@ class PromptBuilder:
         the layout learned from ``namespace``'s last flat prompt that held documents (the engine's own head until
         one was seen); otherwise the engine's own RAG layout (`build_rag`)."""
         if not flat:
-            return DocumentLayout(self._own_prefix_text(system), DEFAULT_SEPARATOR)
+            own = self._own_prefix_text(system)
+            return DocumentLayout(own, DEFAULT_SEPARATOR, len(own))
         with self._lock:
             learned = self._cache.get(("layout", namespace))
-        head = prefix if prefix is not None else (learned.head if learned is not None else None)
-        if head is None:  # nothing learned yet: assume the engine's own layout
-            head = self._own_prefix_text(system)
         learned_sep = learned.separator if learned is not None else DEFAULT_SEPARATOR
-        return DocumentLayout(head, separator if separator is not None else learned_sep)
+        sep = separator if separator is not None else learned_sep
+        if prefix is not None:  # the caller's text: request text, as far as anything can tell
+            return DocumentLayout(prefix, sep)
+        if learned is not None:
+            return DocumentLayout(learned.head, sep, learned.template_chars)
+        own = self._own_prefix_text(system)  # nothing learned yet: assume the engine's own layout
+        return DocumentLayout(own, sep, len(own))
 
     def document_pieces(self, layout: DocumentLayout, *, context: PromptContext | None = None) -> DocumentPieces:
         """How `segment` cuts documents in ``layout``, learned once per layout (and namespace) by segmenting a
@@ -594,11 +622,11 @@ class PromptBuilder:
             return ("layout", namespace) in self._cache
 
     def _own_prefix_text(self, system: str | None) -> str:
-        marker = "\x00PCR_DOCS\x00"
-        rendered = self.render_chat(self.rag_user_text("q", [marker]), system)
-        return rendered[: rendered.index(marker)]
+        rendered = self.render_chat(self.rag_user_text("q", [_MARKER]), system)
+        return rendered[: rendered.index(_MARKER)]
 
-    def _learn_layout(self, text: str, documents: Sequence[str], context: PromptContext | None) -> None:
+    def _learn_layout(self, text: str, documents: Sequence[str], context: PromptContext | None,
+                      template_end: int = 0) -> None:
         spans = _locate(text, documents)
         found = [s for s in spans if s is not None]
         if not found:
@@ -611,25 +639,69 @@ class PromptBuilder:
             with self._lock:
                 known = self._cache.get(("layout", namespace))
             sep = known.separator if known is not None else DEFAULT_SEPARATOR
-        layout = DocumentLayout(prefix, sep)
+        layout = DocumentLayout(prefix, sep, min(template_end, len(prefix)))
         if context is not None:
             context.layout = layout  # kept by `accept`
             return
         with self._lock:
             self._cache.put(("layout", namespace), layout, _layout_bytes(layout))
 
+    @staticmethod
+    def _marker_end(text: str, rendered: str) -> int:
+        """Where ``rendered`` (the request rendered with `_MARKER` in place of its first request text) puts the
+        marker, when ``text`` starts with everything before it (that part then depends on no request text); 0
+        otherwise (nothing is proven template)."""
+        at = rendered.find(_MARKER)
+        return at if at > 0 and text.startswith(rendered[:at]) else 0
+
+    def rag_template_end(self, text: str, system: str | None) -> int:
+        """The template part of a `build_rag` text: everything before the first document when it is the engine's
+        own rendering of the system turn and instruction (`_own_prefix_text`), else 0."""
+        own = self._own_prefix_text(system)
+        return len(own) if text.startswith(own) else 0
+
+    def user_template_end(self, text: str, system: str | None) -> int:
+        """The template part of ``render_chat(user, system)``: the text before the user turn's content."""
+        return self._marker_end(text, self.render_chat(_MARKER, system))
+
+    def chat_template_end(self, text: str, messages: Sequence[dict[str, Any]],
+                          template_kwargs: dict[str, Any] | None = None) -> int:
+        """The template part of ``render_messages(messages)``: the text before the first non-system turn's content
+        (the leading system turns and the template around them), proven by rendering the leading system turns and a
+        marker turn of the next turn's role; 0 when the template renders that differently (it then depends on later
+        turns, or refuses the probe). A conversation of system turns only is all template."""
+        first = next((i for i, m in enumerate(messages) if m.get("role") not in SYSTEM_ROLES), None)
+        if first is None:
+            return len(text)
+        probe = [*(dict(m) for m in messages[:first]), {"role": messages[first]["role"], "content": _MARKER}]
+        try:
+            rendered = self.render_messages(probe, template_kwargs)
+        except InvalidRequestError:
+            return 0
+        return self._marker_end(text, rendered)
+
     def segment(self, text: str, documents: Sequence[str | Doc], *,
-                context: PromptContext | None = None) -> SegmentedPrompt:
+                context: PromptContext | None = None, template_end: int = 0) -> SegmentedPrompt:
         """Cut ``text`` around the documents (searched in order from a cursor): ``[prefix][doc 1][sep + doc 2]
         ...[rest]``. Each piece is tokenized on its own; cuts the tokenizer would merge across are moved or
         dropped until the pieces' ids are exactly the whole text's ids (see the module docstring).
 
         ``context`` (None: the engine-wide namespace, no bound, cache entries kept at once): its namespace decides
         the sharing scopes (``private_from``) and the token cache used; a text over its bound raises
-        `PromptTooLongError` before anything is tokenized."""
+        `PromptTooLongError` before anything is tokenized. ``template_end``: how many leading characters are
+        template or system text (the `*_template_end` methods; 0: none, as for a raw prompt), the most of the text
+        before the first document a namespaced request may share.
+
+        Raises:
+            InvalidRequestError: a document marked private does not occur in ``text`` (where the private part
+                starts cannot be decided).
+        """
         self.check_chars(text, context)
         texts, scopes = split_documents(documents)
-        located = [(span, scope) for span, scope in zip(_locate(text, texts), scopes) if span is not None]
+        namespace = context.namespace if context is not None else ""
+        all_spans = _locate(text, texts)
+        private_start = _private_start(text, texts, scopes, all_spans, bool(namespace))
+        located = [(span, scope) for span, scope in zip(all_spans, scopes) if span is not None]
         spans = [span for span, _ in located]
         cuts: list[int] = []
         for i, (start, end) in enumerate(spans):
@@ -644,8 +716,7 @@ class PromptBuilder:
         if adjusted:
             log.debug("segment: %d of %d document cuts adjusted to keep the whole prompt's tokenization",
                       adjusted, len(cuts))
-        namespace = context.namespace if context is not None else ""
-        private = self._private_test(text, located, bool(namespace))
+        private = self._private_test(text, located, bool(namespace), template_end, private_start)
         private_from = next((i for i, (_, (a, b)) in enumerate(bounds) if private(a, b)), None)
         if namespace and private_from:
             # the head is shared only in front of a shared document: alone it would be the one thing a request
@@ -657,16 +728,21 @@ class PromptBuilder:
         return SegmentedPrompt(text=text, segments=segments, documents_found=len(spans), cuts_adjusted=adjusted,
                                private_from=private_from)
 
-    def _private_test(self, text: str, located: Sequence[tuple[tuple[int, int], str | None]], namespaced: bool):
-        """``private(a, b)``: whether the text span [a, b) of a segment holds anything private (module docstring)."""
+    def _private_test(self, text: str, located: Sequence[tuple[tuple[int, int], str | None]], namespaced: bool,
+                      template_end: int, private_start: int | None):
+        """``private(a, b)``: whether the text span [a, b) of a segment holds anything private (module docstring):
+        anything at or after ``private_start`` (`_private_start`), and in a namespaced request any character that
+        is not whitespace, a shared document located in order, or template text before the first document."""
         if not namespaced:
-            marked = [span for span, scope in located if scope == "private"]
-            return lambda a, b: any(s < b and a < e for s, e in marked)
+            return lambda a, b: private_start is not None and b > private_start
         shared = [span for span, scope in located if scope == "shared"]
-        if located and self.system_prompt_scope == "shared":
-            shared.insert(0, (0, located[0][0][0]))
+        head_end = min(template_end, located[0][0][0]) if located else 0
+        if head_end > 0 and self.system_prompt_scope == "shared":
+            shared.insert(0, (0, head_end))
 
         def private(a: int, b: int) -> bool:
+            if private_start is not None and b > private_start:
+                return True
             pos = a
             for s, e in shared:  # in text order: the head, then the documents
                 if e <= pos or s >= b:
@@ -818,6 +894,30 @@ def _whitespace_end(text: str, pos: int) -> int:
     while pos < len(text) and text[pos].isspace():
         pos += 1
     return pos
+
+
+def _private_start(text: str, texts: Sequence[str], scopes: Sequence[str | None],
+                   spans: Sequence[tuple[int, int] | None], namespaced: bool) -> int | None:
+    """The first character from which a document makes the rest of ``text`` private, or None: the first occurrence
+    (anywhere, not only after the documents before it) of every private document (marked "private", or unmarked in
+    a namespaced request) and, in a namespaced request, of every document not located in the order given
+    (``spans[i]`` None). A document that does not occur at all holds nothing to place, except one marked private:
+    its text may be in the prompt in another form, so the request is refused rather than shared by a guess."""
+    start: int | None = None
+    for i, (doc, scope, span) in enumerate(zip(texts, scopes, spans)):
+        private = scope == "private" or (namespaced and scope is None)
+        if not doc or not (private or (namespaced and span is None)):
+            continue
+        at = text.find(doc)
+        if at < 0:
+            if scope == "private":
+                raise InvalidRequestError(
+                    f"document #{i} is marked private but does not occur verbatim in the prompt, so where the "
+                    f"private part starts cannot be decided; pass the document's text exactly as the prompt holds "
+                    f"it (or drop it from documents)")
+            continue
+        start = at if start is None else min(start, at)
+    return start
 
 
 def _locate(text: str, documents: Sequence[str]) -> list[tuple[int, int] | None]:

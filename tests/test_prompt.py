@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from pcr_rag.cache import namespace_key, plan_chunks
-from pcr_rag.errors import PromptTooLongError
+from pcr_rag.errors import InvalidRequestError, PromptTooLongError
 from pcr_rag.prompt import (
     DEFAULT_SEPARATOR,
     Doc,
@@ -204,11 +204,13 @@ def test_the_announce_prediction_matches_documents_with_trailing_whitespace(buil
 
 
 # ----------------------------------------------------------------------------------------- sharing scopes
-def _private_from(builder: PromptBuilder, docs, namespace: str, text: str | None = None) -> tuple[int | None, int]:
-    """(private_from, index of the first document's segment) of a RAG prompt (or ``text``) over ``docs``."""
+def _private_from(builder: PromptBuilder, docs, namespace: str, text: str | None = None,
+                  template_end: int = 0) -> tuple[int | None, int]:
+    """(private_from, index of the first document's segment) of a RAG prompt (or ``text``, whose first
+    ``template_end`` characters are template text) over ``docs``."""
     context = PromptContext(namespace)
-    seg = builder.build_rag("q?", docs, context=context) if text is None else builder.segment(text, docs,
-                                                                                              context=context)
+    seg = builder.build_rag("q?", docs, context=context) if text is None else builder.segment(
+        text, docs, context=context, template_end=template_end)
     return seg.private_from, len(seg.segments) - len(docs) - 1
 
 
@@ -233,8 +235,64 @@ def test_text_between_shared_documents_is_private(builder) -> None:
     that carries it private: a shared piece holds shared documents, the shared head and whitespace only."""
     a, b = DOCS[:2]
     docs = [Doc(a, "shared"), Doc(b, "shared")]
-    assert _private_from(builder, docs, "t", f"Context:\n{a}\n\n{b}\nQuestion: q?")[0] == 3
-    assert _private_from(builder, docs, "t", f"Context:\n{a}\nQuestion: q?\n{b}\nAnswer:")[0] == 2
+    head = len("Context:\n")
+    assert _private_from(builder, docs, "t", f"Context:\n{a}\n\n{b}\nQuestion: q?", head)[0] == 3
+    assert _private_from(builder, docs, "t", f"Context:\n{a}\nQuestion: q?\n{b}\nAnswer:", head)[0] == 2
+    # the same head as request text (a raw prompt proves nothing of it template): private from the start
+    assert _private_from(builder, docs, "t", f"Context:\n{a}\n\n{b}\nQuestion: q?")[0] == 0
+
+
+def test_user_and_assistant_turns_are_never_shared(builder) -> None:
+    """Issue 47: in a namespaced chat only the template and the system turns before the first shared document may
+    ride on the shared root; a user (or assistant) turn's text before the document makes the request private from
+    there, and a conversation whose template part cannot be proven shares nothing."""
+    if not builder.has_chat_template:
+        pytest.skip("needs a chat template")
+    a = DOCS[0]
+    docs = [Doc(a, "shared")]
+    context = PromptContext("t")
+    in_system = [{"role": "system", "content": f"Answer from this.\n\n{a}"}, {"role": "user", "content": "q?"}]
+    assert builder.build_chat(in_system, docs, context=context).private_from == 2  # template + doc shared
+    at_user_start = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"{a}\n\nq?"}]
+    assert builder.build_chat(at_user_start, docs, context=context).private_from == 2
+    for user_first in ([{"role": "user", "content": f"My PIN is 4821. Context: {a} Question: q?"}],
+                       [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                        {"role": "user", "content": f"{a}\n\nq?"}]):
+        assert builder.build_chat(user_first, docs, context=context).private_from == 0
+    # a flat prompt: the user turn's text before the document is private, a raw prompt's too
+    assert builder.build_flat(f"Context: {a}\nq?", docs, context=context).private_from == 0
+    assert builder.build_flat(f"Context: {a}\nq?", docs, chat=False, context=context).private_from == 0
+    assert builder.build_flat(f"{a}\nq?", docs, chat=False, context=context).private_from == 1
+    # the template part is proven by rendering: the engine's own RAG head and a chat's system turn are template
+    rag = builder.build_rag("q?", docs, "Be brief.")
+    assert builder.rag_template_end(rag.text, "Be brief.") == rag.text.index(a)
+    chat = builder.render_messages(in_system)
+    assert chat[: builder.chat_template_end(chat, in_system)].endswith("\n")
+    assert "q?" not in chat[: builder.chat_template_end(chat, in_system)]
+
+
+def test_private_and_out_of_order_documents_make_everything_from_their_position_private(builder) -> None:
+    """Issue 47: documents are located in list order with a moving cursor, so a private document placed before a
+    shared one was "not found" and stayed in the shared head. Its first occurrence now bounds the shared part, a
+    shared document found out of order too, and a document marked private that the prompt does not hold is
+    refused (where its text is cannot be decided)."""
+    public, secret = DOCS[:2]
+    text = f"Context:\n{secret}\n\n{public}\nQuestion: q?"
+    head = len("Context:\n")
+    for scope in ("private", None):  # marked private, or unmarked (private in a namespace)
+        assert _private_from(builder, [Doc(public, "shared"), Doc(secret, scope)], "t", text, head)[0] == 0
+    assert _private_from(builder, [Doc(public, "shared"), Doc(secret, "shared")], "t", text, head)[0] == 0
+    # in order, the shared documents and the head stay shared (the bound above is not vacuous)
+    assert _private_from(builder, [Doc(secret, "shared"), Doc(public, "shared")], "t", text, head)[0] == 3
+    # the engine-wide namespace: a private document found out of order is private from its position on
+    assert _private_from(builder, [Doc(public), Doc(secret, "private")], "", text)[0] == 0
+    assert _private_from(builder, [Doc(public), Doc(secret)], "", text)[0] is None
+    for namespace in ("t", ""):
+        with pytest.raises(InvalidRequestError, match="marked private but does not occur"):
+            _private_from(builder, [Doc(public, "shared"), Doc(secret.upper(), "private")], namespace, text, head)
+    # an unmarked document that is not in the prompt places nothing (its text is not there to share)
+    assert _private_from(builder, [Doc(secret, "shared"), Doc(public, "shared"), Doc("absent text")], "t", text,
+                         head)[0] == 3
 
 
 def _counting(tokenizer):

@@ -16,6 +16,7 @@ PUBLIC = ("The Rhine flows from the Swiss Alps to the North Sea through Germany 
 SECRET_A = "Tenant A's merger with Initech closes on the ninth of March at a price of forty dollars a share. " * 3
 SECRET_B = "Tenant B keeps its payroll in the basement safe, whose code is the year the company was founded. " * 3
 KEYS = ("key-tenant-a", "key-tenant-b")
+GUESSERS = ("key-guess-1", "key-guess-2", "key-guess-3", "key-guess-4")
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +32,31 @@ def tenants(tiny, tmp_path_factory, h):
             c.close()
 
 
+@pytest.fixture(scope="module")
+def victim_and_guessers(tiny, tmp_path_factory, h):
+    """A server with a tenant per key: the victim (tenant A) and one tenant per guess, so that each guess's
+    ``cached_tokens`` counts only what other tenants left (never the guesser's own earlier guesses)."""
+    model, tokenizer = tiny
+    engine = PCREngine(model, tokenizer, config=h.engine_config(tmp_path_factory.mktemp("guesses")))
+    keys = (KEYS[0], *GUESSERS)
+    srv = ServerThread(engine, ServerSettings(port=0, api_keys=keys, tenant_per_key=True), owns_engine=True)
+    with srv:
+        clients = [httpx.Client(base_url=srv.base_url, headers={"Authorization": f"Bearer {k}"}, timeout=60)
+                   for k in keys]
+        yield srv, clients[0], clients[1:]
+        for c in clients:
+            c.close()
+
+
+def context_messages(texts) -> list[dict[str, str]]:
+    """The documents in the system turn, the question in the user turn: a user turn's text is never shared across
+    tenants, so documents shared across tenants go in the system turn (or open the user turn)."""
+    return [{"role": "system", "content": "Answer from the context.\n\n" + "\n\n".join(texts)},
+            {"role": "user", "content": "What does the first document say?"}]
+
+
 def chat(client: httpx.Client, model: str, h, texts, documents, **extra) -> dict:
-    r = client.post("/v1/chat/completions", json={"model": model, "messages": h.rag_messages(texts),
+    r = client.post("/v1/chat/completions", json={"model": model, "messages": context_messages(texts),
                                                   "max_tokens": 6, "documents": documents,
                                                   "return_token_ids": True, **extra})
     assert r.status_code == 200, r.text
@@ -44,7 +68,7 @@ def cached(body: dict) -> int:
 
 
 def local_ids(reference: PCREngine, h, texts, docs) -> list[int]:
-    prompt = ChatPrompt(h.rag_messages(texts), docs)
+    prompt = ChatPrompt(context_messages(texts), docs)
     return reference.submit(prompt, SamplingParams(max_new_tokens=6)).result().token_ids
 
 
@@ -81,7 +105,7 @@ def test_shared_documents_are_reused_across_tenants_private_ones_never(tenants, 
 def test_completions_take_document_scopes(tenants, reference) -> None:
     srv, (a, b) = tenants
     model = srv.state.model_name
-    prompt = f"Context: {PUBLIC[1]}\nQ: what is photosynthesis?\nA:"
+    prompt = f"{PUBLIC[1]}\nQ: what is photosynthesis?\nA:"  # a raw prompt's text before a document is private
 
     def complete(client: httpx.Client) -> dict:
         r = client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 6,
@@ -145,3 +169,63 @@ def test_announce_passes_the_scopes_to_the_engine(tenants, monkeypatch) -> None:
     assert first == [Doc(PUBLIC[0], "shared"), Doc(SECRET_A, None)]
     assert second == [Doc(PUBLIC[1], "shared"), Doc(SECRET_A, "private")]
     assert ns1 == ns2 and ns1  # the tenant's namespace
+
+
+def _guess_cached(victim_and_guessers, request_for, secret: str, wrong: tuple[str, ...]) -> tuple[int, list[int]]:
+    """The victim sends ``request_for(secret)``; each guesser (a tenant of its own) replays it with one guess.
+    Returns (cached tokens of the right guess, cached tokens of each wrong guess)."""
+    srv, victim, guessers = victim_and_guessers
+    model = srv.state.model_name
+
+    def send(client: httpx.Client, text: str) -> dict:
+        r = client.post("/v1/chat/completions", json={"model": model, "max_tokens": 2, **request_for(text)})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    send(victim, secret)
+    send(victim, secret)  # the victim's own repeat is what makes its chunks stay hot; nothing about the guesses
+    assert len(wrong) < len(guessers)
+    got = [cached(send(g, text)) for g, text in zip(guessers, (*wrong, secret))]
+    return got[-1], got[:-1]
+
+
+def test_a_guess_of_user_text_before_a_shared_document_earns_no_cached_tokens(victim_and_guessers) -> None:
+    """Issue 47's chat-head probe: tenant A's user turn holds a secret before a document marked shared. Text of a
+    user turn is never provably shared, so another tenant's right guess gets no more cached tokens than a wrong
+    one (before the fix, everything before the first document was keyed under the shared root)."""
+
+    def request_for(pin: str) -> dict:
+        return {"messages": [{"role": "user",
+                              "content": f"My bank PIN is {pin}. Context: {PUBLIC[0]} Question: Where does it flow?"}],
+                "documents": [{"text": PUBLIC[0], "scope": "shared"}]}
+
+    right, wrong = _guess_cached(victim_and_guessers, request_for, "4821", ("1111", "9999", "4820"))
+    assert right <= min(wrong), f"the right PIN got {right} cached tokens, the wrong ones {wrong}"
+
+
+def test_a_private_document_placed_before_a_shared_one_is_never_shared(victim_and_guessers) -> None:
+    """Issue 47's second probe: documents=[PUBLIC (shared), SECRET (private)], but the prompt has SECRET first (in
+    the system turn, which rides on the shared root when ``system_prompt_scope`` is "shared"). Located in list
+    order from a moving cursor, SECRET was "not found" and stayed in the shared head; a document found out of order
+    now makes everything from its position on private, so a right guess earns nothing a wrong one does not."""
+
+    def request_for(secret: str) -> dict:
+        return {"messages": [{"role": "system", "content": f"Answer from these notes.\n\n{secret}\n\n{PUBLIC[0]}"},
+                             {"role": "user", "content": "Where does the river flow?"}],
+                "documents": [{"text": PUBLIC[0], "scope": "shared"}, {"text": secret, "scope": "private"}]}
+
+    secret = "The vault under the north office opens with the code 7391, known to the two directors only."
+    wrong = tuple(secret.replace("7391", code) for code in ("1111", "9999", "7390"))
+    right, wrong_cached = _guess_cached(victim_and_guessers, request_for, secret, wrong)
+    assert right <= min(wrong_cached), f"the right secret got {right} cached tokens, the wrong ones {wrong_cached}"
+
+
+def test_a_private_document_the_prompt_does_not_hold_is_a_400(tenants, h) -> None:
+    """Where a private document's text is in the prompt cannot be decided when the prompt does not hold it
+    verbatim: the request is refused with a 400 that says so, rather than shared by a guess."""
+    srv, (a, _) = tenants
+    r = a.post("/v1/chat/completions", json={"model": srv.state.model_name, "messages": context_messages(PUBLIC),
+                                             "documents": [{"text": PUBLIC[0], "scope": "shared"},
+                                                           {"text": SECRET_A, "scope": "private"}]})
+    assert r.status_code == 400, r.text
+    assert "marked private but does not occur" in r.json()["error"]["message"]
