@@ -12,10 +12,12 @@ from typing import Any, Literal
 
 import torch
 
-from pcr_rag.cache.config import RemoteConfig
+from pcr_rag.cache.config import RemoteConfig, redacted_repr
 from pcr_rag.cache.seal import SECRET_MIN_CHARS
 from pcr_rag.errors import ConfigError
+from pcr_rag.limits import DEFAULT_LIMITS, RequestLimits
 from pcr_rag.runtime.admission import SCHEDULES
+from pcr_rag.runtime.announcements import DEFAULT_MAX_PENDING, DEFAULT_MAX_PER_NAMESPACE
 from pcr_rag.runtime.step_budget import check_budget_steps
 from pcr_rag.runtime.weights import WEIGHT_FORMATS
 from pcr_rag.units import parse_bytes
@@ -192,6 +194,14 @@ class EngineConfig(RemoteFields):  # type: ignore[misc,valid-type]
             new template means new prompt tokens, never stale KV.
         chat_template_kwargs: extra variables for the chat template in every chat (e.g.
             ``{"enable_thinking": False}``); a request's own ``ChatPrompt.chat_template_kwargs`` update them.
+        max_stop_sequences / max_stop_bytes: stop strings a request may give, and UTF-8 bytes each may take
+            (every stop string is matched on every token of the shared decode loop); more is refused before any
+            compute (`pcr_rag.limits.RequestLimits`).
+        max_format_bytes / max_tools_bytes: UTF-8 bytes of a request's response format (schema, regex or grammar)
+            and of its tool definitions; more is refused before any grammar is built.
+        max_announcements / max_announcements_per_namespace: announced requests pending on the engine's board,
+            in all and per namespace (tenant); a new one beyond either bound evicts the oldest of its namespace
+            (or of the board), so one tenant cannot fill the board.
     """
 
     cache_dir: str | Path | None = None
@@ -227,7 +237,16 @@ class EngineConfig(RemoteFields):  # type: ignore[misc,valid-type]
     allow_download: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    max_stop_sequences: int = DEFAULT_LIMITS.max_stop_sequences
+    max_stop_bytes: int = DEFAULT_LIMITS.max_stop_bytes
+    max_format_bytes: int = DEFAULT_LIMITS.max_format_bytes
+    max_tools_bytes: int = DEFAULT_LIMITS.max_tools_bytes
+    max_announcements: int = DEFAULT_MAX_PENDING
+    max_announcements_per_namespace: int = DEFAULT_MAX_PER_NAMESPACE
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return redacted_repr(self, ("remote_url",))
 
     def __post_init__(self) -> None:
         for name in _BOOL_FIELDS:
@@ -256,6 +275,9 @@ class EngineConfig(RemoteFields):  # type: ignore[misc,valid-type]
             _check_seconds(name, getattr(self, name), positive=True)
         for name in ("max_queue", "max_active", "io_workers", "prefill_chunk_tokens", "remote_breaker_errors",
                      "remote_write_queue", "remote_max_connections"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("max_stop_sequences", "max_stop_bytes", "max_format_bytes", "max_tools_bytes",
+                     "max_announcements", "max_announcements_per_namespace"):
             _check_int(name, getattr(self, name), minimum=1)
         check_budget_steps(self.itl_budget_steps)
         if self.max_model_len is not None:
@@ -318,6 +340,12 @@ class EngineConfig(RemoteFields):  # type: ignore[misc,valid-type]
             return _DTYPES[str(self.dtype).lower()]
         except KeyError:
             raise ConfigError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}") from None
+
+    @property
+    def request_limits(self) -> RequestLimits:
+        """The bounds on one request's options (`pcr_rag.limits.RequestLimits`)."""
+        return RequestLimits(self.max_stop_sequences, self.max_stop_bytes, self.max_format_bytes,
+                             self.max_tools_bytes)
 
     @property
     def secret(self) -> str | None:

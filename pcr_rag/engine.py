@@ -33,7 +33,6 @@ from pcr_rag.cache.roots import RootIdentity, RootManifest, foreign_chunks_note
 from pcr_rag.cache.storage.private_dir import refuse_unsafe
 from pcr_rag.config import EngineConfig
 from pcr_rag.errors import EngineClosedError, InvalidRequestError, PromptTooLongError, RequestCancelledError
-from pcr_rag.limits import DEFAULT_LIMITS
 from pcr_rag.metrics import MetricsRecorder, prometheus_text
 from pcr_rag.prompt import Doc, DocumentPieces, PromptBuilder, PromptContext, SegmentedPrompt, split_documents
 from pcr_rag.reorder import reuse_order
@@ -184,9 +183,10 @@ class PCREngine:
         # response formats compiled against the vocabulary (the rows of the logits), cached by format
         vocab_rows = self.loaded.model.get_output_embeddings().weight.shape[0]
         self.grammars = GrammarCompiler(self.loaded.tokenizer, vocab_rows, self.loaded.eos_token_ids)
-        self.limits = DEFAULT_LIMITS  # bounds on a request's stop strings, format and tools (checked in submit)
+        self.limits = config.request_limits  # bounds on a request's stop strings, format and tools (submit checks)
         self.recorder = MetricsRecorder()
-        self.board = AnnouncementBoard(config.announce_ttl_s)
+        self.board = AnnouncementBoard(config.announce_ttl_s, max_pending=config.max_announcements,
+                                       max_per_namespace=config.max_announcements_per_namespace)
         self._closed = False
         self._close_lock = threading.Lock()
         self.prefetcher: Prefetcher | None = None

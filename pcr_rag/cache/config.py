@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -13,7 +14,7 @@ from pcr_rag.units import parse_bytes
 
 __all__ = [
     "CLUSTER_SCHEMES", "REMOTE_SCHEMES", "CacheConfig", "ClusterURL", "KVLayout", "POLICIES", "RemoteConfig",
-    "parse_cluster_url", "remote_with_layout",
+    "parse_cluster_url", "redacted_repr", "redacted_url", "remote_with_layout",
 ]
 
 POLICIES = ("lookahead-lru", "lru")
@@ -23,6 +24,36 @@ CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster", "valkey+cluster", "valkeys
 #: URL schemes of the remote tier; valkey(s):// are spelled redis(s):// for the client. "memory://name" is an
 #: in-process store (``MemoryRemoteStore``: the simulator, unit tests), shared by every engine using the same name.
 REMOTE_SCHEMES = ("redis", "rediss", "valkey", "valkeys", "memory", *CLUSTER_SCHEMES)
+
+
+def redacted_url(url: object) -> str:
+    """``url`` with the password of its user info replaced by ``***`` (the whole user info when it has no
+    ``user:`` part, which Redis reads as the password too), for every message, ``repr`` and log line. Works on
+    any text, a URL or not, and on cluster URLs (``host:port,host:port``)."""
+    text = str(url)
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        return text
+    netloc, slash, tail = rest.partition("/")
+    userinfo, at, hosts = netloc.rpartition("@")
+    if not at:
+        return text
+    user, colon, _ = userinfo.partition(":")
+    return f"{scheme}://{user + ':***' if colon else '***'}@{hosts}{slash}{tail}"
+
+
+def redacted_repr(obj: object, urls: tuple[str, ...]) -> str:
+    """The dataclass repr of ``obj`` (fields declared ``repr=False`` left out) with the fields named in ``urls``
+    passed through `redacted_url`."""
+    parts = []
+    for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+        if not f.repr:
+            continue
+        value = getattr(obj, f.name)
+        if f.name in urls and value is not None:
+            value = redacted_url(value)
+        parts.append(f"{f.name}={value!r}")
+    return f"{type(obj).__qualname__}({', '.join(parts)})"
 
 
 @dataclass(frozen=True)
@@ -39,14 +70,15 @@ def parse_cluster_url(url: str) -> ClusterURL:
     """``<scheme>://[[user]:password@]host:port[,host:port...][/0]`` (``CLUSTER_SCHEMES``; IPv6 hosts in
     brackets; the port defaults to 6379). ``ValueError`` saying what is wrong: a cluster has one database (0), so
     another path is refused, as is a query string (no option is read from it)."""
+    shown = repr(redacted_url(url))  # messages never carry the password
     scheme, sep, rest = str(url).partition("://")
     if not sep or scheme not in CLUSTER_SCHEMES:
-        raise ValueError(f"cluster url {url!r} must start with one of {[s + '://' for s in CLUSTER_SCHEMES]}")
+        raise ValueError(f"cluster url {shown} must start with one of {[s + '://' for s in CLUSTER_SCHEMES]}")
     if "?" in rest or "#" in rest:
-        raise ValueError(f"cluster url {url!r}: no query string or fragment is read; remove it")
+        raise ValueError(f"cluster url {shown}: no query string or fragment is read; remove it")
     netloc, _, path = rest.partition("/")
     if path not in ("", "0"):
-        raise ValueError(f"cluster url {url!r}: a cluster has only database 0 (path '/{path}')")
+        raise ValueError(f"cluster url {shown}: a cluster has only database 0 (path '/{path}')")
     userinfo, at, hosts = netloc.rpartition("@")
     username = password = None
     if at:
@@ -59,18 +91,18 @@ def parse_cluster_url(url: str) -> ClusterURL:
         if item.startswith("["):  # [v6]:port
             host, bracket, tail = item[1:].partition("]")
             if not bracket or (tail and not tail.startswith(":")):
-                raise ValueError(f"cluster url {url!r}: bad seed {item!r}")
+                raise ValueError(f"cluster url {shown}: bad seed {item!r}")
             port_text = tail[1:]
         else:
             host, _, port_text = item.partition(":")
         if not host:
-            raise ValueError(f"cluster url {url!r}: empty seed host in {hosts!r}; list seeds as host:port,host:port")
+            raise ValueError(f"cluster url {shown}: empty seed host in {hosts!r}; list seeds as host:port,host:port")
         try:
             port = int(port_text) if port_text else 6379
         except ValueError:
-            raise ValueError(f"cluster url {url!r}: bad port in seed {item!r}") from None
+            raise ValueError(f"cluster url {shown}: bad port in seed {item!r}") from None
         if not 0 < port < 65536:
-            raise ValueError(f"cluster url {url!r}: port {port} of seed {item!r} is out of range")
+            raise ValueError(f"cluster url {shown}: port {port} of seed {item!r} is out of range")
         seeds.append((host, port))
     return ClusterURL(tuple(seeds), tls=scheme.startswith(("rediss", "valkeys")), username=username,
                       password=password)
@@ -142,6 +174,9 @@ class RemoteConfig:
     encrypt: bool = False
     kv_layout: KVLayout | None = None
 
+    def __repr__(self) -> str:
+        return redacted_repr(self, ("url",))
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "capacity_bytes", parse_bytes(self.capacity_bytes))
         if self.secret is not None:
@@ -155,7 +190,7 @@ class RemoteConfig:
         scheme = urlsplit(str(self.url)).scheme
         if scheme not in REMOTE_SCHEMES:
             raise ValueError(
-                f"remote url {self.url!r} must start with one of {[s + '://' for s in REMOTE_SCHEMES]}"
+                f"remote url {redacted_url(self.url)!r} must start with one of {[s + '://' for s in REMOTE_SCHEMES]}"
             )
         if scheme in CLUSTER_SCHEMES:
             parse_cluster_url(self.url)

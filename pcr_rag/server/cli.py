@@ -11,7 +11,9 @@ the same setting (``--max-num-seqs``, ``--quantization``, ``--enable-prefix-cach
 ``--uvicorn-log-level``; ``--max-model-len``, ``--served-model-name``, ``--host``, ``--port`` are the fields' own).
 The remote secret (``remote_secret``, declared ``repr=False``) has no value flag, since a value on the command line
 shows in ``ps``: ``--remote-secret-file PATH`` reads it from a file only its owner can read, else the engine reads
-``$PCR_RAG_REMOTE_SECRET``. API keys: ``--api-key`` (repeatable), else ``$PCR_RAG_API_KEY`` (comma-separated), else
+``$PCR_RAG_REMOTE_SECRET``. A remote URL that holds a password is best read from such a file too:
+``--remote-url-file PATH`` (``$PCR_RAG_REMOTE_URL_FILE``, key ``remote_url_file``) instead of ``--remote-url``; a
+config file that holds such a URL itself must be private. API keys: ``--api-key`` (repeatable), else ``$PCR_RAG_API_KEY`` (comma-separated), else
 the config file.
 
 Every field can also come from an environment variable, ``PCR_RAG_`` and its config-file key in capitals
@@ -56,12 +58,23 @@ from functools import lru_cache
 from typing import Any, Literal, get_args
 
 from pcr_rag import logs
+from pcr_rag.cache.config import redacted_url
 from pcr_rag.config import EngineConfig
 from pcr_rag.errors import ConfigError
 from pcr_rag.logs import LOG_FORMATS, LogFormat
 from pcr_rag.runtime.admission import SCHEDULES
 from pcr_rag.runtime.weights import WEIGHT_FORMATS
-from pcr_rag.server.flags import FlagSpec, add_flag, dataclass_flags, from_env, from_table, given, load_toml
+from pcr_rag.server.flags import (
+    MAX_SECRET_BYTES,
+    FlagSpec,
+    add_flag,
+    dataclass_flags,
+    from_env,
+    from_table,
+    given,
+    load_toml,
+    read_private_file,
+)
 from pcr_rag.server.settings import ServerSettings
 
 __all__ = ["ALIASES", "API_KEY_ENV", "ENV_NAMES", "ENV_PREFIX", "SERVE_ENGINE_DEFAULTS", "ServeConfig", "ServeOptions", "add_arguments",
@@ -70,6 +83,7 @@ __all__ = ["ALIASES", "API_KEY_ENV", "ENV_NAMES", "ENV_PREFIX", "SERVE_ENGINE_DE
 log = logging.getLogger(__name__)
 
 API_KEY_ENV = "PCR_RAG_API_KEY"
+REMOTE_URL_FILE_ENV = "PCR_RAG_REMOTE_URL_FILE"  # names a private file holding remote_url (`--remote-url-file`)
 ENV_PREFIX = "PCR_RAG_"  # a field's environment variable: this and its config-file key in capitals
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
@@ -170,6 +184,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="read settings from a TOML file ([engine] and [server] tables, model and log_level at "
                              "the top); flags on the command line override it")
     groups = {name: parser.add_argument_group(name, description) for name, description in _GROUPS.items()}
+    groups["remote tier"].add_argument(
+        "--remote-url-file", metavar="PATH", default=argparse.SUPPRESS,
+        help=f"read remote_url from a file only its owner can read (chmod 600), so a password in the URL never "
+             f"shows in ps; instead of --remote-url ({REMOTE_URL_FILE_ENV}; key remote_url_file in [engine])")
     for specs in flag_specs().values():
         for spec in specs:
             action = add_flag(groups[_group_of(spec)], spec)
@@ -190,13 +208,42 @@ def _config_file(path: str) -> dict[str, dict[str, Any]]:
         home = [s for s in ("engine", "server") if key.replace("-", "_") in {spec.key for spec in specs[s]}]
         if home:
             raise ConfigError(f"config file {path}: {key} belongs in the [{home[0]}] table")
+    engine = dict(tables.get("engine", {}))
+    url_file = engine.pop("remote_url_file", engine.pop("remote-url-file", None))
     out = {"serve": from_table(table, specs["serve"], where=f"config file {path}"),
-           **{section: from_table(tables.get(section, {}), specs[section], where=f"config file {path} [{section}]")
+           **{section: from_table(engine if section == "engine" else tables.get(section, {}), specs[section],
+                                  where=f"config file {path} [{section}]")
               for section in ("engine", "server")}}
     keys = sorted(field for found in out.values() for field in found if field.endswith(("_key", "_keys")))
+    if url_has_password(out["engine"].get("remote_url")):
+        keys.append("remote_url (with a password)")
     if keys and exposure:
         raise ConfigError(f"config file {path} holds {', '.join(keys)}, so it must be private: {exposure}")
+    if url_file is not None:
+        _set_url_from_file(out["engine"], url_file, f"config file {path}")
     return out
+
+
+def url_has_password(url: object) -> bool:
+    """Whether ``url`` (a remote URL, or None) carries a password, i.e. what `redacted_url` would hide."""
+    return url is not None and redacted_url(url) != str(url)
+
+
+def _set_url_from_file(engine: dict[str, Any], path: object, where: str) -> None:
+    """``engine["remote_url"]`` from the private file ``path`` (one line; `read_private_file`), refusing a URL
+    given twice in the same place."""
+    if "remote_url" in engine:
+        raise ConfigError(f"{where} gives both remote_url and remote_url_file; keep one (the file keeps a password "
+                          f"out of ps and of shared files)")
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"{where}: remote_url_file must be a path, got {path!r}")
+    try:
+        url = read_private_file(path, max_bytes=MAX_SECRET_BYTES, what="remote URL file").decode("utf-8").strip()
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        raise ConfigError(f"{where}: {exc}") from None
+    if not url:
+        raise ConfigError(f"{where}: the remote URL file {path} is empty")
+    engine["remote_url"] = url
 
 
 def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServeConfig:
@@ -209,8 +256,15 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
         for section, found in _config_file(args.config).items():
             values[section].update(found)
     for section, specs in flag_specs().items():
-        values[section].update(from_env(environ, specs))
-        values[section].update(given(args, specs))
+        env = from_env(environ, specs)
+        flags = given(args, specs)
+        if section == "engine":  # a URL file counts in its own layer, as the URL would
+            if environ.get(REMOTE_URL_FILE_ENV):
+                _set_url_from_file(env, environ[REMOTE_URL_FILE_ENV], f"${REMOTE_URL_FILE_ENV}")
+            if getattr(args, "remote_url_file", None) is not None:
+                _set_url_from_file(flags, args.remote_url_file, "--remote-url-file")
+        values[section].update(env)
+        values[section].update(flags)
     server = values["server"]
     server["api_keys"] = tuple(k.strip() for k in server.get("api_keys", ()) if k.strip())
     return ServeConfig(engine=EngineConfig(**values["engine"]), server=ServerSettings(**server),

@@ -14,9 +14,9 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
-from pcr_rag.cache.config import CLUSTER_SCHEMES, RemoteConfig
+from pcr_rag.cache.config import CLUSTER_SCHEMES, RemoteConfig, redacted_url
 from pcr_rag.cache.errors import RemoteTimeoutError, RemoteUnavailableError
 from pcr_rag.errors import ConfigError
 
@@ -47,16 +47,6 @@ class RemoteStore(Protocol):
     def describe(self) -> str: ...
 
     def close(self) -> None: ...
-
-
-def redacted_url(url: str) -> str:
-    """``url`` without its password (for logs and ``describe``)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    netloc = f"{user}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 class RedisStore:
