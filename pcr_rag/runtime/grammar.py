@@ -1,7 +1,9 @@
 """Grammar-constrained decoding: what a request's output must match, the compiled grammars, the per-row matcher.
 
-- `ResponseFormat` (frozen, hashable): a JSON schema, any JSON object, a regex or a Lark grammar (llguidance's
-  dialect, which also takes ``%json {schema}`` rules). `ResponseFormat.of` accepts the OpenAI-style dicts
+- `ResponseFormat` (frozen, hashable): a JSON schema, any JSON object, a regex or a grammar: Lark (llguidance's
+  dialect, which also takes ``%json {schema}`` rules; told by its ``start:`` rule) or GBNF (llama.cpp's, the EBNF
+  vLLM documents for ``structured_outputs.grammar``; told by ``root ::=``), which llguidance's own ``any_to_lark``
+  converts to Lark. `ResponseFormat.of` accepts the OpenAI-style dicts
   (``{"type": "json_schema", "json_schema": {"schema": ...}}``, ``{"type": "json_object"}``), ``{"type": "regex",
   "regex": ...}``, ``{"type": "grammar", "grammar": ...}``, a bare JSON-schema dict or a Pydantic model class.
   Construction validates the grammar with the library (no tokenizer needed), so a schema it rejects raises
@@ -164,7 +166,14 @@ def _grammar_text(kind: str, source: str) -> str:
             raise GrammarError(f"invalid JSON schema: {exc}") from None
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(source)
-    return llguidance.LLMatcher.grammar_from_lark(source)
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        lark = any_to_lark(source)  # Lark (a ``start:`` rule) stays as it is; GBNF (``root ::= ...``) is converted
+    except Exception as exc:  # noqa: BLE001 - the converter raises its own error types (and bare ones)
+        raise GrammarError(f"the grammar is neither Lark (llguidance's dialect, with a 'start:' rule) nor GBNF "
+                           f"(llama.cpp's / vLLM's EBNF, with a 'root ::=' rule): {exc}") from None
+    return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
 class _Validated:

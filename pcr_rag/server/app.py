@@ -51,6 +51,7 @@ from pcr_rag.requests import GenerationResult, RequestHandle, StreamChunk
 from pcr_rag.runtime.announcements import Ticket
 from pcr_rag.server import openapi as api_components
 from pcr_rag.server.auth import Authenticator, MetricsGuard, Tenant
+from pcr_rag.server.disclosure import disclose
 from pcr_rag.server.errors import APIError, from_engine_error, internal_error
 from pcr_rag.server.metrics import CONTENT_TYPE, ServerMetrics
 from pcr_rag.server.observability import RequestContext
@@ -387,7 +388,8 @@ def create_app(engine: PCREngine, settings: ServerSettings | None = None, *, own
         rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         if req.stream:
-            return SSEResponse(stream_events(handles, req, rid, created), on_close=lambda: state.finished(handles))
+            return disclose(SSEResponse(stream_events(handles, req, rid, created),
+                                        on_close=lambda: state.finished(handles)), req.ignored, request.url.path)
         try:
             results = await results_or_disconnect(request, handles)
         except Exception as exc:  # noqa: BLE001 - failed or cancelled while running
@@ -405,7 +407,8 @@ def create_app(engine: PCREngine, settings: ServerSettings | None = None, *, own
                 body = completion_response(rid, created, state.model_name, results, req.return_token_ids)
             return _json_bytes(body)
 
-        return Response(await state.off_loop(encode), media_type="application/json")
+        return disclose(Response(await state.off_loop(encode), media_type="application/json"), req.ignored,
+                        request.url.path)
 
     async def stream_events(handles: list[RequestHandle], req: GenerationRequest, rid: str,
                             created: int) -> AsyncIterator[bytes]:

@@ -14,11 +14,17 @@ a value the engine refuses is a 400 naming the field. Logprobs: chat takes ``log
 (0 to 20) and answers OpenAI's ``{"content": [...], "refusal": null}``; the legacy completions endpoint takes
 ``logprobs: int`` (the number of alternatives, 0 to 20: the sampled token's logprob plus that many) and answers its
 parallel lists (`chat_logprobs`, `completion_logprobs`). Options with no equivalent here (``logit_bias``, legacy
-``functions``, ...) are rejected when set to anything but their neutral value; fields this server does not know are accepted and ignored (logged at debug level), as vLLM's models
-do (``extra="allow"``). ``response_format`` (both endpoints, as vLLM: ``text``, ``json_object``, ``json_schema``;
-also vLLM-style ``regex`` / ``grammar``) constrains the output with the engine's grammar-constrained decoding
-(`pcr_rag.runtime.grammar`), exactly as the engine's own ``response_format`` (no instruction is added to the
-prompt); a schema the grammar library rejects is a 400 naming ``response_format``.
+``functions``, ...) are rejected when set to anything but their neutral value. A field this server does not know
+(at the top level or inside a message or tool; a null one counts as absent) is accepted, as vLLM's models do
+(``extra="allow"``), and disclosed: the response's ``X-PCR-Ignored-Fields`` header names each one
+(`ignored_fields`) and the server logs one warning line per such request. ``response_format`` (both endpoints, as
+vLLM: ``text``, ``json_object``, ``json_schema``; also vLLM-style ``regex`` / ``grammar``), vLLM's
+``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar`` in GBNF or Lark, ``json_object``;
+`pcr_rag.server.structured_outputs`) and its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+``guided_grammar`` constrain the output with the engine's grammar-constrained decoding (`pcr_rag.runtime.grammar`),
+exactly as the engine's own ``response_format`` (no instruction is added to the prompt); at most one of them per
+request, and a format the grammar library rejects is a 400 naming the field. vLLM's sampling fields ``min_p``,
+``min_tokens`` and ``ignore_eos`` map to `SamplingParams`' own.
 
 ``n`` (1 to ``MAX_CHOICES``): n independent requests of the same prompt; choice ``i`` samples with the seed
 ``seed + i`` (wrapped into the signed 64-bit range), so it equals a single request sent with that seed, whoever else
@@ -78,6 +84,7 @@ from pcr_rag.requests import (
 )
 from pcr_rag.runtime.grammar import ResponseFormat
 from pcr_rag.server.errors import APIError
+from pcr_rag.server.structured_outputs import LEGACY_FIELDS, structured_outputs_format
 from pcr_rag.server.tools import AnswerMessage
 from pcr_rag.structured import (
     NONE,
@@ -100,6 +107,7 @@ __all__ = [
     "TokenizeRequest",
     "chat_chunk",
     "chat_response",
+    "ignored_fields",
     "completion_chunk",
     "completion_response",
     "parse_body",
@@ -298,6 +306,18 @@ class _Generation(_Body):
         description="vLLM extension: the logits of the prompt's and the answer's tokens divided by it (1 = off)")
     response_format: dict[str, Any] | None = Field(
         None, description="{'type': 'text' | 'json_object' | 'json_schema' | 'regex' | 'grammar', ...}")
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM extension: exactly one of {'json': schema, 'regex': str, 'choice': [str], 'grammar': "
+                          "GBNF or Lark, 'json_object': true}")
+    guided_json: dict[str, Any] | str | None = Field(None, description="older vLLM: structured_outputs.json")
+    guided_regex: str | None = Field(None, description="older vLLM: structured_outputs.regex")
+    guided_choice: list[str] | None = Field(None, description="older vLLM: structured_outputs.choice")
+    guided_grammar: str | None = Field(None, description="older vLLM: structured_outputs.grammar")
+    min_p: float | None = Field(None, ge=0, le=1, description="vLLM extension: when sampling, drop tokens less "
+                                                             "likely than min_p times the most likely")
+    min_tokens: int | None = Field(None, ge=0, description="vLLM extension: no end of sequence or stop string "
+                                                          "before this many tokens")
+    ignore_eos: bool | None = Field(None, description="vLLM extension: go on past the end-of-sequence token")
 
     @field_validator("documents", mode="before")
     @classmethod
@@ -408,6 +428,7 @@ class GenerationRequest:
     prompt_chars: int = 0
     n: int = 1
     tools: tuple[ToolSpec, ...] = ()  # what an answer may call (empty: plain text, e.g. tool_choice "none")
+    ignored: tuple[str, ...] = ()  # the body's fields this server does not know (`ignored_fields`)
 
     def choice_params(self, index: int) -> SamplingParams:
         """Choice ``index``'s sampling: the request's, with the seed ``seed + index`` wrapped into the signed
@@ -429,9 +450,30 @@ def parse_body(raw: bytes, model: type[M]) -> M:
         parsed = model.model_validate_json(raw)
     except ValidationError as exc:
         raise _api_error(exc) from None
-    if parsed.model_extra:
-        log.debug("%s: ignoring unknown fields %s", model.__name__, sorted(parsed.model_extra)[:20])
     return parsed
+
+
+def ignored_fields(body: BaseModel, limit: int = 20) -> tuple[str, ...]:
+    """The fields of ``body`` that no model declares, as paths (``foo``, ``messages[1].refusal``), at most
+    ``limit`` of them; a null one counts as absent (OpenAI clients send ``"refusal": null`` and the like).
+    Each name is the client's text: `pcr_rag.server.app` shows only the header-safe ones."""
+    out: list[str] = []
+
+    def walk(value: Any, path: str) -> None:
+        if len(out) >= limit:
+            return
+        if isinstance(value, BaseModel):
+            for name, extra in (value.model_extra or {}).items():
+                if extra is not None and len(out) < limit:
+                    out.append(f"{path}.{name}" if path else name)
+            for name in type(value).model_fields:
+                walk(getattr(value, name), f"{path}.{name}" if path else name)
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                walk(item, f"{path}[{i}]")
+
+    walk(body, "")
+    return tuple(out)
 
 
 def parse_chat_request(raw: bytes, tokenizer: Any, limits: RequestLimits = DEFAULT_LIMITS,
@@ -449,14 +491,14 @@ def parse_chat_request(raw: bytes, tokenizer: Any, limits: RequestLimits = DEFAU
     if body.tools:
         _bounded(limits.check_tools, _json_bytes([t.model_dump() for t in body.tools]), "tools")
     max_tokens = _max_tokens(body, "max_tokens", "max_completion_tokens")
-    response_format = _response_format(body.response_format)
+    response_format, format_param = _output_format(body)
     docs = request_documents(body.documents, body.scopes)
     turns = chat_turns(body.messages, tokenizer)
     if not any(t["content"].strip() for t in turns):
         raise APIError.bad_request("all messages are empty; send a non-empty question", param="messages")
     tools, choice = _tools(body)
     if tools and response_format is not None:
-        raise APIError.bad_request("send either 'tools' or 'response_format', not both", param="response_format")
+        raise APIError.bad_request(f"send either 'tools' or '{format_param}', not both", param=format_param)
     try:
         turns, tool_format = with_tools(turns, tools, choice, tokenizer)
     except InvalidRequestError as exc:  # a parameters schema the grammar library rejects
@@ -491,7 +533,7 @@ def parse_completion_request(raw: bytes, limits: RequestLimits = DEFAULT_LIMITS,
         raise APIError.bad_request("'system' needs 'chat_template': true (a raw prompt has no system turn); "
                                    "put the system text into the prompt instead", param="system")
     max_tokens = _max_tokens(body, "max_tokens")
-    response_format = _response_format(body.response_format)
+    response_format, _ = _output_format(body)
     docs = request_documents(body.documents, body.scopes)
     chars = len(text.strip()) + len((body.system or "").strip())
     try:
@@ -598,12 +640,13 @@ def _request(kind: Literal["chat", "completion"], body: _Generation, prompt: Cha
         params = SamplingParams.from_kwargs(
             max_tokens=max_tokens, temperature=temperature, top_p=body.top_p, stop=stop or None, seed=body.seed,
             response_format=response_format, top_k=body.top_k, repetition_penalty=body.repetition_penalty,
-            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, **(logprobs or {}))
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, min_p=body.min_p,
+            min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, **(logprobs or {}))
     except InvalidRequestError as exc:  # the models' bounds come first; what is left is the engine's word
         raise APIError.bad_request(str(exc), param=_sampling_param(str(exc), kind)) from None
     return GenerationRequest(kind=kind, model=body.model, prompt=prompt, params=params, stream=stream,
                              include_usage=include_usage, return_token_ids=bool(body.return_token_ids),
-                             prompt_chars=chars, n=n, tools=tools)
+                             prompt_chars=chars, n=n, tools=tools, ignored=ignored_fields(body))
 
 
 def _sampling_param(message: str, kind: Literal["chat", "completion"]) -> str | None:
@@ -653,9 +696,33 @@ def _check_bounds(body: _Generation, limits: RequestLimits) -> None:
     if body.stop is not None:
         stops = [body.stop] if isinstance(body.stop, str) else [s for s in body.stop if s]
         _bounded(limits.check_stop, stops, "stop")
-    if body.response_format is not None:
-        _bounded(limits.check_format, json.dumps(body.response_format, separators=(",", ":"), ensure_ascii=False),
-                 "response_format")
+    for name in ("response_format", "structured_outputs", *LEGACY_FIELDS):
+        if getattr(body, name) is not None:
+            _bounded(limits.check_format, json.dumps(getattr(body, name), separators=(",", ":"),
+                                                     ensure_ascii=False), name)
+
+
+def _output_format(body: _Generation) -> tuple[ResponseFormat | None, str]:
+    """The request's output constraint and the field that gave it: ``response_format``, ``structured_outputs`` or
+    one of the older ``guided_*`` fields (at most one of them; a 400 naming the field for two, or for a format the
+    grammar library rejects)."""
+    given = [name for name in ("response_format", "structured_outputs", *LEGACY_FIELDS)
+             if getattr(body, name) is not None
+             and not (name == "response_format" and body.response_format.get("type") == "text")]
+    if len(given) > 1:
+        raise APIError.bad_request(f"send one of {', '.join(given)}: each constrains the whole output",
+                                   param=given[1])
+    if not given:
+        return None, "response_format"
+    (name,) = given
+    if name == "response_format":
+        return _response_format(body.response_format), name
+    try:
+        if name == "structured_outputs":
+            return structured_outputs_format(body.structured_outputs), name
+        return structured_outputs_format({LEGACY_FIELDS[name]: getattr(body, name)}), name
+    except InvalidRequestError as exc:
+        raise APIError.bad_request(f"{name}: {exc}", param=name) from None
 
 
 def _response_format(fmt: dict[str, Any] | None) -> ResponseFormat | None:
