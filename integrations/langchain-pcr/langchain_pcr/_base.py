@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, model
 
 from langchain_pcr._common import PROVIDER, EngineHolder, RequestDocuments, model_display_name
 from langchain_pcr._remote import engine_holder
+from langchain_pcr._tracing import run_span
 from langchain_pcr.callbacks import resolve_documents
 from pcr_rag.requests import GenerationResult, Prompt, RequestHandle, SamplingParams, StreamChunk
 
@@ -128,7 +129,8 @@ class PCRModelParams(BaseModel):
         params = SamplingParams.from_kwargs(defaults, stop=stop, **kwargs)
         engine = self._holder.get()
         docs = resolve_documents(engine, text, run_manager, explicit)
-        return ModelCall(engine, engine.submit(make_prompt(docs.documents), params, timeout=timeout), docs)
+        with run_span(getattr(run_manager, "run_id", None)):  # an OpenInference trace: the request under its model
+            return ModelCall(engine, engine.submit(make_prompt(docs.documents), params, timeout=timeout), docs)
 
     def _text_chunk(self, text: str) -> Any:
         raise NotImplementedError

@@ -33,6 +33,7 @@ from langchain_core.documents import Document
 from langchain_core.tracers.context import register_configure_hook
 
 from langchain_pcr._common import RequestDocuments, announce_targets
+from langchain_pcr._tracing import run_span
 from pcr_rag.handoff import SCOPE_METADATA_KEY, Announcement, scope_of
 from pcr_rag.prompt import Doc
 
@@ -164,7 +165,8 @@ class PCRRetrievalCallback(BaseCallbackHandler):
             ancestors = tuple(self._ancestors(parent_run_id))
         try:
             if texts:
-                self._announce(texts, query, run_id, ancestors, scopes)
+                with run_span(run_id, parent_run_id):  # an OpenInference trace: the announcement under its retriever
+                    self._announce(texts, query, run_id, ancestors, scopes)
         except Exception:  # a failed announce only costs the prefetch, never the chain
             logger.exception("announcing retrieved documents to the PCR engine failed")
         finally:
