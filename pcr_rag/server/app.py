@@ -18,8 +18,10 @@ id; the log holds the traceback under that id, the body never holds exception te
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE with ``stream: true``), ``GET /v1/models``,
 ``POST /v1/pcr/announce`` (a retrieval's documents enter the prefetch window; returns a ticket),
-``DELETE /v1/pcr/announce/{ticket}`` (withdraw it), ``POST /tokenize``, ``GET /metrics`` (its own key,
-`MetricsGuard`), ``GET /health`` (no key), ``GET /openapi.json`` (the API's schema).
+``DELETE /v1/pcr/announce/{ticket}`` (withdraw it), vLLM's ``POST /tokenize`` (a prompt, or chat ``messages``
+rendered with the chat template), ``POST /detokenize`` and ``GET /version``, ``GET /metrics`` (its own key,
+`MetricsGuard`), ``GET /health`` (no key), ``GET /openapi.json`` (the API's schema). Unknown request fields are
+named in an ``X-PCR-Ignored-Fields`` header (`pcr_rag.server.disclosure`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pcr_rag import __version__
 from pcr_rag.engine import PCREngine
 from pcr_rag.errors import EngineClosedError, RequestCancelledError
 from pcr_rag.requests import GenerationResult, RequestHandle, StreamChunk
@@ -60,16 +63,20 @@ from pcr_rag.server.schemas import (
     AnnounceRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     GenerationRequest,
     TokenizeRequest,
     chat_chunk,
     chat_response,
+    check_token_ids,
     completion_chunk,
     completion_response,
+    ignored_fields,
     parse_body,
     parse_chat_request,
     parse_completion_request,
     request_documents,
+    tokenize_text,
     usage_body,
 )
 from pcr_rag.server.settings import ServerSettings
@@ -350,17 +357,37 @@ def create_app(engine: PCREngine, settings: ServerSettings | None = None, *, own
         withdrawn = state.withdraw_ticket(who.namespace, ticket_id)
         return JSONResponse({"id": ticket_id, "object": "pcr.announcement", "withdrawn": withdrawn})
 
-    def do_tokenize(raw: bytes) -> list[int]:
+    def do_tokenize(raw: bytes) -> tuple[dict[str, Any], tuple[str, ...]]:
         body = parse_body(raw, TokenizeRequest)
         state.check_model(body.model)
-        state.check_chars(len(body.prompt.strip()), "prompt")
-        return list(engine.tokenizer(body.prompt, add_special_tokens=False)["input_ids"])
+        text, chars = tokenize_text(body, engine.builder.render_messages, engine.tokenizer)
+        state.check_chars(chars, "prompt" if body.prompt is not None else "messages")
+        ids = list(engine.tokenizer(text, add_special_tokens=bool(body.add_special_tokens))["input_ids"])
+        strs = engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return ({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs},
+                ignored_fields(body))
 
     @app.post("/tokenize", openapi_extra=api_components.body(TokenizeRequest),
               response_model=api_components.Tokens, responses=_errors(400, 401, 404, 408, 413, 500))
-    async def tokenize(request: Request, who: Tenant = Depends(tenant)) -> JSONResponse:
-        ids = await state.off_loop(do_tokenize, await read_body(request, settings.max_body_bytes))
-        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
+    async def tokenize(request: Request, who: Tenant = Depends(tenant)) -> Response:
+        answer, ignored = await state.off_loop(do_tokenize, await read_body(request, settings.max_body_bytes))
+        return disclose(JSONResponse(answer), ignored, request.url.path)
+
+    def do_detokenize(raw: bytes) -> tuple[dict[str, Any], tuple[str, ...]]:
+        body = parse_body(raw, DetokenizeRequest)
+        state.check_model(body.model)
+        check_token_ids(body.tokens, len(engine.tokenizer), engine.max_model_len)
+        return {"prompt": engine.tokenizer.decode(body.tokens)}, ignored_fields(body)
+
+    @app.post("/detokenize", openapi_extra=api_components.body(DetokenizeRequest),
+              response_model=api_components.Detokenized, responses=_errors(400, 401, 404, 408, 413, 500))
+    async def detokenize(request: Request, who: Tenant = Depends(tenant)) -> Response:
+        answer, ignored = await state.off_loop(do_detokenize, await read_body(request, settings.max_body_bytes))
+        return disclose(JSONResponse(answer), ignored, request.url.path)
+
+    @app.get("/version", response_model=api_components.Version, responses=_errors(401))
+    async def version(who: Tenant = Depends(tenant)) -> JSONResponse:
+        return JSONResponse({"version": __version__})
 
     def openapi_schema() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -13,13 +13,19 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from pcr_rag.server.schemas import AnnounceRequest, ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from pcr_rag.server.schemas import (
+    AnnounceRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 
 __all__ = ["API_VERSION", "add_request_schemas", "body", "generation_ok"]
 
 API_VERSION = "1.0"
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest, AnnounceRequest,
-                                               TokenizeRequest)
+                                               TokenizeRequest, DetokenizeRequest)
 _REF = "#/components/schemas/{model}"
 
 
@@ -161,9 +167,24 @@ class Withdrawal(_Open):
 
 
 class Tokens(_Open):
-    tokens: list[int]
+    """vLLM's tokenize response."""
+
     count: int
     max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class Detokenized(_Open):
+    """vLLM's detokenize response."""
+
+    prompt: str
+
+
+class Version(_Open):
+    """vLLM's version response: here pcr-rag's version."""
+
+    version: str
 
 
 def body(model: type[BaseModel]) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """OpenAI request bodies as pydantic models, their parsing, and the response bodies, for `/v1/chat/completions`,
-`/v1/completions`, `/v1/pcr/announce` and `/tokenize`.
+`/v1/completions`, `/v1/pcr/announce`, `/tokenize` and `/detokenize`.
 
-The request models (`ChatCompletionRequest`, `CompletionRequest`, `AnnounceRequest`, `TokenizeRequest`) carry the
-OpenAI field names and bounds and are the API's published schema (``/openapi.json``). Parsing (`parse_chat_request`,
+The request models (`ChatCompletionRequest`, `CompletionRequest`, `AnnounceRequest`, `TokenizeRequest`,
+`DetokenizeRequest`) carry the OpenAI (and vLLM) field names and bounds and are the API's published schema
+(``/openapi.json``). Parsing (`parse_chat_request`,
 `parse_completion_request`, `parse_body`) validates the raw body with pydantic's JSON parser (strict types: ``n``,
 ``max_tokens`` and ``seed`` are integers, not booleans or floats; nesting deeper than the parser's limit is a
 400, not a crash) and turns it into a `GenerationRequest` (an engine prompt plus `SamplingParams`), or raises an
@@ -102,17 +103,20 @@ __all__ = [
     "AnnounceRequest",
     "ChatCompletionRequest",
     "CompletionRequest",
+    "DetokenizeRequest",
     "GenerationRequest",
     "MAX_CHOICES",
     "TokenizeRequest",
     "chat_chunk",
     "chat_response",
+    "check_token_ids",
     "ignored_fields",
     "completion_chunk",
     "completion_response",
     "parse_body",
     "parse_chat_request",
     "parse_completion_request",
+    "tokenize_text",
     "usage_body",
 ]
 
@@ -406,9 +410,33 @@ class AnnounceRequest(_Body):
 
 
 class TokenizeRequest(_Body):
-    """``POST /tokenize``."""
+    """``POST /tokenize`` (vLLM's shape): a ``prompt`` tokenized as the completions endpoint tokenizes it, or chat
+    ``messages`` rendered with the chat template first, as /v1/chat/completions renders them (generation prompt
+    appended, ``chat_template_kwargs`` over the server's)."""
 
-    prompt: str
+    prompt: str | None = Field(None, description="a raw prompt (send this or messages)")
+    messages: list[ChatMessage] | None = Field(None, description="a conversation, rendered with the chat template")
+    model: str | None = None
+    add_special_tokens: bool | None = Field(None, description="add the tokenizer's special tokens (e.g. BOS); "
+                                                              "default false: the tokens the engine runs")
+    add_generation_prompt: bool | None = Field(None, description="messages only: must be true (the default): the "
+                                                                 "engine always appends the generation prompt")
+    continue_final_message: bool | None = Field(None, description="messages only: must be false (the default)")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="messages only: template variables")
+    return_token_strs: bool | None = Field(None, description="also return each token's string")
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _message_list(cls, value: Any) -> Any:
+        if value is not None and (not isinstance(value, list) or not value):
+            raise ValueError("'messages' must be a non-empty list of {'role', 'content'} objects")
+        return value
+
+
+class DetokenizeRequest(_Body):
+    """``POST /detokenize`` (vLLM's shape): token ids back to text."""
+
+    tokens: list[int] = Field(description="token ids of this server's tokenizer")
     model: str | None = None
 
 
@@ -543,6 +571,45 @@ def parse_completion_request(raw: bytes, limits: RequestLimits = DEFAULT_LIMITS,
     # legacy semantics: logprobs=n returns the sampled token's logprob and the n most likely alternatives
     logprobs = {} if body.logprobs is None else {"logprobs": True, "top_logprobs": body.logprobs}
     return _request("completion", body, prompt, max_tokens, chars, response_format, logprobs=logprobs)
+
+
+def tokenize_text(body: TokenizeRequest, render: Callable[[list[dict[str, Any]], dict[str, Any] | None], str],
+                  tokenizer: Any) -> tuple[str, int]:
+    """The text `/tokenize` tokenizes and its characters (the prompt's, or the messages' contents, stripped and
+    summed): a ``prompt`` as it is, ``messages`` through ``render`` (the engine's chat rendering, with the
+    request's ``chat_template_kwargs``); a 400 naming the field for what cannot be honoured."""
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError.bad_request("send either 'prompt' or 'messages'", param="prompt")
+    if body.prompt is not None:
+        for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs"):
+            if getattr(body, name) is not None:
+                raise APIError.bad_request(f"'{name}' applies to 'messages' only", param=name)
+        return body.prompt, len(body.prompt.strip())
+    if body.add_generation_prompt is False:
+        raise APIError.bad_request("add_generation_prompt=false is not supported: the engine always renders the "
+                                   "generation prompt after the messages", param="add_generation_prompt")
+    if body.continue_final_message:
+        raise APIError.bad_request("continue_final_message is not supported: the engine answers after the last "
+                                   "message", param="continue_final_message")
+    assert body.messages is not None
+    turns = chat_turns(body.messages, tokenizer)
+    try:
+        kwargs = check_template_kwargs(body.chat_template_kwargs) if body.chat_template_kwargs else None
+        return render(turns, kwargs), sum(len(t["content"].strip()) for t in turns)
+    except InvalidRequestError as exc:
+        param = "chat_template_kwargs" if "chat_template_kwargs" in str(exc) else "messages"
+        raise APIError.bad_request(str(exc), param=param) from None
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, max_tokens: int) -> None:
+    """A 400 naming ``tokens`` for more than ``max_tokens`` ids or an id outside ``[0, vocab_size)``."""
+    if len(ids) > max_tokens:
+        raise APIError.bad_request(f"{len(ids)} tokens are more than this server's max_model_len ({max_tokens}); "
+                                   f"send fewer", param="tokens")
+    bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError.bad_request(f"tokens[{bad}]={ids[bad]} is not a token id of this model (0 to "
+                                   f"{vocab_size - 1})", param="tokens")
 
 
 def request_documents(documents: list[str | DocumentIn] | None, scopes: list[str | None] | None) -> tuple[Doc, ...]:
