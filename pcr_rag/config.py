@@ -102,6 +102,10 @@ class EngineConfig(RemoteFields):  # type: ignore[misc,valid-type]
         chunk_size: tokens per cached chunk; every document is cut into chunks of this size on its own.
         dram_capacity / ssd_capacity / device_capacity: tier budgets in bytes (or "2GiB"-style strings).
             ssd_capacity=0 disables the SSD tier; device_capacity is used only on CUDA.
+        tenant_dram_quota / tenant_ssd_quota: per-tenant quotas of the DRAM and SSD tiers (bytes or "1GiB"; None =
+            none). A chunk counts against the tenant (request namespace) whose request computed it; a tenant at its
+            quota evicts only its own chunks, and with a capacity of at least the quota times the tenants holding
+            bytes there, no tenant's insert evicts another's (`pcr_rag.cache.residency`).
         device: "auto" (CUDA if available), "cpu", "cuda", "cuda:N".
         dtype: "auto" (bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16/AMX), else float32), a string
             or a torch dtype. Also the KV dtype.
@@ -209,6 +213,8 @@ class EngineConfig(RemoteFields):  # type: ignore[misc,valid-type]
     dram_capacity: int | str = "2GiB"
     ssd_capacity: int | str = "16GiB"
     device_capacity: int | str = 0
+    tenant_dram_quota: int | str | None = None
+    tenant_ssd_quota: int | str | None = None
     device: str = "auto"
     dtype: Any = "auto"
     prefetch_window: int = 6
@@ -264,6 +270,19 @@ class EngineConfig(RemoteFields):  # type: ignore[misc,valid-type]
                 raise ConfigError(f"{name}: {exc}; use bytes as an int or a string like '2GiB'") from exc
             if value < 0:
                 raise ConfigError(f"{name} must be >= 0 bytes, got {value}")
+            setattr(self, name, value)
+        for name in ("tenant_dram_quota", "tenant_ssd_quota"):
+            raw = getattr(self, name)
+            if raw is None:
+                continue
+            try:
+                if isinstance(raw, bool):
+                    raise TypeError("a bool is not a size")
+                value = parse_bytes(raw)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"{name}: {exc}; use bytes as an int, a string like '1GiB', or None") from exc
+            if value <= 0:
+                raise ConfigError(f"{name} must be > 0 bytes or None (no quota), got {raw!r}")
             setattr(self, name, value)
         _check_int("prefetch_window", self.prefetch_window, minimum=0)
         if self.eviction not in ("lookahead-lru", "lru"):

@@ -167,6 +167,8 @@ class PCREngine:
                 cache_dir=config.cache_dir if config.ssd_capacity > 0 else None,
                 device=str(self.device),
                 device_bytes=config.device_capacity,
+                tenant_dram_bytes=config.tenant_dram_quota,
+                tenant_ssd_bytes=config.tenant_ssd_quota,
                 policy=config.eviction,
                 io_workers=config.io_workers,
                 remote=remote_with_layout(config.remote_config, self.loaded.kv),
@@ -291,7 +293,7 @@ class PCREngine:
         req = Request(
             request_id=request_id, token_ids=seg.token_ids, plan=plan, params=params,
             submitted_at=time.perf_counter(), on_token=channel.put, documents_found=seg.documents_found,
-            constraint=constraint, log_id=logs.request_id() or f"req-{request_id}", trace=trace,
+            constraint=constraint, log_id=logs.request_id() or f"req-{request_id}", trace=trace, tenant=root,
         )
         req.ssd_keys_at_entry = self._ssd_keys(req.keys) | (ticket.ssd_keys_at_entry if ticket else frozenset())
         req.metrics.announced = ticket is not None

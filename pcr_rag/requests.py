@@ -491,6 +491,7 @@ class Request:
     constraint: TokenConstraint | None = None
     log_id: str = ""  # the id its log lines carry (`pcr_rag.logs`): the server's request id, else "req-<request_id>"
     trace: RequestTrace | None = None  # its spans' parent and the times they need; None when tracing is off
+    tenant: bytes = b""  # whom the chunks it computes are charged to: its namespace's root (`PCREngine.root_for`)
 
     @property
     def keys(self) -> list[bytes]:

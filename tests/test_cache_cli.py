@@ -224,7 +224,7 @@ def test_verify_with_the_secret_catches_a_forgery_that_checksums_pass(tmp_path, 
     layer = header.shape[0] - 1
     at = header.data_offset + layer * header.layer_nbytes
     raw[at] ^= 0x01
-    core_len = _FIXED.size + 8 * len(header.shape)
+    core_len = len(header.core)  # the fixed header, the shape and the owner: the layer checksums follow
     struct.pack_into("<Q", raw, core_len + 8 * layer,
                      xxhash.xxh3_64_intdigest(bytes(raw[at: at + header.layer_nbytes])))
     hlen = _FIXED.unpack_from(raw, 0)[3]

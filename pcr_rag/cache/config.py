@@ -242,6 +242,10 @@ class CacheConfig:
     - ``ssd_secret``: when set (>= 16 characters), SSD chunk files are sealed and encrypted (AES-GCM per layer,
       keys derived from it): the cache directory holds no KV in the clear and a file written without the secret
       is dropped as forged.
+    - ``tenant_dram_bytes`` / ``tenant_ssd_bytes``: per-tenant quotas (bytes or e.g. ``"1GiB"``; None = none) of
+      the DRAM and SSD tiers: a chunk counts against the tenant whose request computed it, and a tenant at its
+      quota makes room by evicting its own chunks only, so one tenant cannot evict another's working set (the
+      rules and their guarantee: ``cache.residency``).
     """
 
     chunk_size: int = 256
@@ -259,6 +263,8 @@ class CacheConfig:
     writeback_wait_s: float = 10.0
     remote: RemoteConfig | None = None
     ssd_secret: str | None = field(default=None, repr=False)
+    tenant_dram_bytes: int | str | None = None
+    tenant_ssd_bytes: int | str | None = None
 
     def __post_init__(self) -> None:
         if self.ssd_secret is not None:
@@ -266,6 +272,13 @@ class CacheConfig:
         self.dram_bytes = parse_bytes(self.dram_bytes)
         self.ssd_bytes = parse_bytes(self.ssd_bytes)
         self.device_bytes = parse_bytes(self.device_bytes)
+        for name in ("tenant_dram_bytes", "tenant_ssd_bytes"):
+            value = getattr(self, name)
+            if value is not None:
+                value = parse_bytes(value)
+                if value <= 0:
+                    raise ValueError(f"{name} must be > 0 bytes or None (no quota), got {getattr(self, name)!r}")
+                setattr(self, name, value)
         if self.chunk_size <= 0:
             raise ValueError(f"chunk_size must be > 0 tokens, got {self.chunk_size}")
         if self.policy not in POLICIES:

@@ -20,7 +20,7 @@ from pcr_rag.cache.buffer_pool import BufferPool
 from pcr_rag.cache.clock import Clock, MonotonicClock
 from pcr_rag.cache.config import CacheConfig
 from pcr_rag.cache.engine_lock import EngineLock
-from pcr_rag.cache.keys import ChunkSpec, tokens_digest
+from pcr_rag.cache.keys import KEY_BYTES, ChunkSpec, tokens_digest
 from pcr_rag.cache.lease import ChunkLayerReader, Lease, MatchResult
 from pcr_rag.cache.loader import Loader
 from pcr_rag.cache.node import CacheNode, fastest_tier
@@ -32,7 +32,7 @@ from pcr_rag.cache.residency import ResidencyIndex
 from pcr_rag.cache.stats import CacheStats
 from pcr_rag.cache.storage import StorageBackend
 from pcr_rag.cache.tiers import MemoryTier, build_tiers
-from pcr_rag.cache.tiers.base import ChunkRecord, KVTier, Tier, TierKind, tier_bit
+from pcr_rag.cache.tiers.base import UNATTRIBUTED, ChunkRecord, KVTier, Tier, TierKind, tier_bit
 from pcr_rag.cache.writeback import WriteBack
 
 __all__ = ["CacheEngine", "Lease", "MatchResult"]
@@ -57,7 +57,8 @@ class CacheEngine:
         self._memory_bits = sum(tier_bit(t.tier) for t in self._memory)
         # the write-back target: local storage (SSD); the shared remote tier is written through by RemoteReuse
         self._storage = next((t for t in self._tiers if t.kind is TierKind.STORAGE and not t.shared), None)
-        self._index = ResidencyIndex(self._tiers, make_policy(config.policy), self.clock, self._stats)
+        self._index = ResidencyIndex(self._tiers, make_policy(config.policy), self.clock, self._stats,
+                                     quotas={Tier.DRAM: config.tenant_dram_bytes, Tier.SSD: config.tenant_ssd_bytes})
         try:
             recover(self._tiers, self._index, self._sync)
         except BaseException:
@@ -242,7 +243,8 @@ class CacheEngine:
         return self._loader.load_async(keys)
 
     # ================================================================== insert
-    def insert(self, spec: ChunkSpec, payload: Payload, *, tokens: Sequence[int] | None = None) -> bool:
+    def insert(self, spec: ChunkSpec, payload: Payload, *, tokens: Sequence[int] | None = None,
+               tenant: bytes = UNATTRIBUTED) -> bool:
         """Store a chunk in the memory tiers and queue its write-back; written through to SSD instead when no
         memory tier can make room.
 
@@ -251,14 +253,18 @@ class CacheEngine:
         parent is gone. Inserting a key already cached only touches it (and brings it back into DRAM if it was
         only in storage). ``tokens`` (the chunk's token ids) enable the supersede rule: a partial chunk keeps a
         digest of its tokens, and inserting a full chunk whose tokens start with them drops that partial leaf
-        sibling (or, if it is in use, moves it to the front of the eviction order)."""
+        sibling (or, if it is in use, moves it to the front of the eviction order). ``tenant``: whom the chunk's
+        bytes are charged to if this insert stores it (the request's tenant: `PCREngine.root_for` of its
+        namespace), for the per-tenant quotas (``cache.residency``); an insert of a cached key charges nobody."""
         payload = validate_payload(payload, spec.num_tokens)
+        if tenant and len(tenant) != KEY_BYTES:
+            raise ValueError(f"tenant must be a {KEY_BYTES}-byte root key or b'' (none), got {len(tenant)} bytes")
         if tokens is not None and len(tokens) != spec.num_tokens:
             raise ValueError(f"tokens has {len(tokens)} ids but the chunk spans {spec.num_tokens} tokens")
         digest = tokens_digest(tokens) if (tokens is not None and spec.partial) else None
         virtual = isinstance(payload, VirtualPayload)
         # positional (the insert hot path): key, parent_key, parent_is_root, num_tokens, partial, tokens_digest,
-        # nbytes, num_layers, virtual
+        # nbytes, num_layers, virtual, charged_bytes, tenant
         chunk = ChunkRecord(
             spec.key,
             spec.parent,
@@ -269,6 +275,8 @@ class CacheEngine:
             int(payload.nbytes),
             payload_num_layers(payload),
             virtual,
+            0,
+            tenant,
         )
         placed = [(t, t.place(payload)) for t in self._memory]
         index = self._index
@@ -297,14 +305,14 @@ class CacheEngine:
                 )
             try:
                 reserved = [
-                    (t, copy) for t, copy in placed if self._writeback.make_room(t.tier, t.charge(chunk))
+                    (t, copy) for t, copy in placed if self._writeback.make_room(t.tier, t.charge(chunk), tenant)
                 ]
                 existing = index.get(spec.key)  # re-check: the lock may have been released for room
                 parent_gone = parent is not None and parent.removed
                 written_elsewhere = spec.key in self._writeback.writing_through
                 if existing is not None or written_elsewhere or parent_gone or not reserved:
                     for t, _ in reserved:
-                        index.release(t.tier, t.charge(chunk))
+                        index.release(t.tier, t.charge(chunk), tenant)
                 if existing is not None:
                     index.touch(existing)
                 if existing is not None or written_elsewhere:
@@ -392,7 +400,14 @@ class CacheEngine:
                 st.bytes_high_water[t.value] = b.high_water
                 st.capacity_bytes[t.value] = b.capacity
                 st.chunks[t.value] = b.chunks
+                st.tenants[t.value] = len(b.by_tenant)
             return st
+
+    def tenant_bytes(self, tier: Tier) -> dict[bytes, int]:
+        """Bytes charged to each tenant in ``tier`` now (stored and reserved; `UNATTRIBUTED` for chunks of no
+        known tenant); the quotas bound these."""
+        with self._lock:
+            return dict(self._index.budgets[Tier(tier)].by_tenant)
 
     def check_invariants(self) -> None:
         """Assert every structural and accounting invariant (tests; O(nodes)). With transfers in flight the byte

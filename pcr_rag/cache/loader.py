@@ -256,7 +256,7 @@ class Loader:
                         or source is None
                         or bool(node.resident_mask & self._memory_bits)
                     )
-                    if not skip and not self._writeback.make_room(Tier.DRAM, self._dram.charge(node)):
+                    if not skip and not self._writeback.make_room(Tier.DRAM, self._dram.charge(node), node.tenant):
                         self._stats.load_failures += 1
                         skip = True
                     if skip:
@@ -270,19 +270,19 @@ class Loader:
                     payload = self._dram.place(self.read_verified(node, source, lambda: store.read(node)))  # noqa: B023
                 except CorruptChunkError:
                     with self._sync.lock:
-                        index.release(Tier.DRAM, self._dram.charge(node))
+                        index.release(Tier.DRAM, self._dram.charge(node), node.tenant)
                         self._stats.load_failures += 1
                         self._done_locked(node, done)
                     _resolve(done)
                     continue
                 except BaseException:
                     with self._sync.lock:
-                        index.release(Tier.DRAM, self._dram.charge(node))
+                        index.release(Tier.DRAM, self._dram.charge(node), node.tenant)
                     raise
                 write_back = False
                 with self._sync.lock:
                     if node.removed or node.resident_mask & self._dram_bit:
-                        index.release(Tier.DRAM, self._dram.charge(node))
+                        index.release(Tier.DRAM, self._dram.charge(node), node.tenant)
                     else:
                         self._dram.store(node, payload)
                         index.mark_resident(node, Tier.DRAM)

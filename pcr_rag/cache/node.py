@@ -11,6 +11,9 @@ Fields (all mutated under the engine lock):
 - ``pins``: leases, loads and reads using the node now: no copy of it is dropped by eviction.
 - ``tree_holds``: internal holds that keep the node in the tree (its copies may still be demoted).
 - ``writeback``: where its write-back to the storage tier stands; ``removed``: it has left the tree.
+- ``tenant``: whom its bytes are charged to in every tier but the shared remote store: the tenant whose request
+  computed it (the first to insert it, shared-scope chunks included; later users do not change it), or
+  ``UNATTRIBUTED``. Per-tenant quotas (``ResidencyIndex``) count and evict by it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 from enum import Enum
 
 from pcr_rag.cache.prefix_tree import Node
-from pcr_rag.cache.tiers.base import TIER_ORDER, Tier, tier_bit
+from pcr_rag.cache.tiers.base import TIER_ORDER, UNATTRIBUTED, Tier, tier_bit
 
 __all__ = [
     "CHILD_COUNT_BITS",
@@ -81,6 +84,7 @@ class CacheNode(Node):
         "tree_holds",
         "writeback",
         "removed",
+        "tenant",
     )
 
     def __init__(self, key: bytes, parent: Node, num_tokens: int) -> None:
@@ -98,6 +102,7 @@ class CacheNode(Node):
         self.tree_holds = 0
         self.writeback = WriteBackState.NOT_NEEDED
         self.removed = False
+        self.tenant = UNATTRIBUTED
 
     @property
     def parent_key(self) -> bytes:

@@ -2,7 +2,8 @@
 
 Each tier's ``recover`` lists its valid copies, oldest write first, after deleting the ones that fail
 verification. Nodes are rebuilt parents first (a chunk whose parent is missing is an orphan: its copy is deleted
-and counted), stamped least recently used in write order, and the tier is trimmed to its budget by policy.
+and counted), charged to the tenant the copy records (``ChunkRecord.tenant``), stamped least recently used in write
+order, and the tier is trimmed to each tenant's quota (own leaves first) and then to its budget by policy.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def restore(index: ResidencyIndex, tier: Tier, chunks: Sequence[ChunkRecord]) ->
             if c.key in added:
                 continue
             node = index.add_node(c)
-            budget.used += c.charged_bytes  # trimmed below if the tier holds more than its budget
+            budget.take(c.charged_bytes, c.tenant)  # trimmed below if the tier holds more than its budget
             index.mark_resident(node, tier)
             added[c.key] = node
             next_frontier.extend(by_parent.get(c.key, ()))
@@ -44,6 +45,7 @@ def restore(index: ResidencyIndex, tier: Tier, chunks: Sequence[ChunkRecord]) ->
         node = added.get(c.key)
         if node is not None:
             index.touch(node)
+    index.trim_to_quota(tier)
     if budget.used > budget.capacity:
         index.evict(tier, budget.used - budget.capacity)
     budget.high_water = budget.used

@@ -10,14 +10,33 @@ Invariants (``check``):
 - eviction takes leaves in the policy's order and never drops a copy of a pinned node; dropping a node's last
   copy removes it from the tree, which is allowed only for childless nodes not held in the tree;
 - a memory copy that a pending write-back still needs is not evicted (``Evictability.AFTER_WRITEBACK``): the
-  caller may wait for the writer instead (``Room.AFTER_WRITEBACK``).
+  caller may wait for the writer instead (``Room.AFTER_WRITEBACK``);
+- ``budgets[t].by_tenant`` splits ``used`` by ``CacheNode.tenant`` (every tier but the shared remote store).
+
+Per-tenant quotas (``quotas``: tier -> bytes, e.g. ``CacheConfig.tenant_dram_bytes``), so one tenant cannot evict
+another's working set. A chunk is charged to the tenant whose request computed it (``CacheNode.tenant``: the first
+to insert it; shared-scope chunks too, so a tenant streaming shared documents spends its own quota; UNATTRIBUTED,
+one more tenant, for chunks of unknown origin). ``make_room(tier, n, tenant)`` in a tier with a quota ``q``:
+
+1. ``tenant``'s charged bytes + n must fit in ``q``: if not, ``tenant``'s own leaves are evicted (policy order,
+   then its own demotable interior copies in a memory tier) until they do; if they cannot, the room is refused
+   (nothing of anyone else is evicted for it). ``n > q`` is refused at once.
+2. then the tier's capacity: ``tenant``'s own leaves go first, and only when none of them can go, anyone's
+   (policy order) - which happens only when the tier is over-committed.
+
+Invariant: a tenant's charged bytes in a quota tier never exceed the quota through ``make_room``, so when the
+capacity is at least the quota times the number of tenants holding bytes there (the inserting tenant included),
+step 2 never needs another tenant's bytes: **no copy is evicted by another tenant's insert or load**. (Recovery
+after a restart with a smaller quota trims each tenant to it, own leaves first; a tenant's chunk that is the
+parent of another tenant's chunk in that tier is not a leaf and stays until the child goes.) Without quotas,
+eviction is the policy's alone, as before.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from enum import Enum
 
 from pcr_rag.cache.budget import TierBudget
@@ -28,7 +47,16 @@ from pcr_rag.cache.node import CHILD_COUNT_MASK, CacheNode, WriteBackState, chil
 from pcr_rag.cache.policy import EvictionPolicy, LeafOrder
 from pcr_rag.cache.prefix_tree import Node, PrefixTree
 from pcr_rag.cache.stats import CacheStats
-from pcr_rag.cache.tiers.base import TIER_ORDER, ChunkRecord, ChunkRef, KVTier, Tier, TierKind, tier_bit
+from pcr_rag.cache.tiers.base import (
+    TIER_ORDER,
+    UNATTRIBUTED,
+    ChunkRecord,
+    ChunkRef,
+    KVTier,
+    Tier,
+    TierKind,
+    tier_bit,
+)
 
 __all__ = ["Evictability", "ResidencyIndex", "Room"]
 
@@ -52,10 +80,12 @@ class Room(Enum):
 
 
 class ResidencyIndex:
-    """Tier residency of every chunk node over the active ``tiers`` (see the module docstring)."""
+    """Tier residency of every chunk node over the active ``tiers`` (see the module docstring). ``quotas``: the
+    per-tenant byte quota of a tier (tiers not named have none)."""
 
     def __init__(
-        self, tiers: Sequence[KVTier], policy: EvictionPolicy, clock: Clock, stats: CacheStats
+        self, tiers: Sequence[KVTier], policy: EvictionPolicy, clock: Clock, stats: CacheStats,
+        quotas: Mapping[Tier, int] | None = None,
     ) -> None:
         self.tree = PrefixTree(self._new_node)
         self.get: Callable[[bytes], CacheNode | None] = self.tree.index.get  # type: ignore[assignment]  # key -> node
@@ -64,8 +94,19 @@ class ResidencyIndex:
         self.stats = stats
         self.tiers: dict[Tier, KVTier] = {t.tier: t for t in tiers}
         self.budgets = {
-            t: TierBudget(t, self.tiers[t].capacity_bytes if t in self.tiers else 0) for t in TIER_ORDER
+            t: TierBudget(t, self.tiers[t].capacity_bytes if t in self.tiers else 0,
+                          per_tenant=not getattr(self.tiers.get(t), "shared", False))
+            for t in TIER_ORDER
         }
+        self.quotas: dict[Tier, int] = {}
+        for t, q in (quotas or {}).items():
+            if q is None:
+                continue
+            if int(q) <= 0:
+                raise ValueError(f"the per-tenant quota of {Tier(t).value} must be > 0 bytes, got {q}")
+            if not self.budgets[Tier(t)].per_tenant:
+                raise ValueError(f"the {Tier(t).value} tier is shared by replicas: it takes no per-tenant quota")
+            self.quotas[Tier(t)] = int(q)
         self.orders = {t: LeafOrder() for t in TIER_ORDER}
         self.protected: frozenset[bytes] = frozenset()
         self.pinned = 0  # nodes with pins > 0 (removed ones included until unpinned)
@@ -93,6 +134,7 @@ class ResidencyIndex:
         node.partial = chunk.partial
         node.virtual = chunk.virtual
         node.tokens_digest = chunk.tokens_digest
+        node.tenant = chunk.tenant
         return node
 
     def touch(self, node: CacheNode) -> None:
@@ -160,7 +202,7 @@ class ResidencyIndex:
         budget = self.budgets[tier]
         store = self.tiers[tier]
         budget.chunks -= 1
-        budget.release(store.charge(node))
+        budget.release(store.charge(node), node.tenant)
         self.orders[tier].discard(node)
         store.drop(node)
         parent = node.parent
@@ -231,14 +273,17 @@ class ResidencyIndex:
         self._evict_pass(tier, lambda: before - budget.used >= nbytes)
         return before - budget.used
 
-    def _evict_pass(self, tier: Tier, done: Callable[[], bool]) -> tuple[bool, bool]:
-        """Evict candidates until ``done()``; returns (done, whether a copy was passed over for a write-back)."""
+    def _evict_pass(self, tier: Tier, done: Callable[[], bool], owner: bytes | None = None) -> tuple[bool, bool]:
+        """Evict candidates (only ``owner``'s when given) until ``done()``; returns (done, whether a copy was passed
+        over for a write-back)."""
         if done():
             return True, False
         waits_for_writeback = False
         gen = self.policy.candidates(self.orders[tier], self.protected)
         try:
             for node in gen:
+                if owner is not None and node.tenant != owner:
+                    continue  # another tenant's leaf: left in the order (the generator restores it)
                 verdict = self.evictability(node, tier)
                 if verdict is Evictability.AFTER_WRITEBACK:
                     waits_for_writeback = True
@@ -249,10 +294,10 @@ class ResidencyIndex:
         finally:
             gen.close()
         if tier in self._memory:
-            self._demote_interior(tier, done)
+            self._demote_interior(tier, done, owner)
         return done(), waits_for_writeback
 
-    def _demote_interior(self, tier: Tier, done: Callable[[], bool]) -> None:
+    def _demote_interior(self, tier: Tier, done: Callable[[], bool], owner: bytes | None = None) -> None:
         """Fallback when no leaf of a memory tier can go (e.g. a long chain fills DRAM and its only leaf is the
         pinned parent of the chunk being inserted): drop memory copies of non-leaf nodes that also live in a slower
         tier, least recent first (unprotected first under look-ahead). The tree does not change (pure demotion).
@@ -262,7 +307,8 @@ class ResidencyIndex:
         protected = self.protected if self.policy.uses_lookahead else frozenset()
 
         def movable(n: CacheNode) -> bool:
-            return bool(n.resident_mask & bit and n.resident_mask & slower) and not n.pins
+            return (bool(n.resident_mask & bit and n.resident_mask & slower) and not n.pins
+                    and (owner is None or n.tenant == owner))
 
         candidates = [n for n in self.tree.iter_nodes() if movable(n)]  # type: ignore[arg-type]
         candidates.sort(key=lambda n: (n.key in protected, n.used_at, n.use_seq))  # type: ignore[attr-defined]
@@ -273,18 +319,45 @@ class ResidencyIndex:
                 if done():
                     return
 
-    def make_room(self, tier: Tier, nbytes: int) -> Room:
-        """Reserve ``nbytes`` in ``tier``, evicting by policy as needed (never waits)."""
+    def make_room(self, tier: Tier, nbytes: int, tenant: bytes = UNATTRIBUTED) -> Room:
+        """Reserve ``nbytes`` in ``tier`` for ``tenant``, evicting as needed (never waits): by policy, or, in a tier
+        with a per-tenant quota, by the quota rules of the module docstring."""
         budget = self.budgets[tier]
-        if budget.reserve(nbytes):
-            return Room.RESERVED
-        if nbytes > budget.capacity:
-            return Room.NO_ROOM
-        done, waits = self._evict_pass(tier, lambda: budget.free >= nbytes)
+        quota = self.quotas.get(tier)
+        if quota is None:
+            if budget.reserve(nbytes, tenant):
+                return Room.RESERVED
+            if nbytes > budget.capacity:
+                return Room.NO_ROOM
+            done, waits = self._evict_pass(tier, lambda: budget.free >= nbytes)
+        else:
+            if nbytes > min(quota, budget.capacity):
+                return Room.NO_ROOM
+            done, waits = self._evict_pass(tier, lambda: budget.owned(tenant) + nbytes <= quota, tenant)
+            if not done:
+                self.stats.quota_refusals[tier.value] += 1
+                return Room.AFTER_WRITEBACK if waits else Room.NO_ROOM
+            if budget.reserve(nbytes, tenant):
+                return Room.RESERVED
+            done, waits = self._evict_pass(tier, lambda: budget.free >= nbytes, tenant)
+            if not done:
+                done, waits_any = self._evict_pass(tier, lambda: budget.free >= nbytes)
+                waits = waits or waits_any
         if done:
-            budget.reserve(nbytes)
+            budget.reserve(nbytes, tenant)
             return Room.RESERVED
         return Room.AFTER_WRITEBACK if waits else Room.NO_ROOM
+
+    def trim_to_quota(self, tier: Tier) -> None:
+        """Evict each tenant's own leaves until it is within ``tier``'s quota (restart recovery, when the quota
+        shrank or the directory held more; a tenant whose bytes cannot go, e.g. a parent of another tenant's
+        chunk, stays over until they can)."""
+        quota = self.quotas.get(tier)
+        if quota is None:
+            return
+        budget = self.budgets[tier]
+        for tenant in [t for t, n in budget.by_tenant.items() if n > quota]:
+            self._evict_pass(tier, lambda t=tenant: budget.owned(t) <= quota, tenant)  # type: ignore[misc]
 
     def inserted(self, node: CacheNode, tokens: Sequence[int] | None) -> None:
         """Count a new chunk; a full one given its ``tokens`` supersedes partial siblings it extends."""
@@ -292,9 +365,9 @@ class ResidencyIndex:
         if tokens is not None and not node.partial:
             self.supersede_partial_siblings(node, tokens)
 
-    def release(self, tier: Tier, nbytes: int) -> None:
-        """Give back bytes reserved by ``make_room`` and not used."""
-        self.budgets[tier].release(nbytes)
+    def release(self, tier: Tier, nbytes: int, tenant: bytes = UNATTRIBUTED) -> None:
+        """Give back bytes reserved by ``make_room`` (for ``tenant``) and not used."""
+        self.budgets[tier].release(nbytes, tenant)
 
     # ------------------------------------------------------------------ inserts
     def supersede_partial_siblings(self, node: CacheNode, tokens: Sequence[int]) -> None:
@@ -323,6 +396,7 @@ class ResidencyIndex:
         self.tree.check()
         counts = [0] * len(TIER_ORDER)
         used = [0] * len(TIER_ORDER)
+        owned: list[dict[bytes, int]] = [{} for _ in TIER_ORDER]
         for node in self.tree.iter_nodes():
             assert isinstance(node, CacheNode)
             assert not node.removed
@@ -335,6 +409,7 @@ class ResidencyIndex:
                     assert store is not None, f"{node!r} is resident in the inactive tier {t.value}"
                     counts[i] += 1
                     used[i] += store.charge(node)
+                    owned[i][node.tenant] = owned[i].get(node.tenant, 0) + store.charge(node)
                 if store is not None and not (node.virtual and store.kind is TierKind.STORAGE):
                     assert store.holds(node) == res, (
                         f"{t.value} copy of {node!r} disagrees with its residency"
@@ -356,5 +431,11 @@ class ResidencyIndex:
                 n for n in self.tree.iter_nodes() if n.resident_mask & tier_bit(t) and not children_in(n, t)
             ]  # type: ignore[attr-defined,arg-type]
             assert len(self.orders[t]) == len(leaves), f"{t.value} leaf set has {len(self.orders[t])} nodes"
+            if b.per_tenant:
+                assert all(n > 0 for n in b.by_tenant.values()), f"{t.value} per-tenant bytes not positive"
+                assert sum(b.by_tenant.values()) == b.used, f"{t.value} per-tenant bytes do not sum to used"
             if quiet:
                 assert b.used == used[i], f"{t.value} bytes used {b.used} != stored {used[i]}"
+                if b.per_tenant:
+                    assert b.by_tenant == {k: n for k, n in owned[i].items() if n}, (
+                        f"{t.value} per-tenant bytes disagree with the nodes' tenants")

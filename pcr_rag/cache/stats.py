@@ -34,6 +34,9 @@ class CacheStats:
     - ``corrupt_chunks_dropped``: SSD chunks that failed verification (at read or at start-up) and were deleted;
       ``orphans_dropped``: chunks dropped at start-up because their parent was missing.
     - ``bytes_used`` / ``bytes_high_water`` / ``capacity_bytes`` / ``chunks``: per tier, now.
+    - ``quota_refusals[t]``: room refused in tier t because the tenant asking was at its per-tenant quota and none
+      of its own chunks there could go (``CacheConfig.tenant_dram_bytes`` / ``tenant_ssd_bytes``);
+      ``tenants[t]``: tenants charged bytes in tier t now (``CacheEngine.tenant_bytes`` gives their bytes).
     - ``remote_io``: the remote tier's counters (empty without one): ``lookups`` (round trips), ``lookup_found``
       and ``misses`` (chunks), ``hits`` (values read and verified), ``errors``, ``skipped`` (calls the open
       circuit breaker refused), ``corrupt`` (values that failed verification, deleted), ``forged`` (values whose
@@ -76,6 +79,8 @@ class CacheStats:
     bytes_high_water: dict[str, int] = field(default_factory=_tiers)
     capacity_bytes: dict[str, int] = field(default_factory=_tiers)
     chunks: dict[str, int] = field(default_factory=_tiers)
+    quota_refusals: dict[str, int] = field(default_factory=_tiers)
+    tenants: dict[str, int] = field(default_factory=_tiers)
     remote_io: dict[str, object] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:

@@ -27,7 +27,7 @@ from pcr_rag.cache.node import CacheNode, WriteBackState
 from pcr_rag.cache.payload import Payload
 from pcr_rag.cache.residency import ResidencyIndex, Room
 from pcr_rag.cache.stats import CacheStats
-from pcr_rag.cache.tiers.base import ChunkRecord, KVTier, Tier, TierKind, tier_bit
+from pcr_rag.cache.tiers.base import UNATTRIBUTED, ChunkRecord, KVTier, Tier, TierKind, tier_bit
 
 __all__ = ["WriteBack"]
 
@@ -88,13 +88,13 @@ class WriteBack:
         self._sync.cond.notify_all()
         return False
 
-    def make_room(self, tier: Tier, nbytes: int) -> bool:
-        """Reserve ``nbytes`` in ``tier``, waiting up to ``wait_s`` for pending write-backs when only they stand in
-        the way. The lock is released while waiting: callers hold what they need (pin, tree hold) and re-check
-        state afterwards."""
+    def make_room(self, tier: Tier, nbytes: int, tenant: bytes = UNATTRIBUTED) -> bool:
+        """Reserve ``nbytes`` in ``tier`` for ``tenant`` (``ResidencyIndex.make_room``), waiting up to ``wait_s``
+        for pending write-backs when only they stand in the way. The lock is released while waiting: callers hold
+        what they need (pin, tree hold) and re-check state afterwards."""
         deadline: float | None = None
         while True:
-            room = self._index.make_room(tier, nbytes)
+            room = self._index.make_room(tier, nbytes, tenant)
             if room is not Room.AFTER_WRITEBACK or self._stopping:
                 return room is Room.RESERVED
             now = time.monotonic()
@@ -155,12 +155,12 @@ class WriteBack:
             size = target.charge(node)
             node.tree_holds += 1  # stays in the tree while room is made
             try:
-                room = src is not None and index.make_room(target.tier, size) is Room.RESERVED
+                room = src is not None and index.make_room(target.tier, size, node.tenant) is Room.RESERVED
             finally:
                 node.tree_holds -= 1
             if not room or node.removed:
                 if room:
-                    index.release(target.tier, size)
+                    index.release(target.tier, size, node.tenant)
                 node.writeback = WriteBackState.SKIPPED
                 self._stats.writes_skipped += 1
                 cond.notify_all()
@@ -173,14 +173,14 @@ class WriteBack:
             error = exc
         with self._sync.lock:
             if error is not None:
-                index.release(target.tier, size)
+                index.release(target.tier, size, node.tenant)
                 node.writeback = WriteBackState.FAILED
                 self._record_error(error)
             else:
                 self._record_success()
                 node.writeback = WriteBackState.NOT_NEEDED
                 if node.removed:
-                    index.release(target.tier, size)
+                    index.release(target.tier, size, node.tenant)
                     target.drop(node)
                 else:
                     index.mark_resident(node, target.tier)
@@ -198,9 +198,9 @@ class WriteBack:
         node.tree_holds += 1
         try:
             dram = index.tiers[Tier.DRAM]
-            if self.make_room(Tier.DRAM, dram.charge(node)):
+            if self.make_room(Tier.DRAM, dram.charge(node), node.tenant):
                 if node.removed or node.resident_mask & tier_bit(Tier.DRAM):
-                    index.release(Tier.DRAM, dram.charge(node))
+                    index.release(Tier.DRAM, dram.charge(node), node.tenant)
                     return False
                 dram.store(node, dram_copy)
                 index.mark_resident(node, Tier.DRAM)
@@ -216,7 +216,8 @@ class WriteBack:
         """Reserve storage room for a chunk no memory tier could take (lock held); its key is then in
         ``writing_through`` until ``write_through`` ends."""
         target = self.target
-        if target is None or self._index.make_room(target.tier, target.charge(chunk)) is not Room.RESERVED:
+        if target is None or self._index.make_room(target.tier, target.charge(chunk),
+                                                   chunk.tenant) is not Room.RESERVED:
             return False
         self.writing_through.add(chunk.key)
         return True
@@ -244,7 +245,7 @@ class WriteBack:
             else:
                 self._record_success()
             if error is not None or (parent is not None and parent.removed):
-                self._index.release(target.tier, target.charge(chunk))
+                self._index.release(target.tier, target.charge(chunk), chunk.tenant)
                 if error is None:
                     target.drop(chunk)
                 self._stats.inserts_rejected += 1

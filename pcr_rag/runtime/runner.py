@@ -319,7 +319,7 @@ class PrefillTask:
     def _insert(self, spec: ChunkSpec, payload: torch.Tensor) -> None:
         tokens = self._ids[spec.start: spec.end].tolist() if spec.partial else None
         try:
-            self.ctx.cache.insert(spec, payload, tokens=tokens)
+            self.ctx.cache.insert(spec, payload, tokens=tokens, tenant=self.request.tenant)
         except Exception as exc:  # noqa: BLE001 - caching is best effort; the answer is already right
             log.warning("could not cache chunk %s: %s", spec.key.hex()[:12], exc)
 

@@ -52,8 +52,13 @@ __all__ = [
     "Tier",
     "TierKind",
     "TierRecovery",
+    "UNATTRIBUTED",
     "tier_bit",
 ]
+
+#: The tenant of a chunk no tenant is known for (a remote chunk found by a lookup, a chunk file written before
+#: tenants were recorded): bytes charged to it form one more tenant's share (``CacheNode.tenant``).
+UNATTRIBUTED = b""
 
 
 class Tier(str, Enum):
@@ -97,6 +102,7 @@ class ChunkRef(Protocol):
     nbytes: int
     num_layers: int
     tokens_digest: bytes | None
+    tenant: bytes
 
     @property
     def parent_key(self) -> bytes: ...
@@ -107,8 +113,9 @@ class ChunkRef(Protocol):
 
 class ChunkRecord(NamedTuple):
     """A chunk that has no cache node (yet): one being inserted or written through, or one a tier recovered.
-    ``charged_bytes`` is what the recovering tier's budget is charged for it (0 when not from a tier). A named
-    tuple: immutable and cheap to build on the insert path."""
+    ``charged_bytes`` is what the recovering tier's budget is charged for it (0 when not from a tier); ``tenant``
+    whom its bytes are charged to (`UNATTRIBUTED` when unknown). A named tuple: immutable and cheap to build on
+    the insert path."""
 
     key: bytes
     parent_key: bytes
@@ -120,6 +127,7 @@ class ChunkRecord(NamedTuple):
     num_layers: int
     virtual: bool = False
     charged_bytes: int = 0
+    tenant: bytes = UNATTRIBUTED
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,12 @@ Files live at ``<hh>/<key hex>.kv`` (256 sub-directories keep directories small)
 Layout (little endian, version 1)::
 
     fixed header  magic "PCRKVCH\\0", version u16, flags u16 (1 = parent is a namespace root, 2 = partial,
-                  4 = sealed, 8 = encrypted),
+                  4 = sealed, 8 = encrypted, 16 = owner recorded),
                   header_len u32, num_tokens u32, data_offset u64, payload_nbytes u64, written_at f64 (unix s),
                   key[16], parent[16], tokens digest[16], dtype name[16], ndim u8
     shape         ndim x u64                 (dim 0 = layers)
+    owner         only with flag 16: tenant[16] (whom the chunk's bytes are charged to: the tenant root key of the
+                  request that computed it, zeros when unknown; the SSD tier always writes it, remote values never)
     checksums     layers x u64               (xxh3-64 of each layer's stored bytes)
     seal          only when sealed (flag 4): nonce[12], pad[4], layers x tag[16], mac[32] (``seal``: a layer's
                   GMAC tag, or its AES-GCM tag when encrypted (flag 8); the MAC covers the namespace root and
@@ -24,7 +26,8 @@ A reader verifies the header checksum, that the header's key is the key asked fo
 and the checksum of every layer it returns. Any failure raises ``CorruptChunkError``. A reader holding a
 ``Sealer`` (``verify_seal``, ``open_layer``) also requires the seal: the header MAC under the root it expects, and
 each layer's tag (decrypting it when encrypted); an unsealed chunk then fails as forged (``ForgedChunkError``).
-The *core* (the fixed header and the shape) is each encrypted layer's associated data.
+The *core* (the fixed header, the shape and the owner) is each encrypted layer's associated data; the owner is
+covered by the header checksum and the MAC like every header byte.
 """
 
 from __future__ import annotations
@@ -70,10 +73,14 @@ __all__ = [
 MAGIC = b"PCRKVCH\x00"
 VERSION = 1
 ALIGN = 4096
+MAX_WRITTEN_AT = 253402300799.0  # 9999-12-31T23:59:59Z: the last time `datetime` can show
 FLAG_PARENT_IS_ROOT = 1
 FLAG_PARTIAL = 2
 FLAG_SEALED = 4
 FLAG_ENCRYPTED = 8
+FLAG_OWNER = 16
+OWNER_BYTES = 16
+_NO_OWNER = b"\x00" * OWNER_BYTES  # the owner field of a chunk of no known tenant (``UNATTRIBUTED``)
 NO_DIGEST = b"\x00" * 16  # the tokens-digest field of a chunk without one
 _FIXED = struct.Struct("<8sHHIIQQd16s16s16s16sB")
 _U64 = struct.Struct("<Q")
@@ -114,8 +121,9 @@ def _seal_len(num_layers: int) -> int:
     return NONCE_BYTES + 4 + LAYER_TAG_BYTES * num_layers + MAC_BYTES
 
 
-def _header_len(ndim: int, num_layers: int, sealed: bool = False) -> int:
-    return _FIXED.size + 8 * ndim + 8 * num_layers + (_seal_len(num_layers) if sealed else 0) + 8
+def _header_len(ndim: int, num_layers: int, sealed: bool = False, owned: bool = False) -> int:
+    return (_FIXED.size + 8 * ndim + (OWNER_BYTES if owned else 0) + 8 * num_layers
+            + (_seal_len(num_layers) if sealed else 0) + 8)
 
 
 def align(n: int) -> int:
@@ -123,9 +131,9 @@ def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def header_bytes(ndim: int, num_layers: int, sealed: bool = False) -> int:
+def header_bytes(ndim: int, num_layers: int, sealed: bool = False, owned: bool = False) -> int:
     """Bytes before the payload (the header padded to ``ALIGN``): the payload's offset in the file."""
-    return align(_header_len(ndim, num_layers, sealed))
+    return align(_header_len(ndim, num_layers, sealed, owned))
 
 
 def stored_header_len(raw: bytes) -> int | None:
@@ -146,16 +154,18 @@ def announced_header_len(raw: bytes) -> int | None:
     return hlen if _FIXED.size < hlen <= _MAX_HEADER else None
 
 
-def chunk_file_bytes(payload_nbytes: int, ndim: int = 5, num_layers: int = 1, sealed: bool = False) -> int:
+def chunk_file_bytes(payload_nbytes: int, ndim: int = 5, num_layers: int = 1, sealed: bool = False,
+                     owned: bool = False) -> int:
     """Size in bytes of a chunk file holding ``payload_nbytes`` (what the SSD tier's budget is charged): the
     header padded to 4096, the payload, and zero padding to the next multiple of 4096 (O_DIRECT-friendly)."""
-    return header_bytes(ndim, num_layers, sealed) + align(payload_nbytes)
+    return header_bytes(ndim, num_layers, sealed, owned) + align(payload_nbytes)
 
 
 @dataclass(frozen=True)
 class ChunkMeta:
     """What the tree needs to rebuild a chunk's node: key, parent, whether the parent is a namespace root,
-    token count, partial flag and the tokens digest (for the supersede rule)."""
+    token count, partial flag, the tokens digest (for the supersede rule) and the owner (the tenant its bytes are
+    charged to, ``b""`` when unknown; None: the header has no owner field)."""
 
     key: bytes
     parent: bytes
@@ -163,12 +173,15 @@ class ChunkMeta:
     num_tokens: int
     partial: bool
     digest: bytes
+    owner: bytes | None = None
 
     @classmethod
-    def of(cls, chunk: ChunkRef | ChunkRecord) -> ChunkMeta:
-        """The meta of a chunk as the tiers pass it around (a missing tokens digest is `NO_DIGEST`)."""
+    def of(cls, chunk: ChunkRef | ChunkRecord, *, with_owner: bool = False) -> ChunkMeta:
+        """The meta of a chunk as the tiers pass it around (a missing tokens digest is `NO_DIGEST`), with its
+        tenant as the owner when ``with_owner``."""
         return cls(key=chunk.key, parent=chunk.parent_key, parent_is_root=chunk.parent_is_root,
-                   num_tokens=chunk.num_tokens, partial=chunk.partial, digest=chunk.tokens_digest or NO_DIGEST)
+                   num_tokens=chunk.num_tokens, partial=chunk.partial, digest=chunk.tokens_digest or NO_DIGEST,
+                   owner=chunk.tenant if with_owner else None)
 
 
 @dataclass(frozen=True)
@@ -211,11 +224,22 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
+def _owner_field(owner: bytes) -> bytes:
+    if not owner:
+        return _NO_OWNER
+    if len(owner) != OWNER_BYTES or owner == _NO_OWNER:
+        raise ValueError(f"a chunk's owner must be {OWNER_BYTES} bytes (a tenant root key), not zeros, "
+                         f"or b'' for none; got {len(owner)} bytes")
+    return owner
+
+
 def _core(meta: ChunkMeta, payload: torch.Tensor, flags: int) -> bytes:
-    """The fixed header and the shape of ``payload``'s chunk."""
+    """The fixed header, the shape of ``payload``'s chunk and (``meta.owner`` not None) its owner."""
     shape = tuple(int(s) for s in payload.shape)
-    flags |= (FLAG_PARENT_IS_ROOT if meta.parent_is_root else 0) | (FLAG_PARTIAL if meta.partial else 0)
-    hlen = _header_len(len(shape), shape[0], bool(flags & FLAG_SEALED))
+    owned = meta.owner is not None
+    flags |= ((FLAG_PARENT_IS_ROOT if meta.parent_is_root else 0) | (FLAG_PARTIAL if meta.partial else 0)
+              | (FLAG_OWNER if owned else 0))
+    hlen = _header_len(len(shape), shape[0], bool(flags & FLAG_SEALED), owned)
     body = _FIXED.pack(
         MAGIC,
         VERSION,
@@ -231,7 +255,8 @@ def _core(meta: ChunkMeta, payload: torch.Tensor, flags: int) -> bytes:
         _dtype_name(payload.dtype).encode("ascii"),
         len(shape),
     )
-    return body + struct.pack(f"<{len(shape)}Q", *shape)
+    body += struct.pack(f"<{len(shape)}Q", *shape)
+    return body + (_owner_field(meta.owner) if meta.owner is not None else b"")
 
 
 def _finish(body: bytes) -> bytes:
@@ -300,12 +325,14 @@ def decode_header(raw: bytes, expected_key: bytes | None = None) -> ChunkHeader:
     shape = struct.unpack_from(f"<{ndim}Q", raw, _FIXED.size)
     num_layers = shape[0] if shape else 0
     sealed = bool(flags & FLAG_SEALED)
-    if hlen != _header_len(ndim, num_layers, sealed) or num_layers < 1:
+    owned = bool(flags & FLAG_OWNER)
+    if hlen != _header_len(ndim, num_layers, sealed, owned) or num_layers < 1:
         raise CorruptChunkError("chunk header length does not match its shape")
     (stored_sum,) = _U64.unpack_from(raw, hlen - 8)
     if xxhash.xxh3_64_intdigest(raw[: hlen - 8]) != stored_sum:
         raise CorruptChunkError("chunk header checksum mismatch")
-    core_len = _FIXED.size + 8 * ndim
+    core_len = _FIXED.size + 8 * ndim + (OWNER_BYTES if owned else 0)
+    owner = bytes(raw[core_len - OWNER_BYTES : core_len]) if owned else None
     checksums = struct.unpack_from(f"<{num_layers}Q", raw, core_len)
     seal: dict[str, object] = {}
     if sealed:
@@ -330,6 +357,9 @@ def decode_header(raw: bytes, expected_key: bytes | None = None) -> ChunkHeader:
         expected_nbytes *= s
     if expected_nbytes != nbytes or nbytes % num_layers or data_offset != align(hlen):
         raise CorruptChunkError("chunk header sizes are inconsistent")
+    if not 0 <= written_at <= MAX_WRITTEN_AT:  # NaN fails the comparison too
+        raise CorruptChunkError(f"chunk header written_at={written_at!r} is not a time (unix seconds up to the year "
+                                f"9999)")
     if expected_key is not None and key != expected_key:
         raise CorruptChunkError(f"chunk header holds key {key.hex()} but {expected_key.hex()} was expected")
     meta = ChunkMeta(
@@ -339,6 +369,7 @@ def decode_header(raw: bytes, expected_key: bytes | None = None) -> ChunkHeader:
         num_tokens=num_tokens,
         partial=bool(flags & FLAG_PARTIAL),
         digest=digest,
+        owner=None if owner is None else (b"" if owner == _NO_OWNER else owner),
     )
     return ChunkHeader(meta, dtype, tuple(shape), tuple(checksums), data_offset, nbytes, written_at, flags,
                        bytes(raw[:core_len]), **seal)  # type: ignore[arg-type]

@@ -1,7 +1,8 @@
 """``SsdTier``: the SSD tier, chunk files (``chunk_file`` format, ``SSDStore``) in a local directory or any
 ``StorageBackend``.
 
-A copy costs ``chunk_file_bytes`` (header padded to 4096 + payload padded to 4096). Writes are atomic and leave
+A copy costs ``chunk_file_bytes`` (header padded to 4096 + payload padded to 4096); its header records the tenant
+its bytes are charged to (``ChunkRecord.tenant``), so recovery charges it again. Writes are atomic and leave
 nothing behind on failure; every read is verified (``CorruptChunkError`` otherwise). The directory survives
 restarts: ``recover`` lists the valid chunks, oldest write first, after deleting bad files, and counts them per
 namespace root (``census``; `pcr_rag.cache.roots`). The engine names its roots (``note_root``): a root's manifest
@@ -24,6 +25,7 @@ from pcr_rag.cache.roots import RootManifest, RootUsage, usage_by_root
 from pcr_rag.cache.seal import Sealer
 from pcr_rag.cache.storage import LocalDirBackend, StorageBackend
 from pcr_rag.cache.tiers.base import (
+    UNATTRIBUTED,
     ChunkRecord,
     ChunkRef,
     LayerSource,
@@ -61,7 +63,7 @@ class SsdTier:
         self._roots_lock = threading.Lock()
 
     def charge(self, chunk: ChunkRef) -> int:
-        return chunk_file_bytes(chunk.nbytes, 5, chunk.num_layers, self.files.sealer is not None)
+        return chunk_file_bytes(chunk.nbytes, 5, chunk.num_layers, self.files.sealer is not None, owned=True)
 
     def place(self, payload: Payload) -> Payload:
         return payload  # the write makes its own contiguous CPU view
@@ -75,7 +77,7 @@ class SsdTier:
             )
         if chunk.parent_is_root and self._pending:
             self._write_manifest(chunk.parent_key)
-        self.files.write(ChunkMeta.of(chunk), payload)
+        self.files.write(ChunkMeta.of(chunk, with_owner=True), payload)  # recovery charges the same tenant
 
     def note_root(self, manifest: RootManifest) -> None:
         """Have ``manifest`` stored for its root: with the first chunk stored under the root, or now when chunks of
@@ -137,6 +139,7 @@ class SsdTier:
                 nbytes=h.payload_nbytes,
                 num_layers=h.shape[0],
                 charged_bytes=h.file_bytes,
+                tenant=h.meta.owner or UNATTRIBUTED,
             )
             for h in report.headers
         )

@@ -127,7 +127,7 @@ class SSDStore:
                 ]
                 return encode_header(meta, payload, checksums)
 
-        head_bytes = header_bytes(payload.dim(), payload.shape[0], sealed)
+        head_bytes = header_bytes(payload.dim(), payload.shape[0], sealed, meta.owner is not None)
         pad = b"\x00" * (align(data.nbytes) - data.nbytes)
         self.backend.write_atomic(chunk_name(meta.key), [data, pad], DeferredHead(head_bytes, header))
         size = head_bytes + data.nbytes + len(pad)
