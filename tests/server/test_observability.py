@@ -186,3 +186,21 @@ def test_serve_log_format_json_writes_json_lines(tmp_path) -> None:
     access = [r for r in records if r["request_id"] == "json-1"]
     assert any(r["message"].startswith("POST /v1/chat/completions -> 200") for r in access)
     assert any(r["logger"] == "pcr_rag.runtime.batch" for r in access)
+
+
+def test_log_format_is_a_serve_setting_checked_before_the_model_loads(capsys) -> None:
+    import argparse
+
+    from pcr_rag.errors import ConfigError
+    from pcr_rag.server.cli import ServeOptions, add_arguments, serve_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert serve_config(parser.parse_args(["--log-format", "json"]), environ={}).options.log_format == "json"
+    assert serve_config(parser.parse_args([]), environ={"PCR_RAG_LOG_FORMAT": "json"}).options.log_format == "json"
+    assert serve_config(parser.parse_args([]), environ={}).options.log_format == "text"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--log-format", "xml"])
+    assert "json" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="log_format must be one of"):
+        ServeOptions(log_format="xml")
