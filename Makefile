@@ -16,7 +16,7 @@ install: $(STAMP)
 $(STAMP): $(DEPS) scripts/install.sh requirements/models.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	PYTHON=$(PY) scripts/install.sh -e ".[rag,dev,serve,remote,bench,crypto,otel]" $(addprefix -e ,$(INTEGRATIONS))
+	PYTHON=$(PY) scripts/install.sh -e ".[engine,rag,dev,serve,remote,bench,crypto,otel]" $(addprefix -e ,$(INTEGRATIONS))
 	touch $(STAMP)
 
 demo: install

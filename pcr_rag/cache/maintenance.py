@@ -13,6 +13,8 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import xxhash
+
 from pcr_rag.cache.errors import CorruptChunkError
 from pcr_rag.cache.roots import (
     RootIdentity,
@@ -22,14 +24,12 @@ from pcr_rag.cache.roots import (
     manifest_name,
     root_of_manifest_name,
 )
-from pcr_rag.cache.seal import ForgedChunkError, Sealer
+from pcr_rag.cache.seal import ForgedChunkError, LayerCheck, Sealer
 from pcr_rag.cache.storage import StorageBackend
 from pcr_rag.cache.tiers.chunk_file import (
     ChunkHeader,
-    check_layers,
     chunk_name,
     key_of_name,
-    open_layer,
     read_header,
     verify_seal,
 )
@@ -50,6 +50,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+VERIFY_SLICE_BYTES = 4 << 20  # bytes `verify` reads at a time: its memory, whatever a header claims
 _ROOT = b""  # SSD files are sealed without a namespace root (`ssd_store`)
 
 
@@ -268,24 +269,51 @@ def _verify_one(backend: StorageBackend, key: bytes, sealer: Sealer | None) -> N
     """Read ``key``'s file in full and check it as a reader would: header (checksum, key, sizes), then every layer -
     with ``sealer`` the header MAC and each layer's HMAC or AES-GCM tag (an unsealed file fails as forged), without
     one each layer's stored checksum. Raises CorruptChunkError (ForgedChunkError) / OSError."""
-    header, _ = _read_header(backend, key)
+    header, _ = _read_header(backend, key)  # its sizes agree with each other and with the file's size
     if sealer is not None:
         verify_seal(header, sealer, _ROOT)
     reader = backend.open(chunk_name(key))
     try:
         lb = header.layer_nbytes
-        buf = bytearray(lb)
-        view = memoryview(buf)
+        view = memoryview(bytearray(min(lb, VERIFY_SLICE_BYTES)))  # a header's layer size never sizes a buffer
         for layer in range(header.shape[0]):
-            got = reader.readinto_at(header.data_offset + layer * lb, view)
-            if got != lb:
-                raise CorruptChunkError(f"layer {layer}: short read ({got} of {lb} bytes)")
-            if sealer is not None:
-                open_layer(header, layer, view, sealer, _ROOT)
-            else:
-                check_layers(header, view, key, layer)
+            check = _layer_check(header, layer, sealer, key)
+            at, left = header.data_offset + layer * lb, lb
+            while left:
+                part = view[: min(left, view.nbytes)]
+                got = reader.readinto_at(at, part)
+                if got != part.nbytes:
+                    raise CorruptChunkError(f"layer {layer}: short read ({lb - left + got} of {lb} bytes)")
+                check.update(part)
+                at, left = at + got, left - got
+            check.finish()
     finally:
         reader.close()
+
+
+class _Checksum:
+    """A layer's xxh3-64 checksum check, fed slice by slice (the `LayerCheck` interface)."""
+
+    def __init__(self, want: int, what: str) -> None:
+        self._hash = xxhash.xxh3_64()
+        self._want = want
+        self._what = what
+
+    def update(self, data: memoryview) -> None:
+        self._hash.update(data)
+
+    def finish(self) -> None:
+        if self._hash.intdigest() != self._want:
+            raise CorruptChunkError(f"{self._what} failed verification (checksum mismatch)")
+
+
+def _layer_check(header: ChunkHeader, layer: int, sealer: Sealer | None, key: bytes) -> LayerCheck | _Checksum:
+    """What `open_layer` checks of one layer, incrementally: its GMAC or AES-GCM tag with a ``sealer`` (the header
+    then passed `verify_seal`), else its stored checksum."""
+    if sealer is None or not header.sealed:
+        return _Checksum(header.checksums[layer], f"chunk {key.hex()} layer {layer}")
+    tag = header.tags[layer]
+    return sealer.layer_check(_ROOT, header.nonce, layer, header.core, tag, key, encrypted=header.encrypted)
 
 
 def verify(backend: StorageBackend, *, sealer: Sealer | None = None, delete: bool = False,

@@ -94,7 +94,8 @@ class Sealer:
         self._aead_base = _derive(base, b"aead")
         self._aeads: OrderedDict[bytes, Any] = OrderedDict()  # per-root AES-GCM keys, least recently used first
         self._lock = threading.Lock()
-        self._gmac = _aesgcm()(_derive(base, b"layer-gmac"))  # fails now, not at the first write, without the package
+        self._gmac_key = _derive(base, b"layer-gmac")
+        self._gmac = _aesgcm()(self._gmac_key)  # fails now, not at the first write, without the package
 
     def __repr__(self) -> str:
         return f"Sealer(purpose={self.purpose!r}, encrypt={self.encrypt})"
@@ -151,6 +152,48 @@ class Sealer:
             raise ForgedChunkError(f"chunk {key.hex()} layer {layer}: AES-GCM tag mismatch (forged or "
                                    f"tampered ciphertext)") from None
 
+
+    def layer_check(self, root: bytes, nonce: bytes, layer: int, aad: bytes, tag: bytes, key: bytes, *,
+                    encrypted: bool) -> LayerCheck:
+        """An incremental check of one layer's stored bytes: what `layer_tag` (GMAC) or `open_layer` (AES-GCM,
+        the plaintext discarded) verify, fed slice by slice (`LayerCheck.update`, then `LayerCheck.finish`), so a
+        layer of any size is checked in bounded memory (``pcr-rag cache verify``)."""
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+        if encrypted:
+            secret = _derive(self._aead_base, b"root:" + root)
+            ctx = Cipher(algorithms.AES(secret), modes.GCM(layer_nonce(nonce, layer), tag)).decryptor()
+            ctx.authenticate_additional_data(aad + layer.to_bytes(4, "little"))
+        else:
+            ctx = Cipher(algorithms.AES(self._gmac_key), modes.GCM(layer_nonce(nonce, layer))).encryptor()
+        return LayerCheck(ctx, None if encrypted else tag, f"chunk {key.hex()} layer {layer}")
+
+
+class LayerCheck:
+    """One layer's tag check under way (see `Sealer.layer_check`): GMAC when ``tag`` is given (the bytes are
+    associated data), else AES-GCM decryption whose tag the context holds."""
+
+    def __init__(self, ctx: Any, tag: bytes | None, what: str) -> None:
+        self._ctx = ctx
+        self._tag = tag
+        self._what = what
+
+    def update(self, data: memoryview) -> None:
+        if self._tag is not None:
+            self._ctx.authenticate_additional_data(data)
+        else:
+            self._ctx.update(data)
+
+    def finish(self) -> None:
+        """Raise ``ForgedChunkError`` when the bytes fed do not carry the layer's tag."""
+        from cryptography.exceptions import InvalidTag
+
+        try:
+            self._ctx.finalize()
+        except InvalidTag:
+            raise ForgedChunkError(f"{self._what}: AES-GCM tag mismatch (forged or tampered ciphertext)") from None
+        if self._tag is not None and not hmac.compare_digest(self._ctx.tag, self._tag):
+            raise ForgedChunkError(f"{self._what}: MAC mismatch (forged or tampered)")
 
 
 def _aesgcm() -> Any:

@@ -43,7 +43,7 @@ from pcr_rag.runtime.model_cache import GGUFSource, ModelCache
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_MODEL = provenance.DEFAULT_MODEL
 FINGERPRINT_VERSION = "pcr-rag-fingerprint-v1"
 _FALLBACK_CONTEXT = 2048  # tokens, used only when neither config nor tokenizer state a context length
 

@@ -23,6 +23,10 @@ from pcr_rag.errors import PCRError
 
 _BLOCK = 8 << 20  # bytes per read
 
+DEFAULT_MODEL = "smollm2-135m-instruct"
+"""The alias a model argument of None means (`pcr_rag.runtime.model.KNOWN_MODELS`); here, not there, so that the
+thin client and the integrations name it without importing torch."""
+
 
 class ProvenanceError(PCRError, RuntimeError):
     """A packaged model file does not have the digest recorded in pcr-rag: reinstall the package it came from."""

@@ -265,12 +265,12 @@ def test_a_remote_chunk_is_fetched_once_per_replica(tiny, tmp_path, reference):
         lock = threading.Lock()
         plain_get_many = store.get_many
 
-        def slow_counting_get_many(names):
+        def slow_counting_get_many(names, max_bytes=None):
             time.sleep(0.05)
             with lock:
                 for n in names:
                     fetched[n] = fetched.get(n, 0) + 1
-            return plain_get_many(names)
+            return plain_get_many(names, max_bytes)
 
         store.get_many = slow_counting_get_many
         with make_engine(tiny, tmp_path / "b", remote_url=url) as b:

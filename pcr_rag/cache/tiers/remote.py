@@ -33,7 +33,7 @@ from pcr_rag.cache.payload import Payload, VirtualPayload
 from pcr_rag.cache.seal import ForgedChunkError, Sealer
 from pcr_rag.cache.tiers.base import ChunkRef, PayloadLayers, Tier, TierKind, TierRecovery
 from pcr_rag.cache.tiers.breaker import CircuitBreaker
-from pcr_rag.cache.tiers.chunk_file import ChunkHeader
+from pcr_rag.cache.tiers.chunk_file import ChunkHeader, header_bytes
 from pcr_rag.cache.tiers.remote_client import RemoteClient
 from pcr_rag.cache.tiers.remote_store import RemoteStore, open_store, redacted_url
 from pcr_rag.cache.tiers.remote_value import (
@@ -123,7 +123,10 @@ class RemoteTier:
             raise CorruptChunkError(f"chunk {chunk.key.hex()}: its namespace root is unknown (no tree node)")
         if chunk.virtual:
             return None, None, root  # metadata-only: nothing to move (as on SSD)
-        raw = self.client.get_many([self.name(chunk.key)])[0]
+        # read no more than the value this chunk's layout implies, plus one byte to tell a padded value: a writer
+        # cannot make a replica take in (or hold) more than a real value of this chunk
+        limit = value_bytes(chunk, sealed=True) + 1
+        raw = self.client.get_many([self.name(chunk.key)], limit)[0]
         if raw is None:
             self.client.count("misses")
             raise RemoteMissError(f"the remote store no longer holds chunk {chunk.key.hex()} (evicted or expired)")
@@ -166,7 +169,11 @@ class RemoteTier:
             return [None] * len(expected)
         names = [self.name(e.key) for e in expected]
         raws = self.client.probe(names, PROBE_BYTES)
-        longer = {i: n for i, raw in enumerate(raws) if raw is not None and (n := header_len_needed(raw))}
+        # a header announcing more than this layout's sealed header is not a header of ours: read no more of it
+        # (decoding the cut header then fails it), so a lookup's reads stay bounded by the layout
+        most = header_bytes(5, self.codec.layout.num_layers, sealed=True)
+        longer = {i: min(n, most) for i, raw in enumerate(raws)
+                  if raw is not None and (n := header_len_needed(raw))}
         if longer:
             more = self.client.probe([names[i] for i in longer], max(longer.values()))
             for i, raw in zip(longer, more, strict=True):

@@ -122,8 +122,12 @@ class RemoteClient:
             self.rtt_s = self._ewma(self.rtt_s, elapsed)
         return result
 
-    def get_many(self, names: Sequence[str]) -> list[bytes | None]:
-        result, elapsed = self._run(lambda: self.store.get_many(names))
+    def get_many(self, names: Sequence[str], max_bytes: int | None = None) -> list[bytes | None]:
+        """Whole values, or with ``max_bytes`` at most that many bytes of each (`RemoteStore.get_many`)."""
+        if max_bytes is None:
+            result, elapsed = self._run(lambda: self.store.get_many(names))
+        else:
+            result, elapsed = self._run(lambda: self.store.get_many(names, max_bytes))
         nbytes = sum(len(v) for v in result if v is not None)
         with self._lock:
             self._counts["bytes_read"] += nbytes

@@ -350,7 +350,9 @@ class ClusterStore:
         self._execute(ops)
         return self._values(ops, lambda r: r if isinstance(r, bytes) and r else None)
 
-    def get_many(self, names: Sequence[str]) -> list[bytes | None]:
+    def get_many(self, names: Sequence[str], max_bytes: int | None = None) -> list[bytes | None]:
+        if max_bytes is not None:
+            return self.probe(names, max_bytes)
         ops = [_Op(n, ("GET", n)) for n in names]
         self._execute(ops)
         return self._values(ops, lambda r: r if isinstance(r, bytes) else None)

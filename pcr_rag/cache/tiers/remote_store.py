@@ -34,8 +34,9 @@ class RemoteStore(Protocol):
         """The first ``nbytes`` of each value (None where there is none), in one round trip."""
         ...
 
-    def get_many(self, names: Sequence[str]) -> list[bytes | None]:
-        """Whole values (None where there is none), in one round trip."""
+    def get_many(self, names: Sequence[str], max_bytes: int | None = None) -> list[bytes | None]:
+        """Whole values (None where there is none), in one round trip; with ``max_bytes``, no more than that of
+        each (a longer value comes back cut, so a writer cannot make a reader take in more than it expects)."""
         ...
 
     def set_nx(self, name: str, value: bytes, ttl_s: float) -> bool:
@@ -98,7 +99,12 @@ class RedisStore:
         results = self._pipeline([("getrange", n, 0, nbytes - 1) for n in names])
         return [r if isinstance(r, bytes) and r else None for r in results]
 
-    def get_many(self, names: Sequence[str]) -> list[bytes | None]:
+    def get_many(self, names: Sequence[str], max_bytes: int | None = None) -> list[bytes | None]:
+        if max_bytes is not None:  # GETRANGE: the server sends no more (an empty reply is no value)
+            if len(names) == 1:
+                value = self._call(self._client.getrange, names[0], 0, max_bytes - 1)
+                return [value if isinstance(value, bytes) and value else None]
+            return self.probe(names, max_bytes)
         if len(names) == 1:
             return [self._call(self._client.get, names[0])]
         results = self._pipeline([("get", n) for n in names])
@@ -171,10 +177,13 @@ class MemoryRemoteStore:
             self._check()
             return [v[:nbytes] if (v := self._get(n)) is not None else None for n in names]
 
-    def get_many(self, names: Sequence[str]) -> list[bytes | None]:
+    def get_many(self, names: Sequence[str], max_bytes: int | None = None) -> list[bytes | None]:
         with self._lock:
             self._check()
-            return [self._get(n) for n in names]
+            values = [self._get(n) for n in names]
+        if max_bytes is None:
+            return values
+        return [v[:max_bytes] if v else None for v in values]
 
     def set_nx(self, name: str, value: bytes, ttl_s: float) -> bool:
         with self._lock:

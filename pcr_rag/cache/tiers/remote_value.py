@@ -235,16 +235,16 @@ class ValueCodec:
                 raise _forged(key, "metadata-only value does not match the chunk's sizes")
             return None, None
         header = self._header(raw, key)
-        if len(raw) != header.data_offset + header.payload_nbytes:
-            raise CorruptChunkError(
-                f"value is {len(raw)} bytes, its header says {header.data_offset + header.payload_nbytes} (truncated?)"
-            )
-        verify_seal(header, self.sealer, root)
+        verify_seal(header, self.sealer, root)  # the header alone: authentic, and of this plan and layout
         self._check_plan(header.meta, exp)
         self._check_layout(header)
         if header.payload_nbytes != chunk.nbytes or header.shape[0] != chunk.num_layers:
             raise _forged(key, f"holds {header.payload_nbytes} bytes in {header.shape[0]} layers, the chunk has "
                                f"{chunk.nbytes} in {chunk.num_layers}")
+        size = header.data_offset + header.payload_nbytes
+        if len(raw) != size:  # a read stops one byte past the layout's size: more is padding
+            raise CorruptChunkError(f"value is {len(raw)}{' or more' if len(raw) > size else ''} bytes, its header "
+                                    f"says {size} (truncated or padded)")
         return header, memoryview(raw)[header.data_offset :]
 
     def layer(self, header: ChunkHeader, stored: memoryview, layer: int, root: bytes) -> torch.Tensor:

@@ -47,7 +47,6 @@ from llama_index.llms.pcr.structured import (
     tool_specs,
 )
 
-from pcr_rag.config import EngineConfig, with_chat_template
 from pcr_rag.errors import InvalidRequestError
 from pcr_rag.prompt import Doc
 from pcr_rag.requests import (
@@ -60,8 +59,7 @@ from pcr_rag.requests import (
     StreamChunk,
 )
 from pcr_rag.runtime.grammar import ResponseFormat
-from pcr_rag.runtime.model import DEFAULT_MODEL
-from pcr_rag.shared import shared_engine
+from pcr_rag.runtime.provenance import DEFAULT_MODEL
 from pcr_rag.structured import (
     ToolSpec,
     add_instruction,
@@ -142,6 +140,20 @@ _ROLES = {
 }
 
 
+def _engine_side() -> tuple[Any, Any, Any]:
+    """``(EngineConfig, with_chat_template, shared_engine)``: the engine-side names, imported only when the model
+    runs in this process. ``base_url=`` never gets here, so the thin client (pcr-rag without its 'engine' extra)
+    imports no torch; without the extra a local PCRLLM says what to install."""
+    try:
+        from pcr_rag.config import EngineConfig, with_chat_template
+        from pcr_rag.shared import shared_engine
+    except ModuleNotFoundError as exc:
+        from pcr_rag.errors import engine_not_installed
+
+        raise engine_not_installed(exc) from exc
+    return EngineConfig, with_chat_template, shared_engine
+
+
 class PCRLLM(FunctionCallingLLM):
     """LlamaIndex LLM served by a `pcr_rag.PCREngine`: retrieved documents' KV is cached and reused.
 
@@ -218,7 +230,7 @@ class PCRLLM(FunctionCallingLLM):
     api_key: str | None = Field(default=None, exclude=True, repr=False, description="the server's API key")
 
     _engine: Any = PrivateAttr(default=None)  # None until the first use loads it (or engine= / base_url=)
-    _engine_config: EngineConfig | None = PrivateAttr(default=None)  # the shared engine's (local mode)
+    _engine_config: Any = PrivateAttr(default=None)  # the shared engine's EngineConfig (local mode)
     _context_window: int | None = PrivateAttr(default=None)  # read without loading (see `metadata`)
 
     def __init__(self, engine: Any = None, **kwargs: Any) -> None:
@@ -232,6 +244,7 @@ class PCRLLM(FunctionCallingLLM):
             self._engine = remote_engine(self, engine)  # a client: nothing loads in this process
         else:
             self._engine = engine  # None: the shared engine loads on first use (`engine`)
+            EngineConfig, with_chat_template, _ = _engine_side()
             template = self.chat_template if isinstance(self.chat_template, str) else None
             self._engine_config = with_chat_template(self.config, template) or EngineConfig()  # checked now
         retrieval_hook().register_llm(self)
@@ -251,6 +264,7 @@ class PCRLLM(FunctionCallingLLM):
             return engine
         with _LOAD_LOCK:
             if self._engine is None:
+                shared_engine = _engine_side()[2]
                 self._engine = shared_engine(self.model, self.tokenizer, self._engine_config)
             return self._engine
 
@@ -272,7 +286,7 @@ class PCRLLM(FunctionCallingLLM):
         engine = self._engine
         window = int(engine.max_model_len) if engine is not None else self._unloaded_context_window()
         engine = self._engine  # loaded by _unloaded_context_window when the window was not readable
-        config = engine.config if engine is not None else (self._engine_config or EngineConfig())
+        config = engine.config if engine is not None else (self._engine_config or _engine_side()[0]())
         return LLMMetadata(
             context_window=window,
             num_output=int(self.max_new_tokens or config.max_new_tokens),
@@ -288,7 +302,7 @@ class PCRLLM(FunctionCallingLLM):
             from llama_index.llms.pcr._context import context_window_without_weights  # gguf: only when read
 
             self._context_window = context_window_without_weights(self.model, self.tokenizer,
-                                                                  self._engine_config or EngineConfig())
+                                                                  self._engine_config or _engine_side()[0]())
         if self._context_window is None:
             logger.info("the context window of %r is known only from the loaded model; loading it now", self.model)
             return int(self.engine.max_model_len)
@@ -366,6 +380,7 @@ class PCRLLM(FunctionCallingLLM):
         kwargs = dict(kwargs)
         tools = tuple(kwargs.pop("tools", None) or ())
         choice = kwargs.pop("tool_choice", None) or "auto"
+        parallel = bool(kwargs.pop("parallel_tool_calls", False))
         has_tool_turns = any(m.role == MessageRole.TOOL or tool_selections(m) for m in messages)
         native = has_tool_turns and template_renders_tool_calls(self.engine.tokenizer)
         turns = to_chat_turns(messages, native_tools=native)
@@ -374,8 +389,8 @@ class PCRLLM(FunctionCallingLLM):
         if not any(t["content"].strip() for t in turns):
             raise PCRRequestError("PCRLLM received only empty messages; pass a non-empty query")
         if tools:
-            turns = add_instruction(turns, tools_instruction(tools, choice), self.engine.tokenizer)
-            kwargs["response_format"] = tool_call_format(tools, choice)
+            turns = add_instruction(turns, tools_instruction(tools, choice, parallel=parallel), self.engine.tokenizer)
+            kwargs["response_format"] = tool_call_format(tools, choice, parallel=parallel)
         elif kwargs.get("response_format") is not None:
             fmt = ResponseFormat.of(kwargs["response_format"])
             if fmt.kind == "json_schema" and fmt.schema is not None:  # the model sees the schema; after the documents
@@ -492,8 +507,8 @@ class PCRLLM(FunctionCallingLLM):
                                  allow_parallel_tool_calls: bool = False, tool_required: bool = False,
                                  tool_choice: Any = None, **kwargs: Any) -> dict[str, Any]:
         """The `chat` arguments for a call with ``tools``: "any" when ``tool_required``, else ``tool_choice``
-        ("auto" by default, "none", or a tool's name). One call per answer (``allow_parallel_tool_calls`` is
-        accepted; the answer still holds at most one call)."""
+        ("auto" by default, "none", or a tool's name). ``allow_parallel_tool_calls``: one answer may hold several
+        calls (one JSON object per line, each a `ToolCallBlock`); otherwise at most one."""
         messages = list(chat_history or [])
         if user_msg is not None:
             messages.append(ChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str)
@@ -501,10 +516,11 @@ class PCRLLM(FunctionCallingLLM):
         try:
             specs = tool_specs(tools)
             choice = tool_choice_of(specs, tool_required, tool_choice)
-            tool_call_format(specs, choice)  # compiles (validates) every schema before any compute
+            tool_call_format(specs, choice, parallel=allow_parallel_tool_calls)  # compiles every schema now
         except InvalidRequestError as exc:  # not a decorator: LlamaIndex reads this method's signature
             raise PCRRequestError(str(exc)) from exc
-        return {"messages": messages, "tools": specs, "tool_choice": choice, **kwargs}
+        return {"messages": messages, "tools": specs, "tool_choice": choice,
+                "parallel_tool_calls": bool(allow_parallel_tool_calls), **kwargs}
 
     def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
                                      **kwargs: Any) -> list[ToolSelection]:
