@@ -34,6 +34,7 @@ from pcr_rag.cache.storage.private_dir import refuse_unsafe
 from pcr_rag.config import EngineConfig
 from pcr_rag.errors import EngineClosedError, InvalidRequestError, PromptTooLongError, RequestCancelledError
 from pcr_rag.metrics import MetricsRecorder, prometheus_text
+from pcr_rag.platform_support import check_engine_platform
 from pcr_rag.prompt import Doc, DocumentPieces, PromptBuilder, PromptContext, SegmentedPrompt, split_documents
 from pcr_rag.reorder import reuse_order
 from pcr_rag.requests import (
@@ -54,8 +55,9 @@ from pcr_rag.runtime import gc_pauses
 from pcr_rag.runtime.admission import PrefillOutlook
 from pcr_rag.runtime.announcements import AnnouncementBoard, Ticket
 from pcr_rag.runtime.batch import BatchExecutor
-from pcr_rag.runtime.forward import FastForward
+from pcr_rag.runtime.forward import WARM_UP_ROW, FastForward
 from pcr_rag.runtime.grammar import GrammarCompiler
+from pcr_rag.runtime.kernel_probe import first_step_positions, kernel_identity
 from pcr_rag.runtime.model import PLAIN_TEMPLATE, LoadedModel, load_model
 from pcr_rag.runtime.prefetcher import Prefetcher
 from pcr_rag.runtime.runner import PrefillContext
@@ -127,6 +129,7 @@ class PCREngine:
 
     def __init__(self, model: Any = None, tokenizer: Any = None, config: EngineConfig | None = None,
                  *, storage: Any = None, **overrides: Any) -> None:
+        check_engine_platform()  # before any work: the cache directories need Linux
         if config is None:
             config = EngineConfig(**overrides)
         elif overrides:
@@ -153,8 +156,13 @@ class PCREngine:
         if warm is not None:
             log.info("forward warm-up: %.2f s", warm.seconds)
         # the root covers everything that fixes the KV's bits: model, dtype, chunk size, the forward's tile
-        # sizes and weight format, and the tenant namespace (config.namespace, plus a request's own namespace)
-        self.identity = RootIdentity.of(self.loaded, self.forward, config.chunk_size)
+        # sizes and weight format, the kernels' bits (a probe of the forward, the warm-up's tile its first step)
+        # and the tenant namespace (config.namespace, plus a request's own namespace)
+        warmed = (self.arena.row(WARM_UP_ROW) if warm is not None
+                  and warm.prefill_tokens == first_step_positions(self.forward.tile_rows, self.forward.max_positions)
+                  else None)
+        self.identity = RootIdentity.of(self.loaded, self.forward, config.chunk_size,
+                                        kernel_identity(self.forward, warmed))
         self._roots: dict[str, bytes] = {}
         self._ssd_roots: Any = None  # the SSD tier, once open: it stores each root's manifest (`note_root`)
         self.root_key = self.root_for(None)
@@ -170,6 +178,7 @@ class PCREngine:
                 tenant_dram_bytes=config.tenant_dram_quota,
                 tenant_ssd_bytes=config.tenant_ssd_quota,
                 policy=config.eviction,
+                load_planner=config.load_planner,
                 io_workers=config.io_workers,
                 remote=remote_with_layout(config.remote_config, self.loaded.kv),
                 ssd_secret=config.secret if config.ssd_encrypt else None,

@@ -42,6 +42,15 @@ log = logging.getLogger(__name__)
 LOCK_NAME = ".lock"
 TMP_SUFFIX = ".tmp"
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+# portable where it costs nothing (see pcr_rag.platform_support: the engine itself runs on Linux only)
+_fdatasync = getattr(os, "fdatasync", os.fsync)
+_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None)
+
+
+def _drop_cached(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to drop ``fd``'s pages from the page cache, where it can (``posix_fadvise``)."""
+    if _DONTNEED is not None:
+        os.posix_fadvise(fd, offset, length, _DONTNEED)
 # O_NONBLOCK: opening a FIFO planted as a chunk file must not hang (no effect on regular files)
 _OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _OPEN_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -173,7 +182,7 @@ class _FileReader:
             return
         try:
             if self._drop and not self._direct:
-                os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                _drop_cached(self._fd, 0, 0)
         finally:
             os.close(self._fd)
             self._fd = -1
@@ -252,17 +261,17 @@ class LocalDirBackend:
                     try:
                         self._write_buffered(hfd, [head_view], 0)
                         if self.fsync:
-                            os.fdatasync(hfd)
+                            _fdatasync(hfd)
                         if self.drop_page_cache:
-                            os.posix_fadvise(hfd, 0, head_n, os.POSIX_FADV_DONTNEED)
+                            _drop_cached(hfd, 0, head_n)
                     finally:
                         os.close(hfd)
                 else:
                     self._write_buffered(fd, [head_view], 0)
             if self.fsync:
-                os.fdatasync(fd)
+                _fdatasync(fd)
             if self.drop_page_cache and not direct:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                _drop_cached(fd, 0, 0)
         except BaseException:
             if pending is not None:
                 pending.cancel()
