@@ -141,8 +141,7 @@ def make_engine(cache_dir: Path, *, dram: int, remote_url: str | None, namespace
                        warmup=False)
     engine = PCREngine(model=model, tokenizer=tok, config=cfg)
     if engine.cache is not None and engine.cache.remote is not None:  # load every remote chunk (module docstring)
-        engine.cache.remote.record_compute = lambda tokens, seconds: None
-        engine.cache.remote.compute_s_per_token = None
+        engine.cache.planner.mode = "always-load"
     return engine
 
 

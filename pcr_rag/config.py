@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import torch
 
-from pcr_rag.cache.config import RemoteConfig, redacted_repr
+from pcr_rag.cache.config import PLANNER_MODES, RemoteConfig, redacted_repr
 from pcr_rag.cache.seal import SECRET_MIN_CHARS
 from pcr_rag.errors import ConfigError
 from pcr_rag.limits import DEFAULT_LIMITS, RequestLimits
@@ -24,12 +24,13 @@ from pcr_rag.units import parse_bytes
 
 EvictionPolicyName = Literal["lookahead-lru", "lru"]
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+LoadPlannerName = Literal["measured", "always-load"]  # pcr_rag.cache.config.PLANNER_MODES
            "float16": torch.float16, "fp16": torch.float16}
 
 
 _BOOL_FIELDS = ("layerwise", "prefetch", "enable_cache", "compile", "warmup", "freeze_gc", "remote_insecure",
                 "remote_encrypt", "ssd_encrypt", "allow_download")
-_STR_FIELDS = ("namespace", "remote_namespace", "schedule", "weights", "eviction")
+_STR_FIELDS = ("namespace", "remote_namespace", "schedule", "weights", "eviction", "load_planner")
 
 
 def _check_bool(name: str, value: object) -> None:
@@ -114,6 +115,9 @@ class EngineConfig(RemoteFields):  # type: ignore[misc,valid-type]
         prefetch: start SSD -> DRAM loads for requests in the look-ahead window.
         eviction: "lookahead-lru" (protect what the window needs) or "lru".
         enable_cache: False runs the same chunk-aligned prefill without any reuse (the no-reuse baseline).
+        load_planner: "measured" (a cached chunk is loaded only where that beats recomputing it, from each tier's
+            measured read speed and the measured prefill speed: `pcr_rag.cache.reuse_planner`) or "always-load"
+            (every cached chunk a tier can serve is loaded, however slow the tier).
         namespace: tenant salt; caches of different namespaces never share chunks.
         max_new_tokens: default generation length (tokens).
         announce_ttl_s: an announced request that nobody claims expires after this many seconds.
@@ -222,6 +226,7 @@ class EngineConfig(RemoteFields):  # type: ignore[misc,valid-type]
     prefetch: bool = True
     eviction: EvictionPolicyName = "lookahead-lru"
     enable_cache: bool = True
+    load_planner: LoadPlannerName = "measured"
     namespace: str = ""
     max_new_tokens: int = 128
     announce_ttl_s: float = 120.0
@@ -288,6 +293,8 @@ class EngineConfig(RemoteFields):  # type: ignore[misc,valid-type]
         if self.eviction not in ("lookahead-lru", "lru"):
             raise ConfigError(f"eviction must be 'lookahead-lru' or 'lru', got {self.eviction!r}")
         _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
+        if self.load_planner not in PLANNER_MODES:
+            raise ConfigError(f"load_planner must be one of {PLANNER_MODES}, got {self.load_planner!r}")
         _check_seconds("announce_ttl_s", self.announce_ttl_s, positive=True)
         _check_seconds("remote_ttl_s", self.remote_ttl_s, positive=False)
         for name in ("remote_connect_timeout_s", "remote_timeout_s", "remote_breaker_backoff_s"):

@@ -13,11 +13,14 @@ from pcr_rag.cache.seal import check_secret
 from pcr_rag.units import parse_bytes
 
 __all__ = [
-    "CLUSTER_SCHEMES", "REMOTE_SCHEMES", "CacheConfig", "ClusterURL", "KVLayout", "POLICIES", "RemoteConfig",
+    "CLUSTER_SCHEMES", "PLANNER_MODES", "REMOTE_SCHEMES", "CacheConfig", "ClusterURL", "KVLayout", "POLICIES",
+    "RemoteConfig",
     "parse_cluster_url", "redacted_repr", "redacted_url", "remote_with_layout",
 ]
 
 POLICIES = ("lookahead-lru", "lru")
+#: How cached chunks are chosen for loading (``cache.reuse_planner``): from measured speeds, or every one.
+PLANNER_MODES = ("measured", "always-load")
 #: URL schemes of a Valkey/Redis Cluster (sharded by hash slot): ``redis+cluster://``, ``valkey+cluster://`` and
 #: their TLS forms; the host part may list several seed nodes, comma-separated.
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster", "valkey+cluster", "valkeys+cluster")
@@ -246,6 +249,9 @@ class CacheConfig:
       the DRAM and SSD tiers: a chunk counts against the tenant whose request computed it, and a tenant at its
       quota makes room by evicting its own chunks only, so one tenant cannot evict another's working set (the
       rules and their guarantee: ``cache.residency``).
+    - ``load_planner``: ``"measured"`` (a cached chunk is loaded only where that beats recomputing it, from the
+      measured read and prefill speeds: ``cache.reuse_planner``) or ``"always-load"`` (every cached chunk a tier
+      can serve is loaded).
     """
 
     chunk_size: int = 256
@@ -265,8 +271,11 @@ class CacheConfig:
     ssd_secret: str | None = field(default=None, repr=False)
     tenant_dram_bytes: int | str | None = None
     tenant_ssd_bytes: int | str | None = None
+    load_planner: str = "measured"
 
     def __post_init__(self) -> None:
+        if self.load_planner not in PLANNER_MODES:
+            raise ValueError(f"unknown load_planner {self.load_planner!r}; choose one of {PLANNER_MODES}")
         if self.ssd_secret is not None:
             check_secret(self.ssd_secret, "SSD secret")
         self.dram_bytes = parse_bytes(self.dram_bytes)

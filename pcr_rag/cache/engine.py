@@ -2,8 +2,9 @@
 
 Parts, each testable on its own: ``ResidencyIndex`` (prefix tree, which tier holds what, budgets, eviction), the
 tiers behind ``tiers.base.KVTier`` (device and DRAM memory, SSD files, the shared remote store), ``WriteBack``
-(memory -> SSD, and write-through), ``RemoteReuse`` (remote lookups, load-or-recompute, remote write-through),
-``Loader`` (storage -> DRAM, verified reads) and the objects callers hold (``lease``). One ``EngineLock`` guards
+(memory -> SSD, and write-through), ``RemoteReuse`` (remote lookups, remote write-through), ``ReusePlanner`` (load
+or recompute, for every tier, from measured speeds), ``Loader`` (storage -> DRAM, verified and timed reads) and the
+objects callers hold (``lease``). One ``EngineLock`` guards
 all metadata; payload copies and I/O run outside it. The contract is in docs/DESIGN.md ("Cache engine"); an insert
 that finds no memory room is written through to SSD, so a small DRAM never switches caching off.
 """
@@ -29,6 +30,7 @@ from pcr_rag.cache.policy import make_policy
 from pcr_rag.cache.recovery import recover
 from pcr_rag.cache.remote_reuse import RemoteReuse
 from pcr_rag.cache.residency import ResidencyIndex
+from pcr_rag.cache.reuse_planner import ReusePlan, ReusePlanner, Segment
 from pcr_rag.cache.stats import CacheStats
 from pcr_rag.cache.storage import StorageBackend
 from pcr_rag.cache.tiers import MemoryTier, build_tiers
@@ -73,18 +75,26 @@ class CacheEngine:
             inline=config.sync_io,
             wait_s=config.writeback_wait_s,
         )
+        remote = next((t for t in self._tiers if t.tier is Tier.REMOTE), None)
+        self._remote: RemoteReuse | None = None
+        if remote is not None and config.remote is not None:
+            self._remote = RemoteReuse(self._sync, self._index, remote,  # type: ignore[arg-type]
+                                       write_queue=config.remote.write_queue, inline=config.sync_io)
+        self.planner = ReusePlanner(
+            config.load_planner,
+            remote_seconds=self._remote.client.load_seconds if self._remote is not None else None,
+            memory_copies_overlap=config.device.startswith("cuda"),
+            clock=self.clock.now,
+        )
         self._loader = Loader(
             self._sync,
             self._index,
             self._writeback,
             self._stats,
             workers=None if config.sync_io else config.io_workers,
+            on_read=self.planner.record_read,
+            timer=self.clock.now,
         )
-        remote = next((t for t in self._tiers if t.tier is Tier.REMOTE), None)
-        self._remote: RemoteReuse | None = None
-        if remote is not None and config.remote is not None:
-            self._remote = RemoteReuse(self._sync, self._index, remote,  # type: ignore[arg-type]
-                                       write_queue=config.remote.write_queue, inline=config.sync_io)
 
     # ================================================================== queries
     @property
@@ -159,22 +169,32 @@ class CacheEngine:
         max_chunks: int | None = None,
         *,
         total_tokens: int | None = None,
+        prompt_tokens: int | None = None,
     ) -> Lease:
         """Match, pin the matched nodes, LRU-touch them and count hits/misses by tier.
 
         ``keys`` may be chunk keys or ``ChunkSpec``s (then miss tokens are exact); with plain keys, pass
         ``total_tokens`` (tokens covered by the considered keys) to count miss tokens. ``max_chunks`` caps the
         match (and hit/miss counting). With a remote tier, the chunks after the local match are looked up there
-        first (``discover``); the match ends where loading from it would cost more than recomputing."""
+        first (``discover``). The match ends where the planner finds that loading the rest would take longer
+        than recomputing it (``prompt_tokens``: the request's prompt, which the compute estimate covers; None:
+        the matched chunks); those chunks count as misses and in ``recomputed_instead_of_loaded``."""
         raw = [k.key if isinstance(k, ChunkSpec) else k for k in keys]
         limit = len(raw) if max_chunks is None else max(0, min(len(raw), max_chunks))
         if self._remote is not None and limit:
             self._remote.discover(keys[:limit])  # ChunkSpecs: checked against the plan
+        if limit:
+            self._probe_storage(raw[:limit])
         with self._lock:
             self._sync.check_open()
             nodes: list[CacheNode] = self._index.tree.match(raw, limit)  # type: ignore[assignment]
-            if self._remote is not None:
-                nodes = nodes[: self._remote.reuse_limit(nodes)]
+            plan = self._plan(nodes, prompt_tokens)
+            if plan.skipped:
+                self.planner.count(plan)
+                log.debug("reuse plan: %d of %d cached chunks loaded, recomputing %s (estimated %.4f s to the "
+                          "last prefill layer)", plan.reuse, len(nodes), _tier_counts(plan.skipped),
+                          plan.seconds if plan.seconds is not None else float("nan"))
+            nodes = nodes[: plan.reuse]
             tiers = tuple(fastest_tier(n.resident_mask) for n in nodes)
             self._index.pin_and_touch(nodes)
             st = self._stats
@@ -197,17 +217,41 @@ class CacheEngine:
         add the ones found to the tree; returns how many (0 without a remote tier, or while it is skipped)."""
         return self._remote.discover(keys) if self._remote is not None else 0
 
-    def reuse_limit(self, keys: Sequence[bytes]) -> int:
-        """How many leading chunks of ``keys`` are cached and worth reusing: the match, cut where loading from the
-        remote tier would cost more than recomputing (the prefetcher loads no further)."""
+    def reuse_limit(self, keys: Sequence[bytes], prompt_tokens: int | None = None) -> int:
+        """How many leading chunks of ``keys`` are cached and worth loading now (the planner's decision, as
+        ``acquire`` makes it, uncounted): the prefetcher loads no further."""
         with self._lock:
             nodes: list[CacheNode] = self._index.tree.match(keys)  # type: ignore[assignment]
-            return self._remote.reuse_limit(nodes, count=False) if self._remote is not None else len(nodes)
+            return self._plan(nodes, prompt_tokens).reuse
 
-    def record_compute(self, tokens: int, seconds: float) -> None:
-        """A measured prefill (``tokens`` computed in ``seconds``) for the load-or-recompute decision."""
-        if self._remote is not None:
-            self._remote.record_compute(tokens, seconds)
+    def _plan(self, nodes: Sequence[CacheNode], prompt_tokens: int | None) -> ReusePlan:
+        """The planner's decision over a matched path (lock held)."""
+        if not nodes:
+            return ReusePlan(0, None)
+        loading = self._loader.loading
+        segments = [Segment(n.key, n.fastest(), n.num_tokens, n.nbytes, n.num_layers, loading(n)) for n in nodes]
+        available = self._remote is None or self._remote.client.available()
+        return self.planner.plan(segments, prompt_tokens, remote_available=available)
+
+    def _probe_storage(self, keys: Sequence[bytes]) -> None:
+        """When the SSD tier's read speed is unknown or stale (``ReusePlanner.needs_probe``), time one layer read
+        of the first matched chunk that sits there (the planner's cold start: the first request decides from a
+        measurement, not a guess). A failed probe changes nothing (the read drops a bad copy, as any read does)."""
+        if not self.planner.needs_probe(Tier.SSD):
+            return
+        with self._lock:
+            probe = next((n.key for n in self._index.tree.match(keys)  # type: ignore[attr-defined]
+                          if n.fastest() is Tier.SSD and not n.virtual), None)
+        if probe is not None:
+            try:
+                self._loader.read_layer(probe, 0)
+            except Exception as exc:  # noqa: BLE001 - a probe is an optimisation; the request decides without it
+                log.debug("read-speed probe of chunk %s failed: %s", probe.hex()[:12], exc)
+
+    def record_compute(self, tokens: int, seconds: float, start: int = 0) -> None:
+        """A measured prefill step (``tokens`` positions from ``start`` computed in ``seconds``) for the
+        load-or-recompute decision."""
+        self.planner.record_compute(tokens, seconds, start)
 
     def get_payload(self, key: bytes) -> Payload | None:
         """The chunk's payload when it is in device memory or DRAM (device preferred), else None. Hold a Lease
@@ -389,8 +433,12 @@ class CacheEngine:
                 **{k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(self._stats).items()}
             )
             st.writeback_queue_depth = self._writeback.depth
+            st.recomputed_instead_of_loaded = dict(self.planner.recomputed)
+            st.planner = self.planner.snapshot()
             if self._remote is not None:
                 st.remote_io = self._remote.counters()
+                st.remote_io["recompute_chosen"] = st.recomputed_instead_of_loaded[Tier.REMOTE.value]
+                st.remote_io["compute_s_per_token"] = st.planner["compute_s_per_token"]
             st.pinned_chunks = self._index.pinned
             if self._dram.buffers is not None:
                 st.dram_buffers_reused = self._dram.buffers.reused
@@ -414,3 +462,11 @@ class CacheEngine:
         counts include reservations, so the exact byte equality is checked only when the engine is quiet."""
         with self._lock:
             self._index.check(quiet=self._writeback.idle and self._loader.idle)
+
+
+def _tier_counts(tiers: Sequence[Tier]) -> str:
+    """'2 ssd, 1 remote': chunks per tier, for the planner's log line."""
+    counts: dict[str, int] = {}
+    for t in tiers:
+        counts[t.value] = counts.get(t.value, 0) + 1
+    return ", ".join(f"{n} {name}" for name, n in counts.items())

@@ -1,7 +1,8 @@
 """Reads: chunks read in place (``get_payload``, ``read_layer``, layer readers) and loads (storage -> DRAM
 copies, in flight at most once per chunk, on an I/O pool), all through the one verified-read helper.
 
-- ``read_verified`` runs a read of a tier's copy; when it fails (``CorruptChunkError``, or an ``OSError`` such
+- ``read_verified`` runs a read of a tier's copy, timed (``on_read(tier, bytes, seconds)``: the load-or-recompute
+  planner's read speeds, ``cache.reuse_planner``); when it fails (``CorruptChunkError``, or an ``OSError`` such
   as a missing file or a timeout) the copy is dropped (a node left in no tier goes with its subtree), counted in
   ``corrupt_chunks_dropped``, and ``CorruptChunkError`` says to recompute.
 - A load pins its nodes from ``begin`` until the batch ends, so a later chunk's room is never made by evicting
@@ -14,6 +15,7 @@ copies, in flight at most once per chunk, on an I/O pool), all through the one v
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
@@ -82,8 +84,12 @@ class Loader:
         stats: CacheStats,
         *,
         workers: int | None,
+        on_read: Callable[[Tier, int, float], None] | None = None,
+        timer: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._sync = sync
+        self._on_read = on_read
+        self._timer = timer
         self._index = index
         self._writeback = writeback
         self._stats = stats
@@ -97,6 +103,10 @@ class Loader:
             None if workers is None else ThreadPoolExecutor(workers, thread_name_prefix="pcr-cache-io")
         )
 
+    def loading(self, node: CacheNode) -> bool:
+        """A load of ``node`` is in flight (lock held)."""
+        return node in self._loading
+
     @property
     def idle(self) -> bool:
         """No load in flight (lock held)."""
@@ -104,9 +114,15 @@ class Loader:
 
     def read_verified(self, node: CacheNode, tier: Tier, read: Callable[[], T]) -> T:
         """``read()`` of ``tier``'s copy of ``node`` (no lock held; the caller keeps ``node`` pinned). A failed read
-        drops that copy and raises ``CorruptChunkError``."""
+        drops that copy and raises ``CorruptChunkError``. A read that returns bytes is timed for ``on_read``."""
         try:
-            return read()
+            t0 = self._timer()
+            out = read()
+            if self._on_read is not None:
+                nbytes = getattr(out, "nbytes", 0)
+                if nbytes:
+                    self._on_read(tier, int(nbytes), self._timer() - t0)
+            return out
         except (CorruptChunkError, OSError) as exc:  # OSError covers missing files and timeouts
             with self._sync.lock:
                 self._index.drop_bad_copy(node, tier, exc)

@@ -1,5 +1,4 @@
-"""The engine's side of the remote tier: learning what the shared store holds, deciding whether loading a chunk
-from it beats recomputing it, and the write-through queue.
+"""The engine's side of the remote tier: learning what the shared store holds, and the write-through queue.
 
 - ``discover(keys)``: after the local match of a chunk chain ends, one pipelined lookup of the rest; the longest
   run of verified values that continues the chain is added to the prefix tree as remote copies (within the
@@ -9,12 +8,8 @@ from it beats recomputing it, and the write-through queue.
   when ``keys`` are ``ChunkSpec`` s) and, from a plan, each chunk's token count and partial flag; a value that
   contradicts them is deleted and counted as forged. Keys alone with no local match give no root: the few roots
   recently seen are tried as guesses, and a value that fails under a guess is left alone.
-- ``reuse_limit(nodes)``: how many leading chunks of a matched path to reuse. A remote chunk costs a load
-  (measured round trip + bytes / measured read bandwidth, for the remote chunks up to it together) and saves its
-  recompute (tokens x measured compute seconds per token); the cut maximises the saving, so no chunk is loaded
-  when recomputing it and everything after it would be cheaper. Until both speeds are measured every chunk is
-  reused; while the breaker is open, the path ends before its first remote-only chunk.
-- ``record_compute(tokens, seconds)``: the runtime reports measured prefill speed.
+- Whether loading a remote chunk beats recomputing it is decided with every other tier's chunks by
+  ``cache.reuse_planner`` (from the client's measured round trip and bandwidth: ``client.load_seconds``).
 """
 
 from __future__ import annotations
@@ -26,7 +21,6 @@ from collections.abc import Sequence
 from pcr_rag.cache.engine_lock import EngineLock
 from pcr_rag.cache.errors import RemoteUnavailableError
 from pcr_rag.cache.keys import ChunkSpec
-from pcr_rag.cache.node import CacheNode
 from pcr_rag.cache.payload import Payload
 from pcr_rag.cache.remote_writer import RemoteWriter
 from pcr_rag.cache.residency import ResidencyIndex, Room
@@ -37,12 +31,11 @@ from pcr_rag.cache.tiers.remote_value import Expected, RemoteHeader
 __all__ = ["RemoteReuse"]
 
 _BIT = tier_bit(Tier.REMOTE)
-_DECAY = 0.95  # weight of the older prefill-step samples each time a new one comes
 _GUESS_ROOTS = 4  # recent namespace roots tried for a lookup by keys alone (one round trip each, at most)
 
 
 class RemoteReuse:
-    """Discovery, load-or-recompute and write-through for one engine's remote tier (see the module docstring)."""
+    """Discovery and write-through for one engine's remote tier (see the module docstring)."""
 
     def __init__(self, sync: EngineLock, index: ResidencyIndex, tier: RemoteTier, *, write_queue: int,
                  inline: bool) -> None:
@@ -52,8 +45,6 @@ class RemoteReuse:
         self._index = index
         self.writer = RemoteWriter(sync, index, tier, capacity=write_queue, inline=inline)
         self._speed_lock = threading.Lock()
-        self.compute_s_per_token: float | None = None
-        self._fit = [0.0] * 5  # decayed sums of 1, tokens, seconds, tokens^2, tokens x seconds
         self._roots: OrderedDict[bytes, None] = OrderedDict()  # namespace roots recently seen, newest last
 
     # ------------------------------------------------------------------ discovery (no lock held)
@@ -127,58 +118,6 @@ class RemoteReuse:
                 learned += 1
         return learned
 
-    # ------------------------------------------------------------------ load or recompute (lock held)
-    def reuse_limit(self, nodes: Sequence[CacheNode], *, count: bool = True) -> int:
-        """How many leading ``nodes`` (a matched path) to reuse (see the module docstring); ``count`` adds the
-        remote chunks left out to ``recompute_chosen`` (a request's decision, not a prefetch plan's)."""
-        remote = [i for i, n in enumerate(nodes) if n.resident_mask & _BIT and n.fastest() is Tier.REMOTE]
-        if not remote:
-            return len(nodes)
-        if not self.client.available():
-            cut = remote[0]
-        else:
-            cut = self._best_cut(nodes)
-        skipped = sum(1 for i in remote if i >= cut)
-        if skipped and count:
-            self.client.count("recompute_chosen", skipped)
-        return cut
-
-    def _best_cut(self, nodes: Sequence[CacheNode]) -> int:
-        spt = self.compute_s_per_token
-        if spt is None or self.client.load_seconds(0) is None:
-            return len(nodes)  # nothing measured yet: load (the load itself measures the network)
-        best, cut = 0.0, 0
-        tokens = 0
-        remote_bytes = 0
-        for i, n in enumerate(nodes):
-            tokens += n.num_tokens
-            if n.fastest() is Tier.REMOTE:
-                remote_bytes += n.nbytes
-            load_s = self.client.load_seconds(remote_bytes) if remote_bytes else 0.0
-            saving = tokens * spt - (load_s or 0.0)
-            if saving > best or (saving == best and n.fastest() is not Tier.REMOTE):
-                best, cut = saving, i + 1
-        return cut
-
-    def record_compute(self, tokens: int, seconds: float) -> None:
-        """A measured prefill step: ``tokens`` computed in ``seconds``. A step costs a fixed part (paid whatever
-        is reused: the last token is always computed) plus a part per token; the estimate is the slope of a
-        decayed least-squares fit of seconds on tokens (the mean seconds per token until steps of different
-        sizes have been seen; a degenerate fit keeps the previous estimate)."""
-        if tokens <= 0 or seconds <= 0:
-            return
-        with self._speed_lock:
-            f = self._fit
-            for i, v in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
-                f[i] = _DECAY * f[i] + v
-            n, x, y, xx, xy = f
-            spread = n * xx - x * x
-            slope = (n * xy - x * y) / spread if spread > 1e-9 * n * xx else -1.0
-            if slope > 0:
-                self.compute_s_per_token = slope
-            elif self.compute_s_per_token is None:  # no spread of step sizes yet: the plain mean
-                self.compute_s_per_token = y / x
-
     # ------------------------------------------------------------------ writes and stats
     def offer(self, chunk: ChunkRecord, payload: Payload) -> None:
         if chunk.parent_is_root:
@@ -188,7 +127,6 @@ class RemoteReuse:
     def counters(self) -> dict[str, object]:
         out: dict[str, object] = dict(self.client.counters())
         out["write_queue_depth"] = self.writer.depth
-        out["compute_s_per_token"] = self.compute_s_per_token or 0.0
         return out
 
     def flush(self, timeout: float | None = None) -> None:

@@ -49,6 +49,11 @@ class CacheStats:
       ``latency_s`` (mean/p50/p95/p99 of recent calls, seconds). On a cluster (``redis+cluster://``), also
       ``nodes`` / ``nodes_open`` (primaries known / with an open per-node breaker), ``node_errors``,
       ``node_skipped``, ``node_breaker_trips``, ``redirects`` (MOVED followed) and ``slot_map_refreshes``.
+    - ``recomputed_instead_of_loaded``: per tier, cached chunks that requests recomputed because the planner found
+      loading them slower (``cache.reuse_planner``; the remote entry is also ``remote_io["recompute_chosen"]``).
+    - ``planner``: the planner's mode and estimates: ``read_bytes_per_s`` and ``read_latency_s`` per tier (0:
+      not measured yet; the remote tier's are ``remote_io``'s ``read_bytes_per_s`` / ``rtt_s``),
+      ``compute_s_per_token`` and ``compute_s_per_token_position`` (the prefill cost's position term).
     """
 
     hit_chunks: dict[str, int] = field(default_factory=_tiers)
@@ -82,6 +87,8 @@ class CacheStats:
     quota_refusals: dict[str, int] = field(default_factory=_tiers)
     tenants: dict[str, int] = field(default_factory=_tiers)
     remote_io: dict[str, object] = field(default_factory=dict)
+    recomputed_instead_of_loaded: dict[str, int] = field(default_factory=_tiers)
+    planner: dict[str, object] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)

@@ -78,6 +78,8 @@ class BatchExecutor:
         self.arena = arena
         self.batch_rows = arena.rows
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        if ctx.cache is not None:  # the load-or-recompute cost model runs the steps as this executor does
+            ctx.cache.planner.configure(step_tokens=prefill_chunk_tokens, layerwise=ctx.layerwise)
         self.budget = budget
         self.schedule = schedule
         self.tokenizer = tokenizer
@@ -130,11 +132,11 @@ class BatchExecutor:
             self._record_prefill(warm.prefill_tokens, warm.prefill_s)
             self.budget.record_decode(warm.decode_s)
 
-    def _record_prefill(self, tokens: int, seconds: float) -> None:
-        """A complete prefill step: ``tokens`` positions in ``seconds`` of compute. The one place its speed goes:
-        the ITL budget, the aging rate and the load-or-recompute decision (`PrefillContext.record_step`)."""
+    def _record_prefill(self, tokens: int, seconds: float, start: int = 0) -> None:
+        """A complete prefill step: ``tokens`` positions from ``start`` in ``seconds`` of compute. The one place its
+        speed goes: the ITL budget, the aging rate and the load-or-recompute decision (`PrefillContext.record_step`)."""
         self.budget.record_prefill(tokens, seconds)
-        self.ctx.record_step(tokens, seconds)
+        self.ctx.record_step(tokens, seconds, start)
 
     # -------------------------------------------------------------------------------------------- admission
     def admit(self, req: Request) -> None:

@@ -3,8 +3,8 @@
 `plan_prefetch` is the decision, a pure function of the window and the cache state, shared by the runtime's
 `Prefetcher` thread and the simulator: every chunk a windowed request needs is protected from eviction
 (look-ahead LRU), and the matched-prefix chunks that sit on SSD or in the remote store but not in memory are
-loaded into DRAM while the requests wait (remote ones only as far as loading beats recomputing:
-`CacheEngine.reuse_limit`). With a remote tier, each request entering the window is first looked up there
+loaded into DRAM while the requests wait, as far as loading beats recomputing (`CacheEngine.reuse_limit`: the
+load-or-recompute planner). With a remote tier, each request entering the window is first looked up there
 (`CacheEngine.discover`). After each cycle the window slides with the queue.
 """
 
@@ -38,7 +38,7 @@ def plan_prefetch(window: Sequence[Sequence[bytes]], cache: CacheEngine) -> Pref
     for keys in window:
         protect.update(keys)
         match = cache.match(keys)
-        usable = cache.reuse_limit(keys) if cache.remote_enabled else match.num_chunks
+        usable = cache.reuse_limit(keys)
         for key, tier in zip(match.keys[:usable], match.tiers[:usable]):
             if (tier is Tier.SSD or tier is Tier.REMOTE) and key not in seen:
                 seen.add(key)

@@ -57,12 +57,12 @@ class PrefillContext:
     layerwise: bool
     speed: PrefillSpeed = field(default_factory=PrefillSpeed)
 
-    def record_step(self, tokens: int, seconds: float) -> None:
-        """A prefill step computed ``tokens`` positions in ``seconds`` of compute: the aging rate and the cache's
-        load-or-recompute decision learn the engine's speed from it."""
+    def record_step(self, tokens: int, seconds: float, start: int = 0) -> None:
+        """A prefill step computed ``tokens`` positions from ``start`` in ``seconds`` of compute: the aging rate and
+        the cache's load-or-recompute decision learn the engine's speed from it (the latter at that position)."""
         self.speed.record(tokens, seconds)
         if self.cache is not None:
-            self.cache.record_compute(tokens, seconds)
+            self.cache.record_compute(tokens, seconds, start)
 
 
 class _StepHooks:
@@ -119,7 +119,7 @@ class PrefillTask:
         self.begun = False
         self.began_at = math.inf               # perf_counter seconds of its first `advance` (the schedule's aging)
         self._inflight: _InflightStep | None = None
-        self.last_step: tuple[int, float] = (0, 0.0)  # the last complete step's (tokens, compute s): the executor's
+        self.last_step: tuple[int, float, int] = (0, 0.0, 0)  # the last complete step's (tokens, compute s, start)
         self._trace = getattr(request, "trace", None)  # a traced request notes its load's and steps' times
 
     # ------------------------------------------------------------------------------------------------ state
@@ -154,7 +154,7 @@ class PrefillTask:
         self._sources = []
         matched = 0
         if cache is not None and self._max_chunks > 0:
-            self._lease = cache.acquire(self.plan, max_chunks=self._max_chunks)
+            self._lease = cache.acquire(self.plan, max_chunks=self._max_chunks, prompt_tokens=self.total)
             matched = self._lease.num_chunks
         if matched:
             if self._trace is not None:
@@ -286,7 +286,7 @@ class PrefillTask:
             self.load_wait_s += step.waited
             self._load = None
             self._promote_ssd_chunks()
-        self.last_step = (step.end - step.start, compute_s)
+        self.last_step = (step.end - step.start, compute_s, step.start)
         self.position = step.end
         if step.offload is not None:
             self._insert_completed(step.offload)

@@ -12,9 +12,11 @@ Two sources, one registry per app (never the process-global one, so several apps
   ``pcr:decode_step_seconds`` and ``pcr:prefill_layers_per_step`` (the ITL budget's reading),
   ``pcr:cache_usage_bytes{tier}``,
   ``pcr:cache_capacity_bytes{tier}``, ``pcr:cache_chunks{tier}``, ``pcr:cache_pinned_chunks``,
+  ``pcr:cache_read_bytes_per_second{tier}`` (the load-or-recompute planner's read-speed estimates),
   ``pcr:announcements_pending``; counters ``pcr:prompt_tokens_total``,
   ``pcr:prompt_tokens_by_source_total{source=computed|device|dram|ssd|remote}``, ``pcr:prefix_cache_queries_total`` and
   ``pcr:prefix_cache_hits_total`` (tokens, as vLLM counts them), ``pcr:cache_evictions_total{tier}``,
+  ``pcr:chunks_recomputed_instead_of_loaded_total{tier}``,
   ``pcr:cache_load_failures_total``, ``pcr:remote_values_forged_total``, ``pcr:prefetch_loads_total``,
   ``pcr:prefetch_hit_chunks_total``, ``pcr:prefetch_cycles_total``, ``pcr:announcements_total``,
   ``pcr:announcements_claimed_total``, ``pcr:announcements_expired_total``, ``pcr:requests_failed_total``,
@@ -174,6 +176,16 @@ class _EngineCollector(Collector):
                                         labels=["model_name", "tier"]), cache.chunks)
         yield by_tier(CounterMetricFamily(PREFIX + "cache_evictions", "Chunks evicted per tier.",
                                           labels=["model_name", "tier"]), cache.evictions)
+        yield by_tier(CounterMetricFamily(PREFIX + "chunks_recomputed_instead_of_loaded",
+                                          "Cached chunks recomputed because loading them was estimated slower (the "
+                                          "load-or-recompute planner), per tier.", labels=["model_name", "tier"]),
+                      cache.recomputed_instead_of_loaded)
+        speeds = cache.planner.get("read_bytes_per_s", {})
+        if speeds:
+            yield by_tier(GaugeMetricFamily(PREFIX + "cache_read_bytes_per_second",
+                                            "The planner's read-speed estimate per tier (0: not measured yet; the "
+                                            "remote tier's is its client's).", labels=["model_name", "tier"]),
+                          {**speeds, "remote": cache.remote_io.get("read_bytes_per_s", 0)})
         yield gauge("cache_pinned_chunks", "Chunks pinned now by running requests and loads (0 when idle).",
                     cache.pinned_chunks)
         yield counter("cache_load_failures", "Cached chunks that failed to load (recomputed).", cache.load_failures)

@@ -81,7 +81,7 @@ def test_an_engine_with_a_full_dram_tier_reuses_buffers_with_exact_answers(tmp_p
 
     def run(name: str, **kw) -> tuple[list, dict]:
         cfg = EngineConfig(cache_dir=tmp_path / name, chunk_size=chunk, ssd_capacity="64MiB", max_new_tokens=6,
-                           device="cpu", dtype="float32", **kw)
+                           device="cpu", dtype="float32", load_planner="always-load", **kw)
         with PCREngine(model=model, tokenizer=tok, config=cfg) as eng:
             out = [eng.generate(q, d) for q, d in requests]
             eng.flush()

@@ -150,9 +150,9 @@ def test_load_or_recompute_follows_the_measured_speeds(store_name, chunks, make_
         b.record_compute(4, 4 * 1e-6)  # recomputing a chunk costs 4 us: never load
         assert b.reuse_limit([s.key for s in specs]) == 0 and b.acquire(specs).num_chunks == 0
         assert b.stats().remote_io["recompute_chosen"] == 3
-        b._remote.compute_s_per_token = 1e-3  # 4 ms per chunk: loading all three wins
+        b.planner.compute.observe(1e-3)  # 4 ms per chunk: loading all three wins
         assert b.acquire(specs).num_chunks == 3
-        b._remote.compute_s_per_token = 2e-4  # 0.8 ms/chunk: the round trip pays off only over several chunks
+        b.planner.compute.observe(2e-4)  # 0.8 ms/chunk: the round trip pays off only over several chunks
         assert b.reuse_limit([s.key for s in specs]) == 3  # 2.4 ms saved for 1.3 ms of loading
         assert b.reuse_limit([s.key for s in specs[:1]]) == 0  # 0.8 ms saved for 1.1 ms: recompute
 
@@ -261,7 +261,7 @@ def test_chunks_loaded_from_the_store_are_kept_on_the_local_ssd(store_name, chun
 def test_compute_speed_is_the_per_token_slope_not_the_fixed_step_cost(store_name):
     with engine(store_name) as eng:
         eng.record_compute(256, 0.3 + 256 * 0.002)
-        assert eng.remote.compute_s_per_token == pytest.approx((0.3 + 0.512) / 256)  # one size: the mean
+        assert eng.planner.compute.s_per_token == pytest.approx((0.3 + 0.512) / 256)  # one size: the mean
         for tokens in (1, 1, 30, 256, 1, 12):  # full hits compute one token: mostly the fixed 0.3 s
             eng.record_compute(tokens, 0.3 + tokens * 0.002)
-        assert eng.remote.compute_s_per_token == pytest.approx(0.002)
+        assert eng.planner.compute.s_per_token == pytest.approx(0.002)

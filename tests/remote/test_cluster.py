@@ -53,8 +53,7 @@ def make_engine(tiny, cache_dir: Path, **kw) -> PCREngine:
                        dram_capacity="64MiB", ssd_capacity="64MiB", **kw)
     eng = PCREngine(model=model, tokenizer=tok, config=cfg)
     if eng.cache is not None and eng.cache.remote is not None:
-        eng.cache.remote.record_compute = lambda tokens, seconds: None  # no compute speed: load every chunk
-        eng.cache.remote.compute_s_per_token = None  # forget the warm-up's
+        eng.cache.planner.mode = "always-load"  # load every chunk a tier serves
     return eng
 
 

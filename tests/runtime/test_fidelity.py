@@ -23,7 +23,8 @@ REQUESTS = [  # the issue's orders and overlaps
 
 def _engine(model, tok, tmp_path, name, **kw) -> PCREngine:
     cfg = dict(cache_dir=tmp_path / name, chunk_size=16, dram_capacity="64MiB", ssd_capacity="256MiB",
-               max_new_tokens=8, device=TEST_DEVICE)
+               max_new_tokens=8, device=TEST_DEVICE,
+               load_planner="always-load")  # the SSD path itself: on a tiny model recomputing beats reading, which the planner would choose
     cfg.update(kw)
     return PCREngine(model=model, tokenizer=tok, config=EngineConfig(**cfg))
 

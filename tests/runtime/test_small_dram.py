@@ -40,6 +40,7 @@ def _run(tiny, path, **kw):
         max_new_tokens=6,
         device=TEST_DEVICE,
         dtype="float32",
+        load_planner="always-load",  # the SSD path itself: on a tiny model recomputing beats reading, which the planner would choose
         **kw,
     )
     with PCREngine(model=model, tokenizer=tok, config=cfg) as eng:
