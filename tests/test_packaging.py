@@ -180,6 +180,7 @@ def test_the_client_surfaces_import_without_the_engine_dependencies() -> None:
 STATE_PROBE = """
 import os, sys, json
 import huggingface_hub.constants as hc
+import torch, transformers.modeling_utils  # what these set when imported (torch inductor's cache dir) is theirs
 def snapshot():
     return dict(os.environ), {k: repr(getattr(hc, k)) for k in dir(hc) if k.isupper()}
 before = snapshot()
