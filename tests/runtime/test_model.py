@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import string
 import sys
 import threading
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pcr_rag.cache.errors import UnsafeCacheDirError
 from pcr_rag.runtime import model_cache as mc
 from pcr_rag.runtime.model import (
     DEFAULT_MODEL,
@@ -338,7 +341,83 @@ def test_default_cache_root_honours_env(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert mc.default_cache_root() == tmp_path / "mine"
     assert mc.ModelCache().root == tmp_path / "mine"
     monkeypatch.delenv(mc.ENV_MODEL_CACHE)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     assert mc.default_cache_root() == Path.home() / ".cache" / "pcr-rag" / "models"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # CI points it at a fresh directory
+    assert mc.default_cache_root() == tmp_path / "xdg" / "pcr-rag" / "models"
+
+
+# ------------------------------------------------------------- a private model cache (issue 47 item 5, issue 46)
+
+
+def test_model_cache_is_private_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        entry = mc.ModelCache(tmp_path / "a" / "models", converter=FakeConverter()).ensure("m", _source(tmp_path))
+    finally:
+        os.umask(old)
+    for path in (tmp_path / "a", tmp_path / "a" / "models", entry):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o700, path
+    for path in (tmp_path / "a" / "models").rglob("*"):
+        if path.is_file():
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+
+
+@pytest.mark.parametrize("mode", [0o775, 0o757, 0o777])
+def test_a_model_cache_others_can_write_is_refused(tmp_path: Path, mode: int) -> None:
+    root = tmp_path / "models"
+    root.mkdir()
+    root.chmod(mode)
+    conv = FakeConverter()
+    with pytest.raises(UnsafeCacheDirError, match="writable by group or others"):
+        mc.ModelCache(root, converter=conv).ensure("m", _source(tmp_path))
+    assert conv.calls == 0  # refused before anything was read from or written into it
+
+
+def test_a_model_cache_owned_by_another_user_is_refused(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("chown to another user needs root")
+    root = tmp_path / "models"
+    root.mkdir(mode=0o700)
+    os.chown(root, 65534, 65534)
+    with pytest.raises(UnsafeCacheDirError, match="owned by"):
+        mc.ModelCache(root, converter=FakeConverter()).ensure("m", _source(tmp_path))
+
+
+def test_weights_changed_after_conversion_are_converted_again(tmp_path: Path) -> None:
+    """The entry's files are hashed when it is built and checked on every load: weights planted (or truncated)
+    under the predictable entry name are never loaded."""
+    conv = FakeConverter()
+    cache = mc.ModelCache(tmp_path / "models", converter=conv)
+    src = _source(tmp_path)
+    entry = cache.ensure("m", src)
+    (entry / "model.safetensors").write_bytes(b"planted weights")
+    assert cache.lookup("m", src) is None
+    again = cache.ensure("m", src)
+    assert again == entry and conv.calls == 2 and (entry / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_an_entry_that_is_a_symlink_is_never_used(tmp_path: Path) -> None:
+    conv = FakeConverter()
+    elsewhere = mc.ModelCache(tmp_path / "elsewhere", converter=conv).ensure("m", _source(tmp_path))
+    root = tmp_path / "models"
+    root.mkdir(mode=0o700)
+    src = _source(tmp_path)
+    (root / elsewhere.name).symlink_to(elsewhere)
+    cache = mc.ModelCache(root, converter=conv)
+    assert cache.lookup("m", src) is None
+    entry = cache.ensure("m", src)
+    assert not entry.is_symlink() and conv.calls == 2
+
+
+def test_a_gguf_that_does_not_match_the_recorded_digest_is_not_converted(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"tampered")
+    conv = FakeConverter()
+    with pytest.raises(mc.ModelCacheError, match="sha256"):
+        mc.ModelCache(tmp_path / "models", converter=conv).ensure(
+            "m", mc.GGUFSource("m.gguf", (path,), expected_sha256="0" * 64))
+    assert conv.calls == 0
 
 
 # ------------------------------------------------------------------------------------- real models (slow)
