@@ -45,6 +45,7 @@ PROVIDER_NAME = "pcr_rag"  # gen_ai.provider.name: the system that ran the model
 MAX_REMEMBERED_ANNOUNCEMENTS = 4096  # announcement span contexts kept for the request that claims them
 
 _provider: Any = None  # set by `use_tracer_provider`; None: the global provider
+_tracer_of: tuple[Any, Any] = (None, None)  # (provider, its tracer): a provider makes a new tracer per call
 _announcements: OrderedDict[int, Any] = OrderedDict()  # ticket id -> its announce span's SpanContext
 _announcements_lock = threading.Lock()
 
@@ -66,7 +67,12 @@ def _tracer() -> Any:
         provider = trace.get_tracer_provider()
         if isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider)):
             return None
-    return provider.get_tracer(INSTRUMENTATION)
+    global _tracer_of
+    cached_provider, tracer = _tracer_of
+    if cached_provider is not provider:
+        tracer = provider.get_tracer(INSTRUMENTATION)
+        _tracer_of = (provider, tracer)
+    return tracer
 
 
 def enabled() -> bool:
