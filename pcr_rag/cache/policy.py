@@ -16,7 +16,7 @@ import heapq
 from collections.abc import Container, Iterator
 from typing import Any
 
-__all__ = ["EvictionPolicy", "LRUPolicy", "LeafOrder", "LookaheadLRUPolicy", "make_policy"]
+__all__ = ["EvictionPolicy", "LRUPolicy", "LeafOrder", "LookaheadLRUPolicy", "TenantLeafOrder", "make_policy"]
 
 
 class LeafOrder:
@@ -69,6 +69,42 @@ class LeafOrder:
     def ordered(self) -> list[Any]:
         """All leaves, least recent first (O(n log n); tests and debugging)."""
         return sorted(self.leaves, key=lambda n: (n.used_at, n.use_seq))
+
+
+class TenantLeafOrder(LeafOrder):
+    """A ``LeafOrder`` that also keeps one ``LeafOrder`` per tenant (``node.tenant``) of the same leaves, so a
+    tier with per-tenant quotas evicts one tenant's leaves in LRU order without walking the others'
+    (``of(tenant)``). Invariant: ``leaves`` is the disjoint union of the sub-orders' leaves, each node in its
+    tenant's; a sub-order left empty is dropped unless a pass is iterating over it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_tenant: dict[bytes, LeafOrder] = {}
+
+    def of(self, tenant: bytes) -> LeafOrder:
+        """The leaves of ``tenant`` (an empty order when it has none)."""
+        return self.by_tenant.get(tenant) or LeafOrder()
+
+    def add(self, node: Any) -> None:
+        super().add(node)
+        sub = self.by_tenant.get(node.tenant)
+        if sub is None:
+            sub = self.by_tenant[node.tenant] = LeafOrder()
+        sub.add(node)
+
+    def discard(self, node: Any) -> None:
+        super().discard(node)
+        sub = self.by_tenant.get(node.tenant)
+        if sub is not None:
+            sub.discard(node)
+            if not sub.leaves and not sub._iterating:
+                del self.by_tenant[node.tenant]
+
+    def touched(self, node: Any) -> None:
+        super().touched(node)
+        sub = self.by_tenant.get(node.tenant)
+        if sub is not None:
+            sub.touched(node)
 
 
 class EvictionPolicy:

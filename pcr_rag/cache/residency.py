@@ -44,7 +44,7 @@ from pcr_rag.cache.clock import Clock
 from pcr_rag.cache.errors import RemoteError
 from pcr_rag.cache.keys import tokens_digest
 from pcr_rag.cache.node import CHILD_COUNT_MASK, CacheNode, WriteBackState, child_count_shift, children_in
-from pcr_rag.cache.policy import EvictionPolicy, LeafOrder
+from pcr_rag.cache.policy import EvictionPolicy, LeafOrder, TenantLeafOrder
 from pcr_rag.cache.prefix_tree import Node, PrefixTree
 from pcr_rag.cache.stats import CacheStats
 from pcr_rag.cache.tiers.base import (
@@ -107,7 +107,8 @@ class ResidencyIndex:
             if not self.budgets[Tier(t)].per_tenant:
                 raise ValueError(f"the {Tier(t).value} tier is shared by replicas: it takes no per-tenant quota")
             self.quotas[Tier(t)] = int(q)
-        self.orders = {t: LeafOrder() for t in TIER_ORDER}
+        # a tier with a quota keeps its leaves per tenant too: a tenant's own leaves are found without a walk
+        self.orders = {t: TenantLeafOrder() if t in self.quotas else LeafOrder() for t in TIER_ORDER}
         self.protected: frozenset[bytes] = frozenset()
         self.pinned = 0  # nodes with pins > 0 (removed ones included until unpinned)
         self._leaf_orders = [(tier_bit(t), self.orders[t]) for t in TIER_ORDER]
@@ -279,11 +280,14 @@ class ResidencyIndex:
         if done():
             return True, False
         waits_for_writeback = False
-        gen = self.policy.candidates(self.orders[tier], self.protected)
+        order = self.orders[tier]
+        if owner is not None and isinstance(order, TenantLeafOrder):
+            order = order.of(owner)  # the owner's leaves only; evicting one discards it from both orders
+        gen = self.policy.candidates(order, self.protected)
         try:
             for node in gen:
                 if owner is not None and node.tenant != owner:
-                    continue  # another tenant's leaf: left in the order (the generator restores it)
+                    continue  # another tenant's leaf (a tier without quotas): the generator restores it
                 verdict = self.evictability(node, tier)
                 if verdict is Evictability.AFTER_WRITEBACK:
                     waits_for_writeback = True
@@ -419,6 +423,10 @@ class ResidencyIndex:
                 assert (node in self.orders[t]) == (res and n_child == 0), (
                     f"{t.value} leaf set wrong for {node!r}"
                 )
+                order = self.orders[t]
+                if isinstance(order, TenantLeafOrder):
+                    assert (node in order.of(node.tenant)) == (node in order), (
+                        f"{t.value} per-tenant leaf set wrong for {node!r}")
             assert node.pins >= 0
         pinned_live = sum(1 for n in self.tree.iter_nodes() if n.pins)  # type: ignore[attr-defined]
         assert pinned_live <= self.pinned, f"pinned count {self.pinned} < {pinned_live} pinned nodes"
@@ -431,6 +439,10 @@ class ResidencyIndex:
                 n for n in self.tree.iter_nodes() if n.resident_mask & tier_bit(t) and not children_in(n, t)
             ]  # type: ignore[attr-defined,arg-type]
             assert len(self.orders[t]) == len(leaves), f"{t.value} leaf set has {len(self.orders[t])} nodes"
+            order = self.orders[t]
+            if isinstance(order, TenantLeafOrder):
+                assert sum(len(sub) for sub in order.by_tenant.values()) == len(order), (
+                    f"{t.value} per-tenant leaf sets do not partition its leaves")
             if b.per_tenant:
                 assert all(n > 0 for n in b.by_tenant.values()), f"{t.value} per-tenant bytes not positive"
                 assert sum(b.by_tenant.values()) == b.used, f"{t.value} per-tenant bytes do not sum to used"

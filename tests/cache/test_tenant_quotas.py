@@ -164,3 +164,38 @@ def test_quota_configuration_is_checked():
     spec = _working_set(QUIET, 1, seed=0)[0]
     with pytest.raises(ValueError, match="tenant must be"):
         eng.insert(spec, payload_for(spec), tenant=b"not sixteen")
+
+
+def test_random_inserts_never_take_another_tenants_chunk_when_the_capacity_covers_the_quotas():
+    """Three tenants insert chains and lone chunks at random, leasing some while they insert; with DRAM = 3 x the
+    quota, no insert changes another tenant's resident chunks, and no tenant ever exceeds its quota."""
+    import random
+
+    rng = random.Random(47)
+    tenants = [namespace_key("test-model", "float32", 4, f"t{i}") for i in range(3)]
+    eng = _engine(12, quota_chunks=4)
+    chains: dict[bytes, list] = {t: [] for t in tenants}
+
+    def resident(tenant: bytes) -> set[bytes]:
+        return {s.key for specs in chains.values() for s in specs
+                if Tier.DRAM in eng.tiers_of(s.key) and s.key in owned_by[tenant]}
+
+    owned_by: dict[bytes, set[bytes]] = {t: set() for t in tenants}
+    for step in range(400):
+        tenant = rng.choice(tenants)
+        mine = chains[tenant]
+        parent = rng.choice(mine) if mine and rng.random() < 0.5 else None
+        if parent is not None and eng.tiers_of(parent.key) == frozenset():
+            parent = None
+        spec = Chunks(root=tenant).child(parent, [step] * 4)
+        others = {t: resident(t) for t in tenants if t != tenant}
+        held = [s for s in mine if eng.tiers_of(s.key)][: rng.randint(0, 2)]
+        lease = eng.acquire([held[0].key]) if held else None
+        if eng.insert(spec, payload_for(spec), tenant=tenant):
+            owned_by[tenant].add(spec.key)
+            mine.append(spec)
+        if lease is not None:
+            lease.release()
+        assert {t: resident(t) for t in tenants if t != tenant} == others, f"step {step}"
+        assert all(n <= 4 * CHUNK_BYTES for n in eng.tenant_bytes(Tier.DRAM).values())
+        eng.check_invariants()
