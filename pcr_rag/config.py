@@ -161,7 +161,9 @@ class EngineConfig(RemoteFields):  # type: ignore[misc,valid-type]
             "redis+cluster://[:password@]host1:port,host2:port" (seed nodes; also "valkey+cluster://",
             "rediss+cluster://", "valkeys+cluster://"), one round trip per node a lookup involves and a breaker per
             node; None (the default) = no remote tier. Replicas share chunks when model, dtype, chunk size,
-            weights, ``namespace`` and ``remote_namespace`` agree.
+            weights, ``namespace`` and ``remote_namespace`` agree. Its password shows as ``***`` in every message
+            and ``repr``; ``pcr-rag serve --remote-url-file PATH`` reads the URL from a file only its owner can
+            read, so the password never shows in ``ps``.
         remote_capacity: bytes of remote values this engine tracks (the server's maxmemory bounds what it holds).
         remote_ttl_s: expiry of the values this engine writes (0 = none: the server's eviction policy decides).
         remote_namespace: prefix of every remote key ("<remote_namespace>:<chunk key hex>").
