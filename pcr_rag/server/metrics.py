@@ -17,7 +17,8 @@ Two sources, one registry per app (never the process-global one, so several apps
   ``pcr:prompt_tokens_by_source_total{source=computed|device|dram|ssd|remote}``, ``pcr:prefix_cache_queries_total`` and
   ``pcr:prefix_cache_hits_total`` (tokens, as vLLM counts them), ``pcr:cache_evictions_total{tier}``,
   ``pcr:chunks_recomputed_instead_of_loaded_total{tier}``,
-  ``pcr:cache_load_failures_total``, ``pcr:remote_values_forged_total``, ``pcr:prefetch_loads_total``,
+  ``pcr:cache_load_failures_total``, ``pcr:cache_failures_recomputed_total``,
+  ``pcr:cache_quota_refusals_total{tier}``, ``pcr:remote_values_forged_total``, ``pcr:prefetch_loads_total``,
   ``pcr:prefetch_hit_chunks_total``, ``pcr:prefetch_cycles_total``, ``pcr:announcements_total``,
   ``pcr:announcements_claimed_total``, ``pcr:announcements_expired_total``, ``pcr:requests_failed_total``,
   ``pcr:requests_cancelled_total``; the garbage collector's ``pcr:gc_collections_total{generation}``,
@@ -189,6 +190,10 @@ class _EngineCollector(Collector):
         yield gauge("cache_pinned_chunks", "Chunks pinned now by running requests and loads (0 when idle).",
                     cache.pinned_chunks)
         yield counter("cache_load_failures", "Cached chunks that failed to load (recomputed).", cache.load_failures)
+        yield by_tier(CounterMetricFamily(PREFIX + "cache_quota_refusals", "Chunks not cached in a tier because "
+                                          "their tenant was at its per-tenant quota there with none of its own "
+                                          "chunks evictable.", labels=["model_name", "tier"]),
+                      cache.quota_refusals)
         yield counter("cache_failures_recomputed", "Times a prefill recomputed cached KV after a cache or store failure "
                       "(a load, checksum, MAC or timeout failing during the lease) instead of failing.",
                       req.get("recomputed_after_error", 0))

@@ -19,6 +19,16 @@ def _noise(i: int) -> str:
     return f"Notes on {TOPICS[i % len(TOPICS)]}, part {i}: " + f"item {i} of the stream is new text. " * 12
 
 
+def _scrape(eng: PCREngine) -> str:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pcr_rag.server.metrics import _EngineCollector
+
+    registry = CollectorRegistry()
+    registry.register(_EngineCollector("tiny", eng.stats))
+    return generate_latest(registry).decode()
+
+
 def _engine(model, tok, **kw) -> PCREngine:
     cfg = dict(chunk_size=16, ssd_capacity=0, max_new_tokens=2, device=TEST_DEVICE, prefetch=False, warmup=False)
     cfg.update(kw)
@@ -61,8 +71,10 @@ def test_a_noisy_tenant_streaming_documents_leaves_a_quiet_tenants_reuse(tiny, f
         stats = eng.cache.stats()
         used = eng.cache.tenant_bytes(Tier.DRAM)
         eng.cache.check_invariants()
+        metrics = _scrape(eng)
     assert before > 0
     assert stats.evictions["dram"] > 0  # the stream did fill the tier
+    assert 'pcr:cache_quota_refusals_total{model_name="tiny",tier="dram"}' in metrics
     if quotas:
         assert after == before
         assert all(n <= quota for n in used.values())
