@@ -23,8 +23,8 @@ from pcr_rag.runtime.weights import WEIGHT_FORMATS
 from pcr_rag.units import parse_bytes
 
 EvictionPolicyName = Literal["lookahead-lru", "lru"]
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 LoadPlannerName = Literal["measured", "always-load"]  # pcr_rag.cache.config.PLANNER_MODES
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 
 
