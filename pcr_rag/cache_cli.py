@@ -6,7 +6,10 @@
   of unknown origin, orphans); ``prune --older-than DATE`` removes everything written before DATE. ``--dry-run``
   prints what would go.
 - ``verify`` reads every chunk file and checks it as the engine would (header, per-layer checksums, or the MAC and
-  AES-GCM tags of a sealed directory with ``--secret-env``); ``--delete`` removes the bad ones.
+  AES-GCM tags of a sealed directory with ``--secret-env``); ``--delete`` removes the bad ones. A header's sizes
+  are checked against each other and the file's size, and each layer is read in bounded slices, so no header
+  claim sizes a buffer; a header field out of range (``written_at`` not a time) makes the file unreadable, which
+  ``info`` reports.
 
 The engine's identity is computed exactly as the engine does: the model is loaded and its forward's plan probed
 (no KV is computed), since a root hashes the weights' fingerprint and the plan. ``info --no-engine`` skips that.
