@@ -107,11 +107,12 @@ def parse_date(text: str) -> float:
 
 
 def engine_identity(args: argparse.Namespace) -> RootIdentity:
-    """The root identity of the engine the flags describe: its model loaded and its forward built (plan probes
-    included, no KV computed), as `PCREngine` does."""
+    """The root identity of the engine the flags describe: its model loaded, its forward built (plan probes
+    included) and its kernel identity probed, as `PCREngine` does."""
     import torch
 
     from pcr_rag.runtime.forward import FastForward
+    from pcr_rag.runtime.kernel_probe import kernel_identity
     from pcr_rag.runtime.model import load_model
     from pcr_rag.runtime.weights import resolve_weight_format
 
@@ -123,7 +124,7 @@ def engine_identity(args: argparse.Namespace) -> RootIdentity:
     loaded = load_model(args.model, dtype=config.dtype, device=config.device, model_cache_dir=config.model_cache_dir)
     weights = resolve_weight_format(config.weights, loaded.dtype, loaded.device)
     forward = FastForward(loaded, weights=weights, batch_rows=config.max_active, compile=config.compile)
-    return RootIdentity.of(loaded, forward, config.chunk_size)
+    return RootIdentity.of(loaded, forward, config.chunk_size, kernel_identity(forward))
 
 
 def _open(args: argparse.Namespace) -> LocalDirBackend:

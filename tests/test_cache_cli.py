@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -237,15 +238,20 @@ def test_verify_with_the_secret_catches_a_forgery_that_checksums_pass(tmp_path, 
     assert code == 1 and [b["name"] for b in bad] == [files[0]] and "forged" in bad[0]["reason"]
 
 
-def test_roots_keep_their_keys_across_the_upgrade(written, tmp_path):
-    """The engine's roots are the keys it computed before manifests existed (a cache written then stays usable)."""
+def test_roots_hash_the_plan_and_the_kernel_identity(written, tmp_path):
+    """The engine's roots are the keys of before manifests existed with the kernel identity (issue 47) beside the
+    plan: a cache written before kernel identities were probed is another identity's (its kernels are unknown)."""
     from pcr_rag.cache.keys import namespace_key
 
     model_dir = written[0]
     with _engine(model_dir, tmp_path / "kv", 16) as eng:
-        plan, fp = eng.forward.plan_id, eng.loaded.fingerprint
-        assert eng.root_for(None) == namespace_key(fp, "float32", 16, f"{plan}|")
-        assert eng.root_for(TENANT) == namespace_key(fp, "float32", 16, f"{plan}||{TENANT}")
+        plan, fp, kernels = eng.forward.plan_id, eng.loaded.fingerprint, eng.identity.kernels
+        assert len(kernels) == 16 and int(kernels, 16) >= 0
+        assert eng.root_for(None) == namespace_key(fp, "float32", 16, f"{plan};kernels={kernels}|")
+        assert eng.root_for(TENANT) == namespace_key(fp, "float32", 16, f"{plan};kernels={kernels}||{TENANT}")
+        before = replace(eng.identity, kernels="")
+        assert before.root() == namespace_key(fp, "float32", 16, f"{plan}|")
+        assert not eng.identity.compatible(before) and "kernels unknown" in eng.identity.difference(before)
 
 
 def test_info_without_an_engine_lists_roots_without_loading_a_model(written, capsys):

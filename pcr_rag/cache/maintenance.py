@@ -159,7 +159,8 @@ def summarize(found: DirScan, identity: RootIdentity | None = None,
         current = (root in own) or (identity is not None and ident is not None and identity.compatible(ident))
         if ident is None and current and identity is not None:
             ident = identity  # one of the engine's own roots, written before manifests
-        group_key: object = (ident.fingerprint, ident.dtype, ident.chunk_size, ident.plan) if ident else root
+        group_key: object = ((ident.fingerprint, ident.dtype, ident.chunk_size, ident.plan, ident.kernels) if ident
+                             else root)
         prev = groups.get(group_key)
         if prev is None:
             groups[group_key] = (ident, [root], usage, current)

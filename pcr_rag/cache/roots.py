@@ -1,7 +1,10 @@
 """What a persistent cache's namespace roots stand for: identities, manifests and the chunks under each root.
 
 A chunk key chains from a namespace root (`keys.namespace_key`) that hashes everything fixing the KV's bits: the
-model fingerprint, the KV dtype, the chunk size and a salt holding the forward's plan id and the tenant namespace.
+model fingerprint, the KV dtype, the chunk size and a salt holding the forward's plan id, the kernel identity (a
+hash of the KV the engine's own forward computes on fixed probe inputs, `pcr_rag.runtime.kernel_probe`: it tells
+apart CPU ISAs, oneDNN/torch versions, GPU models and CUDA libraries that round differently) and the tenant
+namespace. A host on another kernel path therefore never finds this host's chunks, on SSD or in a shared store.
 A root is a hash, so nothing can tell from a chunk file which model or plan wrote it. Two things make a cache
 directory legible (``pcr-rag cache info``) and prunable:
 
@@ -11,12 +14,13 @@ directory legible (``pcr-rag cache info``) and prunable:
 - **Manifests.** The engine writes one small JSON blob per root, ``roots/<root hex>.json`` (`manifest_name`),
   through the SSD tier's storage backend (a private directory: ``0600``, ``O_NOFOLLOW``, atomic), when it first
   stores a chunk under that root (`SsdTier.note_root`). It names the root's `RootIdentity` (model name and
-  fingerprint, KV dtype, chunk size, plan id, weight format) and an 8-byte hash of the namespace salt - never the
+  fingerprint, KV dtype, chunk size, plan id, weight format, kernel identity) and an 8-byte hash of the namespace salt - never the
   tenant's name in clear (the root key itself hashes the same salt, so the hash reveals nothing the file name does
   not). A root without a manifest (a cache written before manifests existed) is of unknown origin.
 
 Invariant: two roots hold interchangeable KV for equal tokens exactly when their identities are `compatible`
-(fingerprint, dtype, chunk size and plan equal); the namespace then decides whether the keys meet.
+(fingerprint, dtype, chunk size, plan and kernel identity equal); the namespace then decides whether the keys meet.
+A manifest written before kernel identities existed has none, so its chunks count as another identity's.
 """
 
 from __future__ import annotations
@@ -66,8 +70,10 @@ class ManifestError(ValueError):
 @dataclass(frozen=True)
 class RootIdentity:
     """What a namespace root hashes besides the namespace: the engine's model, KV dtype, chunk size (tokens),
-    forward plan id (`FastForward.plan_id`: tile sizes, weight format, split shapes) and weight format. ``model`` is
-    a display name only; equal fingerprints mean equal weights."""
+    forward plan id (`FastForward.plan_id`: tile sizes, weight format, split shapes), weight format and kernel
+    identity (`pcr_rag.runtime.kernel_probe.kernel_identity`: hex digits naming the bits this host's kernels
+    compute; "" for none, as before kernel identities existed, which keeps such a root's key). ``model`` is a
+    display name only; equal fingerprints mean equal weights."""
 
     model: str
     fingerprint: str
@@ -75,41 +81,46 @@ class RootIdentity:
     chunk_size: int
     plan: str
     weights: str
+    kernels: str = ""
 
     @classmethod
-    def of(cls, loaded: Any, forward: Any, chunk_size: int) -> RootIdentity:
-        """The identity of an engine's roots: ``loaded`` a `LoadedModel`, ``forward`` its `FastForward`."""
+    def of(cls, loaded: Any, forward: Any, chunk_size: int, kernels: str = "") -> RootIdentity:
+        """The identity of an engine's roots: ``loaded`` a `LoadedModel`, ``forward`` its `FastForward`,
+        ``kernels`` its kernel identity."""
         return cls(model=str(loaded.name), fingerprint=str(loaded.fingerprint),
                    dtype=str(loaded.kv.dtype).removeprefix("torch."), chunk_size=int(chunk_size),
-                   plan=str(forward.plan_id), weights=str(forward.weights))
+                   plan=str(forward.plan_id), weights=str(forward.weights), kernels=str(kernels))
 
     def root(self, namespace: str = "", request_namespace: str = "") -> bytes:
         """The chunk keys' root of this identity for ``namespace`` (``EngineConfig.namespace``) and a request's
         ``request_namespace`` ("" = none): what `PCREngine.root_for` uses."""
-        salt = f"{self.plan}|{namespace}" + (f"|{request_namespace}" if request_namespace else "")
+        plan = f"{self.plan};kernels={self.kernels}" if self.kernels else self.plan
+        salt = f"{plan}|{namespace}" + (f"|{request_namespace}" if request_namespace else "")
         return namespace_key(self.fingerprint, self.dtype, self.chunk_size, salt)
 
     def compatible(self, other: RootIdentity) -> bool:
         """True when KV under ``other``'s roots is KV this identity would compute (the model name aside)."""
-        return (self.fingerprint, self.dtype, self.chunk_size, self.plan) == (
-            other.fingerprint, other.dtype, other.chunk_size, other.plan)
+        return (self.fingerprint, self.dtype, self.chunk_size, self.plan, self.kernels) == (
+            other.fingerprint, other.dtype, other.chunk_size, other.plan, other.kernels)
 
     def difference(self, other: RootIdentity) -> str:
         """What in ``other`` differs from this identity, e.g. "plan X" or "chunk size 32, dtype float32"."""
         parts = [f"{name} {theirs}" for name, ours, theirs in (
             ("model", self.fingerprint, other.fingerprint), ("dtype", self.dtype, other.dtype),
-            ("chunk size", self.chunk_size, other.chunk_size), ("plan", self.plan, other.plan)) if ours != theirs]
+            ("chunk size", self.chunk_size, other.chunk_size), ("plan", self.plan, other.plan),
+            ("kernels", self.kernels, other.kernels or "unknown")) if ours != theirs]
         if parts and parts[0].startswith("model "):
             parts[0] = f"model {other.model} ({other.fingerprint[:12]})"
         return ", ".join(parts) or "nothing"
 
     def describe(self) -> str:
         return (f"model {self.model} (fingerprint {self.fingerprint[:12]}), dtype {self.dtype}, chunk size "
-                f"{self.chunk_size}, plan {self.plan}")
+                f"{self.chunk_size}, plan {self.plan}, kernels {self.kernels or 'unknown'}")
 
     def as_dict(self) -> dict[str, Any]:
         return {"model": self.model, "fingerprint": self.fingerprint, "dtype": self.dtype,
-                "chunk_size": self.chunk_size, "plan": self.plan, "weights": self.weights}
+                "chunk_size": self.chunk_size, "plan": self.plan, "weights": self.weights,
+                "kernels": self.kernels}
 
 
 def namespace_hash(namespace: str = "", request_namespace: str = "") -> str:
@@ -189,7 +200,8 @@ class RootManifest:
             identity = RootIdentity(
                 model=_field(body, "model", str), fingerprint=_field(body, "fingerprint", str),
                 dtype=_field(body, "dtype", str), chunk_size=_field(body, "chunk_size", int),
-                plan=_field(body, "plan", str), weights=_field(body, "weights", str))
+                plan=_field(body, "plan", str), weights=_field(body, "weights", str),
+                kernels=_field(body, "kernels", str) if "kernels" in body else "")
             host = body.get("host", "")
             manifest = cls(bytes.fromhex(_field(body, "root", str)), identity, _field(body, "namespace_hash", str),
                            float(_field(body, "written_at", (int, float))),
@@ -310,10 +322,10 @@ def foreign_chunks_note(tier: Any, identity: RootIdentity, own_roots: Iterable[b
         return None
     parts = []
     if other.chunks:
-        parts.append(f"{other.chunks} of other plans or models (their {'; '.join(sorted(plans))})")
+        parts.append(f"{other.chunks} of other plans, kernels or models (their {'; '.join(sorted(plans))})")
     if unknown.chunks:
         parts.append(f"{unknown.chunks} of unknown origin (no root manifest)")
     return (f"{where} holds {total} chunks ({_mib(other.nbytes + unknown.nbytes)}) this engine cannot use: "
-            f"{', '.join(parts)}; this engine's plan is {identity.plan}. They count against the SSD budget until "
+            f"{', '.join(parts)}; this engine's plan is {identity.plan}, kernels {identity.kernels or 'unknown'}. They count against the SSD budget until "
             f"evicted: stop the engine and run `pcr-rag cache prune --unusable --cache-dir {where}` with its "
             f"--model/--dtype/--chunk-size flags (`pcr-rag cache info` lists them)")

@@ -64,6 +64,7 @@ import torch.nn.functional as F
 
 from pcr_rag.errors import PCRError
 from pcr_rag.runtime.attention_probe import sub_blocks_exact
+from pcr_rag.runtime.kernel_probe import probe_token_ids
 from pcr_rag.runtime.kv_arena import KVArena, RowKV
 from pcr_rag.runtime.model import LoadedModel
 from pcr_rag.runtime.tile_probe import LinearMaker, exact_row_counts, fit_to_tiles
@@ -76,6 +77,7 @@ SHORT_TILE_ROWS = 8      # short prefill tiles have multiples of this many rows,
 ATTENTION_BLOCK = 128    # query rows per prefill attention block, aligned to absolute positions
 ATTENTION_SUB_BLOCK = 8  # finest query rows per slice of a block a short step computes, where proven exact
 FORWARD_VERSION = "pcr-forward-v1"
+WARM_UP_ROW = 0  # the arena row `FastForward.warm_up` computes on (free while the engine starts)
 _MASK_CACHE_ENTRIES = 256  # attention-block masks kept (full layers need one per block index)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
@@ -435,20 +437,23 @@ class FastForward:
 
     @torch.inference_mode()
     def warm_up(self, arena: KVArena) -> WarmUp:
-        """One prefill tile and one decode step per decode row count on ``arena``'s scratch row, so that one-time
-        costs (oneDNN kernel generation and weight reorders per shape, first-touch allocations, ``compile``'s
+        """One prefill tile and one decode step per decode row count on ``arena``'s row `WARM_UP_ROW`, so that
+        one-time costs (oneDNN kernel generation and weight reorders per shape, first-touch allocations, ``compile``'s
         graphs) are paid here and not by the first request; then the tile and a full decode step once more, timed,
         so the engine knows its speed before its first request (the ITL budget, the aging rate). Changes no number
-        of any later call."""
+        of any later call. The tile is the kernel probe's first step (`pcr_rag.runtime.kernel_probe`): after the
+        warm-up, positions [0, ``prefill_tokens``) of the row hold its KV (decode padding rows write the scratch row,
+        never this one)."""
         started = time.perf_counter()
-        scratch = arena.row(arena.scratch_row)
+        scratch = arena.row(WARM_UP_ROW)
         n = min(self.tile_rows, arena.row_capacity - 1, self.max_positions - 1)
         if n < 1:
             return WarmUp(time.perf_counter() - started, 0, None, None)
-        tokens = torch.zeros(n, dtype=torch.long)
+        # the kernel probe's tokens: the row then holds the probe's first step (`kernel_identity`)
+        tokens = probe_token_ids(int(self._embed.weight.shape[0]), n)
 
         def decode(m: int) -> None:
-            self._decode(arena, [arena.scratch_row] + [None] * (m - 1), torch.zeros(m, dtype=torch.long),
+            self._decode(arena, [WARM_UP_ROW] + [None] * (m - 1), torch.zeros(m, dtype=torch.long),
                          torch.full((m,), n, dtype=torch.long))
 
         def now() -> float:  # on a GPU, after the queued kernels have run
