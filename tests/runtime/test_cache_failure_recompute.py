@@ -20,8 +20,10 @@ QUERY = "what is kafka?"
 
 
 def _engine(model, tok, path, storage=None, **kw) -> PCREngine:
+    """``load_planner="always-load"``: every cached chunk is leased and loaded, so the fault hits a load the planner
+    already chose (the planner deciding to recompute instead is its own matter, `cache.reuse_planner`)."""
     cfg = dict(cache_dir=path, chunk_size=16, dram_capacity="64MiB", ssd_capacity="256MiB", max_new_tokens=6,
-               device=TEST_DEVICE, prefetch=False)
+               device=TEST_DEVICE, prefetch=False, load_planner="always-load")
     cfg.update(kw)
     return PCREngine(model=model, tokenizer=tok, config=EngineConfig(**cfg), storage=storage)
 
