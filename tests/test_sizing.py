@@ -89,3 +89,16 @@ def test_capacity_for_a_hit_rate_is_the_smallest_that_serves_it() -> None:
     assert need.ideal_documents < need.lru_documents and need.lru_bytes == need.lru_documents * 10
     uniform = need_for_hit_rate(1000, 0.0, 0.9, document_bytes=1)
     assert uniform.ideal_documents == 900 and uniform.lru_documents == 900  # no skew: hit rate = fraction held
+
+
+@pytest.mark.slow
+def test_a_gguf_alias_is_sized_from_its_metadata_without_converting(tmp_path, capsys) -> None:
+    pytest.importorskip("gguf")
+    cache = tmp_path / "models"  # empty: the GGUF's metadata is read, nothing is converted into it
+    code, out = size(capsys, "--model", "smollm2-135m-instruct", "--model-cache-dir", str(cache), "--documents",
+                     "100", "--tokens-per-doc", "256", "--dtype", "bfloat16", "--json")
+    assert code == 0, out
+    r = json.loads(out)
+    assert (r["kv"]["layers"], r["kv"]["kv_heads"], r["kv"]["head_dim"]) == (30, 3, 64)  # SmolLM2-135M's config
+    assert r["bytes_per_token"] == 30 * 2 * 3 * 64 * 2
+    assert not cache.exists() or not any(p.is_dir() and not p.name.startswith(".") for p in cache.iterdir())
