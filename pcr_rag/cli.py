@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     head, rest = parser.parse_known_args(argv)
-    logs.install("text", logging.DEBUG if head.verbose else logging.INFO)  # `pcr-rag serve` may switch to JSON
+    if not logging.getLogger().handlers:  # as logging.basicConfig: an embedding application's set-up stays
+        logs.install("text", logging.DEBUG if head.verbose else logging.INFO)  # `pcr-rag serve` may switch to JSON
     if head.command is None:
         parser.print_help()
         return 2

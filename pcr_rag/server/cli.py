@@ -284,7 +284,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:  # before the model loads: say what is wrong and stop
         log.error("pcr-rag serve: %s (see pcr-rag serve --help)", exc)
         return 2
-    logs.install(config.options.log_format)
+    if config.options.log_format != "text":  # text: the command's handler (pcr_rag.cli) or the application's stays
+        logs.install(config.options.log_format)
     from pcr_rag.engine import PCREngine
     from pcr_rag.server.lifecycle import serve
 
