@@ -14,9 +14,9 @@ What the probe covers, on one probe row, through every layer of the model (`prob
 
 - one full prefill tile (``tile_rows`` positions from 0, or as many as the context window allows): every linear,
   norm, rotary and attention kernel at the full-tile shape, every whole attention block it spans, every layer;
-- then two steps of the smallest short tile size the plan uses (`FastForward.short_tile_sizes`), the first at a
-  block boundary, the second inside a block: a short GEMM shape and attention sub-block spans
-  (`FastForward.attention_sub_block`) at an offset.
+- then one step of the smallest short tile size the plan uses (`FastForward.short_tile_sizes`) after it: a short
+  GEMM shape, and attention over a sub-block span (`FastForward.attention_sub_block`) of a block whose earlier
+  positions are cached.
 
 The other short tile sizes and spans need no probe of their own: the forward uses a short tile size or a sub-block
 span only where its start-up probes showed that its rows equal the full tile's and the whole block's bit for bit
@@ -26,7 +26,7 @@ equal KV when their full tiles and blocks agree. Decode steps are not probed: th
 as a chunk.
 
 The first step is the warm-up's own prefill (`FastForward.warm_up` runs `probe_token_ids`), so an engine that warms
-up pays only the two short steps (`kernel_identity` with ``warmed``).
+up pays only the short step (`kernel_identity` with ``warmed``).
 
 The hash is computed once per process for each (weights, plan, dtype, device, thread count) and kept in memory
 only: an identity read from disk would be exactly the claim the probe replaces.
@@ -65,17 +65,14 @@ def first_step_positions(tile_rows: int, max_positions: int) -> int:
 
 
 def probe_steps(tile_rows: int, short_tiles: tuple[int, ...], max_positions: int) -> list[tuple[int, int]]:
-    """The probe's prefill steps as (start, positions): a full tile from 0, then two steps of the smallest short
-    tile size, keeping only steps that end before ``max_positions``."""
+    """The probe's prefill steps as (start, positions): a full tile from 0, then one step of the smallest short
+    tile size, when it ends before ``max_positions``."""
     first = first_step_positions(tile_rows, max_positions)
     if first < 1:
         return []
     steps = [(0, first)]
-    if short_tiles:
-        short = min(short_tiles)
-        for start in (first, first + short):
-            if start + short < max_positions:
-                steps.append((start, short))
+    if short_tiles and first + min(short_tiles) < max_positions:
+        steps.append((first, min(short_tiles)))
     return steps
 
 

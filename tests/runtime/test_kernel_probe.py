@@ -27,10 +27,11 @@ def _engine(tiny, path, **kw) -> PCREngine:
         ssd_capacity="16MiB", **kw))
 
 
-def test_the_probe_covers_a_full_tile_a_short_tile_and_spans_inside_a_block() -> None:
-    assert probe_steps(256, (16, 24, 248), 4096) == [(0, 256), (256, 16), (272, 16)]
+def test_the_probe_covers_a_full_tile_and_a_short_tile_over_a_cached_prefix() -> None:
+    assert probe_steps(256, (16, 24, 248), 4096) == [(0, 256), (256, 16)]
     assert probe_steps(256, (), 4096) == [(0, 256)]  # no short tiles in the plan: the full tile alone
-    assert probe_steps(256, (16,), 280) == [(0, 256), (256, 16)]  # what the context window holds
+    assert probe_steps(256, (16,), 273) == [(0, 256), (256, 16)]  # what the context window holds
+    assert probe_steps(256, (16,), 272) == [(0, 256)]
     assert probe_steps(256, (16,), 100) == [(0, 99)]
     assert probe_steps(256, (16,), 1) == []
 
