@@ -152,6 +152,7 @@ class Refuse:  # the engine's dependencies are not installed: any import of them
 sys.meta_path.insert(0, Refuse())
 import pcr_rag, pcr_rag.remote, pcr_rag.handoff, pcr_rag.reorder, pcr_rag.structured
 from pcr_rag.remote import RemoteEngine
+from pcr_rag.requests import ChatPrompt
 from langchain_pcr import ChatPCR, PCRReorder
 from llama_index.llms.pcr import PCRLLM, PCRReorderPostprocessor
 ChatPCR(base_url="http://127.0.0.1:9/v1"); PCRLLM(base_url="http://127.0.0.1:9/v1", retrieval_hook=False)
@@ -395,12 +396,13 @@ THIN_CLIENT = """
 import importlib.util, json, sys
 assert importlib.util.find_spec("torch") is None and importlib.util.find_spec("transformers") is None
 from pcr_rag.remote import RemoteEngine
+from pcr_rag.requests import ChatPrompt
 from langchain_pcr import ChatPCR
 from llama_index.core.llms import ChatMessage
 from llama_index.llms.pcr import PCRLLM
 url = sys.argv[1]
 messages = [{"role": "user", "content": "hello there"}]
-remote = RemoteEngine(url).generate_messages(messages).text
+remote = RemoteEngine(url).submit(ChatPrompt(messages)).result().text
 langchain = ChatPCR(base_url=url).invoke("hello there").content
 llamaindex = PCRLLM(base_url=url, retrieval_hook=False).chat([ChatMessage(role="user", content="hello there")])
 print(json.dumps({"remote": remote, "langchain": langchain, "llamaindex": llamaindex.message.content,
