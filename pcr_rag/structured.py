@@ -1,7 +1,9 @@
 """Structured output and tool calls on grammar-constrained decoding, shared by the LangChain and LlamaIndex models.
 
 The tool-call format (what the model writes, what the history shows it, what the grammar enforces): one call is one
-JSON object ``{"name": "<tool name>", "arguments": {...}}`` whose arguments match the tool's parameter schema.
+JSON object ``{"name": "<tool name>", "arguments": {...}}`` whose arguments match the tool's parameter schema;
+with parallel calls allowed (OpenAI's ``parallel_tool_calls``), an answer may hold several (`MAX_PARALLEL_CALLS`
+at most), one object per line (as the history shows an assistant turn with several calls).
 
 - `ToolSpec`: a tool as a name, a description and the JSON schema of its arguments.
 - `ToolChoice` and `tool_call_format`: ``"any"`` constrains the answer to one call of any tool, a tool's name to a
@@ -17,8 +19,9 @@ JSON object ``{"name": "<tool name>", "arguments": {...}}`` whose arguments matc
   user turn ``Result of <tool> (call <id>): <content>``.
 - `with_tools`: a conversation prepared for tools (the instruction added, the answer's grammar), the one step the
   LangChain model and the OpenAI-compatible server share so both send the engine the same prompt and grammar.
-- `parse_tool_call`: the call in a finished answer, None for plain text; `scan_tool_call`: the call's name and the
-  span of its arguments' JSON text in a finished or unfinished answer (what a stream sends as argument deltas).
+- `parse_tool_call`: the call in a finished answer, None for plain text; `parse_tool_calls`: every call (several
+  under ``parallel``), with `call_spans` the text span of each; `scan_tool_call`: the call's name and the span of
+  its arguments' JSON text in a finished or unfinished answer (what a stream sends as argument deltas).
 
 Object schemas are closed (``additionalProperties: false`` where a schema leaves it open), as in OpenAI's strict
 mode, so the model cannot invent keys.
@@ -45,9 +48,13 @@ __all__ = [
     "ToolSpec",
     "add_instruction",
     "close_objects",
+    "call_key",
+    "call_spans",
+    "calls_cut",
     "new_call_id",
     "normalize_tool_choice",
     "parse_tool_call",
+    "parse_tool_calls",
     "scan_tool_call",
     "schema_instruction",
     "template_renders_tool_calls",
@@ -59,6 +66,9 @@ __all__ = [
 ]
 
 AUTO, ANY, NONE = "auto", "any", "none"
+# calls one answer may hold with parallel calls allowed: the grammar ends the answer after this many, so a model
+# that would go on calling (rather than end its answer) stops with a complete list instead of being cut mid-call
+MAX_PARALLEL_CALLS = 8
 
 
 @dataclass(frozen=True)
@@ -138,8 +148,9 @@ def normalize_tool_choice(choice: Any, names: Sequence[str]) -> str:
                               f"({', '.join(names) or 'no tools bound'})")
 
 
-def tool_call_format(tools: Sequence[ToolSpec], choice: str) -> ResponseFormat | None:
-    """The grammar of an answer under ``choice`` (see the module docstring); None for "none"."""
+def tool_call_format(tools: Sequence[ToolSpec], choice: str, *, parallel: bool = False) -> ResponseFormat | None:
+    """The grammar of an answer under ``choice`` (see the module docstring); None for "none". ``parallel``: one
+    call or several, one per line (each of any chosen tool)."""
     if choice == NONE or not tools:
         return None
     chosen = [t for t in tools if choice in (ANY, AUTO) or t.name == choice]
@@ -147,23 +158,30 @@ def tool_call_format(tools: Sequence[ToolSpec], choice: str) -> ResponseFormat |
         raise InvalidRequestError(f"tool_choice={choice!r} names no bound tool")
     calls = [_call_schema(t) for t in chosen]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    if choice != AUTO:
+    if choice != AUTO and not parallel:
         return ResponseFormat.json_schema(schema)
     schema = {**schema, "x-guidance": JSON_OPTIONS}
-    lark = (f"start: call | text\ncall: %json {json.dumps(schema, ensure_ascii=False)}\n"
-            "text: /[^{\\s][\\s\\S]*/\n")
-    return ResponseFormat("grammar", lark)
+    call = f"%json {json.dumps(schema, ensure_ascii=False)}"
+    text = "text: /[^{\\s][\\s\\S]*/\n"
+    if not parallel:
+        return ResponseFormat("grammar", f"start: call | text\ncall: {call}\n{text}")
+    head = "start: calls | text\n" if choice == AUTO else "start: calls\n"
+    repeat = f"{{0,{MAX_PARALLEL_CALLS - 1}}}"
+    return ResponseFormat("grammar", f'{head}calls: call ("\\n" call){repeat}\ncall: {call}\n'
+                                     f"{text if choice == AUTO else ''}")
 
 
 # ---------------------------------------------------------------------------------------------------- prompt text
-def tools_instruction(tools: Sequence[ToolSpec], choice: str) -> str:
-    """The system turn that lists the tools and the call format."""
+def tools_instruction(tools: Sequence[ToolSpec], choice: str, *, parallel: bool = False) -> str:
+    """The system turn that lists the tools and the call format (``parallel``: several calls, one per line)."""
     lines = ["You can call these tools:"]
     for t in tools:
         desc = f": {t.description.strip()}" if t.description.strip() else ""
         lines.append(f"- {t.name}{desc} Arguments (JSON schema): "
                      f"{json.dumps(t.arguments_schema(), ensure_ascii=False)}")
     lines.append('To call a tool, reply with only a JSON object: {"name": <tool name>, "arguments": {...}}.')
+    if parallel and choice != NONE:
+        lines.append("To call several tools at once, write one such JSON object per line.")
     if choice == AUTO:
         lines.append("If no tool is needed, or a tool result already answers the question, reply in plain text.")
     elif choice == ANY:
@@ -222,12 +240,14 @@ def add_instruction(turns: list[dict[str, Any]], text: str, tokenizer: Any) -> l
 
 
 def with_tools(turns: list[dict[str, Any]], tools: Sequence[ToolSpec], choice: str,
-               tokenizer: Any) -> tuple[list[dict[str, Any]], ResponseFormat | None]:
+               tokenizer: Any, *, parallel: bool = False) -> tuple[list[dict[str, Any]], ResponseFormat | None]:
     """``turns`` with the tools' instruction after the conversation (`add_instruction`) and the answer's grammar
-    under ``choice`` (`tool_call_format`; None for "none"). No tools: ``turns`` unchanged and no grammar."""
+    under ``choice`` (`tool_call_format`; None for "none"); ``parallel``: the answer may hold several calls. No
+    tools: ``turns`` unchanged and no grammar."""
     if not tools:
         return turns, None
-    return add_instruction(turns, tools_instruction(tools, choice), tokenizer), tool_call_format(tools, choice)
+    instruction = tools_instruction(tools, choice, parallel=parallel)
+    return add_instruction(turns, instruction, tokenizer), tool_call_format(tools, choice, parallel=parallel)
 
 
 # ---------------------------------------------------------------------------------------------------- templates
@@ -285,6 +305,63 @@ def parse_tool_call(text: str, tools: Sequence[ToolSpec]) -> ToolCall | None:
     if not isinstance(obj, dict) or obj.get("name") not in names or not isinstance(obj.get("arguments"), dict):
         raise ValueError(f"not a call of a bound tool: {body[:200]}")
     return ToolCall(obj["name"], obj["arguments"], new_call_id())
+
+
+def call_spans(text: str) -> list[tuple[int, int]]:
+    """The (start, end) offsets of the JSON objects that follow each other in ``text`` (whitespace between them),
+    from its first character on; [] when ``text`` does not start (after whitespace) with ``{``. An object cut
+    short (``max_tokens``) after complete ones is left out (parallel calls: the complete calls stand), and so is an
+    exact repeat of an earlier object (`call_key`); ValueError for a first object cut short, or text that is not
+    such a sequence."""
+    spans: list[tuple[int, int]] = []
+    seen: set[str] = set()
+    i = _skip_ws(text, 0)
+    while i < len(text):
+        if text[i] != "{":
+            if not spans:
+                return []
+            raise ValueError(f"text after the tool calls: {text[i:i + 80]!r}")
+        try:
+            _, end = _DECODER.raw_decode(text, i)
+        except (ValueError, RecursionError) as exc:
+            if spans:
+                return spans
+            raise ValueError(f"the tool call is incomplete ({exc}); raise max_tokens") from None
+        key = call_key(text[i:end])
+        if key not in seen:  # an exact repeat of an earlier call is left out (small models loop on a call)
+            seen.add(key)
+            spans.append((i, end))
+        i = _skip_ws(text, end)
+    return spans
+
+
+def calls_cut(text: str) -> bool:
+    """True when ``text`` (a sequence of call objects) ends inside an object: the last call was cut short."""
+    i = _skip_ws(text, 0)
+    while i < len(text) and text[i] == "{":
+        try:
+            i = _skip_ws(text, _DECODER.raw_decode(text, i)[1])
+        except (ValueError, RecursionError):
+            return True
+    return False
+
+
+def call_key(obj_text: str) -> str:
+    """What makes two calls the same call: the object's JSON, keys sorted (name and arguments alike)."""
+    return json.dumps(json.loads(obj_text), sort_keys=True, ensure_ascii=False)
+
+
+def parse_tool_calls(text: str, tools: Sequence[ToolSpec]) -> list[ToolCall]:
+    """Every call in a finished answer, in order (fresh ids); [] when the answer is plain text. ValueError as
+    `parse_tool_call`, for any of them."""
+    names = {t.name for t in tools}
+    calls: list[ToolCall] = []
+    for start, end in call_spans(text):
+        obj = json.loads(text[start:end])
+        if not isinstance(obj, dict) or obj.get("name") not in names or not isinstance(obj.get("arguments"), dict):
+            raise ValueError(f"not a call of a bound tool: {text[start:end][:200]}")
+        calls.append(ToolCall(obj["name"], obj["arguments"], new_call_id()))
+    return calls
 
 
 _DECODER = json.JSONDecoder()

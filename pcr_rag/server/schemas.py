@@ -34,8 +34,9 @@ is decoding; without a seed every choice draws a fresh one.
 Tools (chat): ``tools``, ``tool_choice`` (``auto``, ``none``, ``required``, or ``{"type": "function", "function":
 {"name": ...}}``) and ``parallel_tool_calls`` run exactly as the LangChain model `ChatPCR` runs them
 (`pcr_rag.structured.with_tools`): the tools' instruction after the conversation and the answer constrained by a
-grammar to one call (or, under ``auto``, a call or plain text). An answer holds at most one call whatever
-``parallel_tool_calls`` says. History turns (assistant ``tool_calls``, ``tool`` results) render as
+grammar to one call (or, under ``auto``, a call or plain text); with ``parallel_tool_calls: true`` to one or
+several calls, one per line, each returned as its own ``tool_calls`` entry (left out or false: at most one call, as
+before this field was honoured). History turns (assistant ``tool_calls``, ``tool`` results) render as
 `pcr_rag.structured.tool_history_turns` does, natively when the chat template renders tool calls itself.
 
 Extensions (OpenAI clients send them through ``extra_body``):
@@ -347,9 +348,11 @@ class ChatCompletionRequest(_Generation):
                                      description="alternatives per token with their logprobs (needs logprobs)")
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="vLLM extension: extra chat-template variables, e.g. {'enable_thinking': false}")
-    tools: list[Tool] | None = Field(None, description="functions the model may call (one call per answer)")
+    tools: list[Tool] | None = Field(None, description="functions the model may call (one call per answer unless "
+                                                       "parallel_tool_calls)")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = Field(None, description="accepted; an answer holds at most one call")
+    parallel_tool_calls: bool | None = Field(None, description="true: an answer may hold several calls (default: "
+                                                               "at most one)")
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
@@ -528,7 +531,7 @@ def parse_chat_request(raw: bytes, tokenizer: Any, limits: RequestLimits = DEFAU
     if tools and response_format is not None:
         raise APIError.bad_request(f"send either 'tools' or '{format_param}', not both", param=format_param)
     try:
-        turns, tool_format = with_tools(turns, tools, choice, tokenizer)
+        turns, tool_format = with_tools(turns, tools, choice, tokenizer, parallel=bool(body.parallel_tool_calls))
     except InvalidRequestError as exc:  # a parameters schema the grammar library rejects
         raise APIError.bad_request(f"tools: {exc}", param="tools") from None
     chars = sum(len(t["content"].strip()) for t in turns)

@@ -40,7 +40,7 @@ from pcr_rag.structured import (
     close_objects,
     new_call_id,
     normalize_tool_choice,
-    parse_tool_call,
+    parse_tool_calls,
     schema_instruction,
     template_renders_tool_calls,
     tool_call_format,
@@ -111,6 +111,7 @@ class ChatPCR(PCRModelParams, BaseChatModel):
         kwargs = dict(kwargs)
         tools = [ToolSpec.from_openai(t) for t in kwargs.pop("tools", None) or ()]
         choice = normalize_tool_choice(kwargs.pop("tool_choice", None), [t.name for t in tools])
+        parallel = bool(kwargs.pop("parallel_tool_calls", None))
         has_tool_turns = any(isinstance(m, ToolMessage) or (isinstance(m, AIMessage) and m.tool_calls)
                              for m in messages)
         native = has_tool_turns and template_renders_tool_calls(self.get_engine().tokenizer)
@@ -121,7 +122,8 @@ class ChatPCR(PCRModelParams, BaseChatModel):
         if tools:
             if kwargs.get("response_format") is not None:
                 raise ValueError("pass either tools or response_format, not both")
-            turns, kwargs["response_format"] = with_tools(turns, tools, choice, self.get_engine().tokenizer)
+            turns, kwargs["response_format"] = with_tools(turns, tools, choice, self.get_engine().tokenizer,
+                                                          parallel=parallel)
         elif kwargs.get("response_format") is not None:
             fmt = ResponseFormat.of(kwargs["response_format"])
             if fmt.kind == "json_schema" and fmt.schema is not None:  # the model sees the schema; after the documents
@@ -202,13 +204,16 @@ class ChatPCR(PCRModelParams, BaseChatModel):
         tool_choice: "auto" (default: a call or plain text), "any" (a call of one of the tools), "none" (plain
         text), or a tool's name (a call of that tool). The answer's format is enforced by a grammar; a schema the
         grammar compiler rejects raises `pcr_rag.InvalidRequestError` here, before any compute.
-        ``parallel_tool_calls`` and ``strict`` are accepted for compatibility: an answer holds at most one call,
-        and the grammar always enforces the schemas.
+        parallel_tool_calls: True lets one answer hold several calls (one JSON object per line, each an entry of
+        ``AIMessage.tool_calls``); None or False: at most one. ``strict`` is accepted for compatibility: the grammar
+        always enforces the schemas.
         """
         formatted = [convert_to_openai_tool(t) for t in tools]
         specs = [ToolSpec.from_openai(t) for t in formatted]
         choice = normalize_tool_choice(tool_choice, [t.name for t in specs])
-        tool_call_format(specs, choice)  # compiles (validates) every schema now
+        tool_call_format(specs, choice, parallel=bool(parallel_tool_calls))  # compiles (validates) every schema now
+        if parallel_tool_calls:
+            kwargs["parallel_tool_calls"] = True
         return super().bind(tools=formatted, tool_choice=choice, **kwargs)
 
     def with_structured_output(self, schema: dict | type, *,
@@ -282,12 +287,12 @@ def _answer(text: str, tools: Sequence[ToolSpec]) -> tuple[str, list, list]:
     if not tools:
         return text, [], []
     try:
-        parsed = parse_tool_call(text, tools)
+        parsed = parse_tool_calls(text, tools)
     except ValueError as exc:
         return text, [], [invalid_tool_call(name=None, args=text, id=new_call_id(), error=str(exc))]
-    if parsed is None:
+    if not parsed:
         return text, [], []
-    return "", [tool_call(name=parsed.name, args=parsed.arguments, id=parsed.id)], []
+    return "", [tool_call(name=c.name, args=c.arguments, id=c.id) for c in parsed], []
 
 
 def _content_text(message: BaseMessage) -> str:

@@ -507,8 +507,11 @@ class PCRLLM(FunctionCallingLLM):
                                  allow_parallel_tool_calls: bool = False, tool_required: bool = False,
                                  tool_choice: Any = None, **kwargs: Any) -> dict[str, Any]:
         """The `chat` arguments for a call with ``tools``: "any" when ``tool_required``, else ``tool_choice``
-        ("auto" by default, "none", or a tool's name). ``allow_parallel_tool_calls``: one answer may hold several
-        calls (one JSON object per line, each a `ToolCallBlock`); otherwise at most one."""
+        ("auto" by default, "none", or a tool's name). One call per answer unless ``parallel_tool_calls=True`` is
+        passed too (then several, one JSON object per line, each a `ToolCallBlock`; LlamaIndex keeps only the first
+        unless ``allow_parallel_tool_calls``). ``allow_parallel_tool_calls`` alone does not turn it on: LlamaIndex's
+        agents pass True by default, and a small model then repeats its calls turn after turn (the default model's
+        agent loop never ended)."""
         messages = list(chat_history or [])
         if user_msg is not None:
             messages.append(ChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str)
@@ -516,11 +519,11 @@ class PCRLLM(FunctionCallingLLM):
         try:
             specs = tool_specs(tools)
             choice = tool_choice_of(specs, tool_required, tool_choice)
-            tool_call_format(specs, choice, parallel=allow_parallel_tool_calls)  # compiles every schema now
+            parallel = bool(kwargs.get("parallel_tool_calls"))
+            tool_call_format(specs, choice, parallel=parallel)  # compiles (validates) every schema now
         except InvalidRequestError as exc:  # not a decorator: LlamaIndex reads this method's signature
             raise PCRRequestError(str(exc)) from exc
-        return {"messages": messages, "tools": specs, "tool_choice": choice,
-                "parallel_tool_calls": bool(allow_parallel_tool_calls), **kwargs}
+        return {"messages": messages, "tools": specs, "tool_choice": choice, **kwargs}
 
     def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
                                      **kwargs: Any) -> list[ToolSelection]:

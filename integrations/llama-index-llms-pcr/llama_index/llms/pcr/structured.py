@@ -29,7 +29,7 @@ from pcr_rag.structured import (
     close_objects,
     new_call_id,
     normalize_tool_choice,
-    parse_tool_call,
+    parse_tool_calls,
     tool_history_turns,
 )
 
@@ -57,18 +57,18 @@ def assistant_message(text: str, tools: Sequence[ToolSpec], raw: dict[str, Any] 
     """The assistant message of a finished answer (``raw``: the request's metrics, as ``additional_kwargs["pcr"]``).
     An answer that starts a call but is incomplete (cut by ``max_new_tokens``) stays text."""
     extra: dict[str, Any] = {"pcr": raw} if raw is not None else {}
-    call = None
+    calls: list[ToolCall] = []
     if tools:
         try:
-            call = parse_tool_call(text, tools)
+            calls = parse_tool_calls(text, tools)
         except ValueError:
-            call = None
-    if call is None:
+            calls = []
+    if not calls:
         return ChatMessage(role=MessageRole.ASSISTANT, content=text, additional_kwargs=extra)
-    extra["tool_calls"] = [{"id": call.id, "type": "function",
-                            "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}]
-    block = ToolCallBlock(tool_call_id=call.id, tool_name=call.name, tool_kwargs=call.arguments)
-    return ChatMessage(role=MessageRole.ASSISTANT, blocks=[TextBlock(text=""), block], additional_kwargs=extra)
+    extra["tool_calls"] = [{"id": c.id, "type": "function",
+                            "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in calls]
+    blocks = [ToolCallBlock(tool_call_id=c.id, tool_name=c.name, tool_kwargs=c.arguments) for c in calls]
+    return ChatMessage(role=MessageRole.ASSISTANT, blocks=[TextBlock(text=""), *blocks], additional_kwargs=extra)
 
 
 def _calls_of(message: ChatMessage) -> list[ToolCall]:
