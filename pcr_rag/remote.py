@@ -8,8 +8,9 @@ parts the integrations use.
 
 What travels: `ChatPrompt` -> ``client.chat.completions.create``, `FlatPrompt` -> ``client.completions.create``.
 Every `SamplingParams` field that differs from its default is sent, by its OpenAI name as an SDK argument
-(``max_tokens``, ``stop``, ``seed``, penalties, ``logprobs``) or in ``extra_body`` (vLLM's ``top_k`` and
-``repetition_penalty``; the completions endpoint's ``response_format``); a field this client cannot
+(``max_tokens``, ``stop``, ``seed``, penalties, ``logprobs``) or in ``extra_body`` (vLLM's ``top_k``,
+``repetition_penalty``, ``min_p``, ``min_tokens`` and ``ignore_eos``; the completions endpoint's
+``response_format``); a field this client cannot
 send raises `InvalidRequestError` before any call, so nothing is dropped silently. The server's extensions go in
 ``extra_body`` too: ``documents`` (each a string, or ``{"text", "scope"}`` when it has a sharing scope, see
 `pcr_rag.Doc`), ``return_token_ids``, ``chat_template``, ``system``, and a `ChatPrompt`'s
