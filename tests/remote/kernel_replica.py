@@ -2,8 +2,8 @@
 
     python kernel_replica.py REQUESTS_JSON OUT_PT --cache-dir DIR --url URL
 
-Builds `PCREngine` on the tiny test model in bfloat16 (oneDNN's GEMMs, whose bits an ``ONEDNN_MAX_CPU_ISA`` cap in
-the environment changes), answers every request of REQUESTS_JSON ([[question, [documents...]], ...]) first with
+Builds `PCREngine` on the tiny test model in float32 (what an AVX2-only host runs; the CPU kernels torch and oneDNN
+dispatch to follow ``ATEN_CPU_CAPABILITY`` / ``ONEDNN_MAX_CPU_ISA`` caps in the environment), answers every request of REQUESTS_JSON ([[question, [documents...]], ...]) first with
 the cache off, then with the SSD directory and the remote store, and saves both runs' answers, the reuse, the
 kernel identity, the remote counters and the start-up warnings to OUT_PT (``torch.save``).
 """
@@ -41,7 +41,7 @@ def main() -> None:
     warnings = _Warnings()
     logging.getLogger("pcr_rag").addHandler(warnings)
     model, tok = tiny_model("llama", num_layers=2)
-    common = dict(chunk_size=16, max_new_tokens=6, device="cpu", dtype="bfloat16", dram_capacity="64MiB")
+    common = dict(chunk_size=16, max_new_tokens=6, device="cpu", dtype="float32", dram_capacity="64MiB")
     with PCREngine(model=model, tokenizer=tok, config=EngineConfig(enable_cache=False, **common)) as off:
         reference = [off.generate(q, docs) for q, docs in requests]
     cfg = EngineConfig(cache_dir=args.cache_dir, ssd_capacity="64MiB", remote_url=args.url, remote_timeout_s=2.0,

@@ -1,8 +1,10 @@
 """Cache identity covers the kernels (issue 47): engines whose kernels compute other bits share no chunk.
 
-One host, two kernel paths: a process with ``ONEDNN_MAX_CPU_ISA`` capped below this CPU's best ISA (set before torch
-loads, so oneDNN dispatches other bf16 GEMM kernels) computes other KV bits than one without the cap. Engine A (no
-cap) fills one SSD directory and one Valkey; engine B (capped) then answers the same requests from both, one
+One host, two kernel paths: a process with torch's and oneDNN's CPU dispatch capped at AVX2 (``ATEN_CPU_CAPABILITY``,
+``ONEDNN_MAX_CPU_ISA``, set before torch loads: what an AVX2-only host runs) computes other float32 KV bits than one
+without the caps on an AVX-512 host, under the same plan id (so the roots of before met). Capping oneDNN alone
+changes the bf16 GEMMs' bits but also the plan (no prepacked weights), which the roots already told apart; in
+float32 the oneDNN cap alone changes nothing, torch's own kernels (attention, softmax) do. Engine A (no cap) fills one SSD directory and one Valkey; engine B (capped) then answers the same requests from both, one
 process after the other (the directory is locked while an engine holds it). B must find none of A's chunks and
 answer exactly as its own cache-off run; a third process on A's path (a control) reuses them.
 """
@@ -19,7 +21,7 @@ import pytest
 import torch
 
 REPLICA = Path(__file__).with_name("kernel_replica.py")
-CAP = {"ONEDNN_MAX_CPU_ISA": "AVX2"}  # below AVX-512 (and AMX): what an AVX2 host's oneDNN runs
+CAP = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}  # below AVX-512 and AMX: an AVX2 host's path
 TOPICS = ["rivers", "glaciers", "volcanoes"]
 DOCS = {t: f"The {t} of the world are studied by many scientists, who measure and map them each year. " * 3
         for t in TOPICS}
@@ -45,8 +47,8 @@ def test_a_host_on_another_kernel_path_reuses_none_of_the_chunks_it_cannot_repro
     a = _run(tmp_path, "a", valkey.url, plain)
     b = _run(tmp_path, "b", valkey.url, {**plain, **CAP})
     if a["kernels"] == b["kernels"]:
-        pytest.skip(f"capping oneDNN at {CAP['ONEDNN_MAX_CPU_ISA']} changes no bit of the probe on this CPU "
-                    f"(torch sees {torch.backends.cpu.get_cpu_capability()}): both paths may share")
+        pytest.skip(f"capping the CPU kernels at AVX2 changes no bit of the probe on this CPU (torch sees "
+                    f"{torch.backends.cpu.get_cpu_capability()}): both paths may share")
     assert a["remote_io"]["writes"] > 0 and a["reused"][0] == 0
     # B starts on A's directory and store: its first request finds nothing (later ones reuse B's own head), no
     # remote read hits, and every answer equals B's own cache-off run (tokens and first-token logits)
