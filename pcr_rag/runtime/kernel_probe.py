@@ -3,8 +3,8 @@
 A chunk key's root must cover everything that can change the KV's bits. The model fingerprint, KV dtype, chunk
 size and plan id name what the engine chooses; the kernel path does not show in any of them: the CPU ISA that
 torch and oneDNN dispatch to (AMX, AVX-512 BF16, AVX2, caps such as ``ATEN_CPU_CAPABILITY`` and
-``ONEDNN_MAX_CPU_ISA``), the oneDNN, MKL
-and torch versions, the GPU model and CUDA libraries, the thread count a GEMM splits over. A list of versions
+``ONEDNN_MAX_CPU_ISA``), the oneDNN, MKL and torch versions, the GPU model and CUDA libraries, the thread count a
+GEMM splits over. A list of versions
 would both miss causes (an environment cap, a BIOS that hides an ISA) and split hosts that compute equal bits, so
 the identity is empirical instead: `kernel_identity` runs the engine's own `FastForward.prefill` over fixed
 synthetic token ids and hashes every layer's KV. Two engines whose probes agree computed the same bits for it, and
