@@ -15,6 +15,7 @@ import torch
 from pcr_rag.cache.config import PLANNER_MODES, RemoteConfig, redacted_repr
 from pcr_rag.cache.seal import SECRET_MIN_CHARS
 from pcr_rag.errors import ConfigError
+from pcr_rag.home import cache_home
 from pcr_rag.limits import DEFAULT_LIMITS, RequestLimits
 from pcr_rag.runtime.admission import SCHEDULES
 from pcr_rag.runtime.announcements import DEFAULT_MAX_PENDING, DEFAULT_MAX_PER_NAMESPACE
@@ -89,7 +90,7 @@ RemoteFields = _remote_fields()
 def default_cache_dir() -> Path:
     """`$PCR_RAG_CACHE_DIR`, else `~/.cache/pcr-rag/kv`."""
     env = os.environ.get("PCR_RAG_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "pcr-rag" / "kv"
+    return Path(env).expanduser() if env else cache_home() / "kv"
 
 
 @dataclass

@@ -35,13 +35,15 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import llguidance
 import numpy as np
-import torch
 
 from pcr_rag.errors import InvalidRequestError
+
+if TYPE_CHECKING:  # torch is the engine's (extra "engine"); `ResponseFormat` serves the thin HTTP client too
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -254,10 +256,12 @@ class GrammarMatcher:
 
     def allowed(self) -> torch.Tensor:
         """Bool ``[vocab_size]``: the tokens the grammar allows next (EOS ids when it may end here)."""
+        import torch  # the engine's dependency (a matcher only exists inside an engine), not the thin client's
         return torch.from_numpy(self._allowed())
 
     def mask_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits [vocab]`` with the tokens the grammar disallows at -inf (in place)."""
+        import torch
         allowed = self._allowed()
         n = min(logits.shape[-1], self.vocab_size)
         if logits.device.type == "cpu" and logits.dtype == torch.float32:
