@@ -17,7 +17,6 @@ from pcr_rag.limits import DEFAULT_LIMITS
 from pcr_rag.runtime import grammar
 from pcr_rag.server import ServerSettings, ServerThread, lifecycle
 
-
 MODEL = "tiny-llama"
 
 
