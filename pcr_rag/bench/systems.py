@@ -10,6 +10,8 @@ pcr-no-prefetch          pcr with ``prefetch=False`` (look-ahead protection stay
 pcr-lru                  pcr with plain LRU eviction (no look-ahead protection)
 pcr-whole-steps          pcr with ``itl_budget_steps=None``: prefill steps run whole between two decode steps
                          (the ITL budget's A/B; not in the default set)
+pcr-always-load          pcr with ``load_planner="always-load"``: every cached chunk loaded, however slow its tier
+                         (the load-or-recompute planner's A/B; not in the default set)
 transformers             not a `PCREngine`: plain transformers ``model.generate`` on the whole prompt (one-shot
                          prefill, no reuse), one request at a time; what LlamaIndex's ``HuggingFaceLLM`` gives
 llama-cpp                not a `PCREngine`: llama-cpp-python on the model's GGUF file with a one-slot
@@ -116,6 +118,8 @@ SYSTEMS: Mapping[str, SystemSpec] = MappingProxyType({
         _spec("pcr-lru", "PCR with plain LRU instead of look-ahead LRU", eviction="lru"),
         _spec("pcr-whole-steps", "PCR without the ITL budget: prefill steps run whole between decode steps",
               itl_budget_steps=None),
+        _spec("pcr-always-load", "PCR loading every cached chunk (no load-or-recompute planner)",
+              load_planner="always-load"),
         _spec("pcr-cold", "PCR as a new replica: empty local tiers before every run", cold=True),
         _spec("pcr-remote", "PCR new replica behind a shared Valkey another replica warmed", cold=True,
               remote="warm"),
