@@ -115,10 +115,10 @@ class EngineConfig(RemoteFields):  # type: ignore[misc,valid-type]
         layerwise: overlap loads/offloads with compute layer by layer (False: load all, compute, offload all).
         prefetch: start SSD -> DRAM loads for requests in the look-ahead window.
         eviction: "lookahead-lru" (protect what the window needs) or "lru".
-        enable_cache: False runs the same chunk-aligned prefill without any reuse (the no-reuse baseline).
         load_planner: "measured" (a cached chunk is loaded only where that beats recomputing it, from each tier's
             measured read speed and the measured prefill speed: `pcr_rag.cache.reuse_planner`) or "always-load"
             (every cached chunk a tier can serve is loaded, however slow the tier).
+        enable_cache: False runs the same chunk-aligned prefill without any reuse (the no-reuse baseline).
         namespace: tenant salt; caches of different namespaces never share chunks.
         max_new_tokens: default generation length (tokens).
         announce_ttl_s: an announced request that nobody claims expires after this many seconds.
@@ -228,8 +228,8 @@ class EngineConfig(RemoteFields):  # type: ignore[misc,valid-type]
     layerwise: bool = True
     prefetch: bool = True
     eviction: EvictionPolicyName = "lookahead-lru"
-    enable_cache: bool = True
     load_planner: LoadPlannerName = "measured"
+    enable_cache: bool = True
     namespace: str = ""
     max_new_tokens: int = 128
     announce_ttl_s: float = 120.0
@@ -295,9 +295,9 @@ class EngineConfig(RemoteFields):  # type: ignore[misc,valid-type]
         _check_int("prefetch_window", self.prefetch_window, minimum=0)
         if self.eviction not in ("lookahead-lru", "lru"):
             raise ConfigError(f"eviction must be 'lookahead-lru' or 'lru', got {self.eviction!r}")
-        _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
         if self.load_planner not in PLANNER_MODES:
             raise ConfigError(f"load_planner must be one of {PLANNER_MODES}, got {self.load_planner!r}")
+        _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
         _check_seconds("announce_ttl_s", self.announce_ttl_s, positive=True)
         _check_seconds("remote_ttl_s", self.remote_ttl_s, positive=False)
         for name in ("remote_connect_timeout_s", "remote_timeout_s", "remote_breaker_backoff_s"):
