@@ -228,7 +228,7 @@ class EngineConfig(RemoteFields):  # type: ignore[misc,valid-type]
     layerwise: bool = True
     prefetch: bool = True
     eviction: EvictionPolicyName = "lookahead-lru"
-    load_planner: LoadPlannerName = "measured"
+    load_planner: LoadPlannerName = "always-load"
     enable_cache: bool = True
     namespace: str = ""
     max_new_tokens: int = 128

@@ -271,7 +271,7 @@ class CacheConfig:
     ssd_secret: str | None = field(default=None, repr=False)
     tenant_dram_bytes: int | str | None = None
     tenant_ssd_bytes: int | str | None = None
-    load_planner: str = "measured"
+    load_planner: str = "always-load"
 
     def __post_init__(self) -> None:
         if self.load_planner not in PLANNER_MODES:

@@ -158,7 +158,8 @@ def _inject(monkeypatch, eng: PCREngine, phase: str, victim: Callable[[list[int]
         raise AssertionError(phase)
 
 
-@pytest.mark.parametrize("phase", PHASES)
+# a lease fault no longer fails the request: it recomputes (issue 47 item 7, tests/runtime/test_cache_failure_recompute.py)
+@pytest.mark.parametrize("phase", [p for p in PHASES if p != "lease"])
 def test_a_fault_at_any_phase_fails_that_request_alone_and_frees_its_row(phase, tiny, tmp_path, monkeypatch):
     with _engine(tiny, tmp_path / "c", max_active=2, warmup=False) as eng:
         eng.executor.eos_ids = frozenset()  # every request decodes its max_new_tokens: each phase is reached
