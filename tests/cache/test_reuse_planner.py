@@ -149,6 +149,7 @@ def slow_ssd_engine(bandwidth: float, **kw) -> tuple[CacheEngine, ManualClock]:
     """An engine whose SSD reads take ``nbytes / bandwidth`` seconds of a virtual clock (no real waiting)."""
     clock = ManualClock()
     storage = SlowBackend(MemoryBackend(), bandwidth_bytes_per_s=bandwidth, sleep=clock.advance)
+    kw.setdefault("load_planner", "measured")
     cfg = CacheConfig(chunk_size=4, dram_bytes=1 << 20, ssd_bytes=1 << 20, sync_io=True, **kw)
     return CacheEngine(cfg, clock=clock, storage=storage), clock
 

@@ -18,7 +18,7 @@ QUESTION = "what do the documents say?"
 
 def _engine(model, tok, path, **kw) -> PCREngine:
     cfg = dict(cache_dir=path, chunk_size=16, dram_capacity="64MiB", ssd_capacity="256MiB", max_new_tokens=6,
-               device=TEST_DEVICE, dtype="float32", prefetch=False, warmup=False)
+               device=TEST_DEVICE, dtype="float32", prefetch=False, warmup=False, load_planner="measured")
     cfg.update(kw)
     return PCREngine(model=model, tokenizer=tok, config=EngineConfig(**cfg))
 
