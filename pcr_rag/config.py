@@ -115,7 +115,7 @@ class EngineConfig(RemoteFields):  # type: ignore[misc,valid-type]
         layerwise: overlap loads/offloads with compute layer by layer (False: load all, compute, offload all).
         prefetch: start SSD -> DRAM loads for requests in the look-ahead window.
         eviction: "lookahead-lru" (protect what the window needs) or "lru".
-        load_planner: "measured" (a cached chunk is loaded only where that beats recomputing it, from each tier's
+        load_planner: "measured" (the default: a cached chunk is loaded only where that beats recomputing it, from each tier's
             measured read speed and the measured prefill speed: `pcr_rag.cache.reuse_planner`) or "always-load"
             (every cached chunk a tier can serve is loaded, however slow the tier).
         enable_cache: False runs the same chunk-aligned prefill without any reuse (the no-reuse baseline).
@@ -228,7 +228,7 @@ class EngineConfig(RemoteFields):  # type: ignore[misc,valid-type]
     layerwise: bool = True
     prefetch: bool = True
     eviction: EvictionPolicyName = "lookahead-lru"
-    load_planner: LoadPlannerName = "always-load"
+    load_planner: LoadPlannerName = "measured"
     enable_cache: bool = True
     namespace: str = ""
     max_new_tokens: int = 128

@@ -249,7 +249,7 @@ class CacheConfig:
       the DRAM and SSD tiers: a chunk counts against the tenant whose request computed it, and a tenant at its
       quota makes room by evicting its own chunks only, so one tenant cannot evict another's working set (the
       rules and their guarantee: ``cache.residency``).
-    - ``load_planner``: ``"measured"`` (a cached chunk is loaded only where that beats recomputing it, from the
+    - ``load_planner``: ``"measured"`` (the default: a cached chunk is loaded only where that beats recomputing it, from the
       measured read and prefill speeds: ``cache.reuse_planner``) or ``"always-load"`` (every cached chunk a tier
       can serve is loaded).
     """
@@ -271,7 +271,7 @@ class CacheConfig:
     ssd_secret: str | None = field(default=None, repr=False)
     tenant_dram_bytes: int | str | None = None
     tenant_ssd_bytes: int | str | None = None
-    load_planner: str = "always-load"
+    load_planner: str = "measured"
 
     def __post_init__(self) -> None:
         if self.load_planner not in PLANNER_MODES:

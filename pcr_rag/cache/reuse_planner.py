@@ -28,10 +28,13 @@ chunk after the first skipped one is at least as slow to read as it is to comput
 a chunk's KV does not depend on how its prefix was obtained, so a fast chunk behind a slow one (a DRAM chunk
 after an SSD chunk on a throttled disk, or blended documents of issue 48 in any order) could still be loaded
 while the slow one is recomputed; ``plan`` takes segments (tier, tokens, bytes each) rather than a bare prefix so
-that such a planner can share this cost model. Ties go to loading (less compute).
+that such a planner can share this cost model. Ties go to loading (less compute), and so does any plan that is
+not at least ``MIN_GAIN`` faster than loading every cached chunk: the estimates are noisy on a busy host, and a
+request should not flip between loading and computing on noise.
 
-``always-load`` mode reuses every chunk a tier can serve (the remote tier ends the reuse while its breaker is
-open): the behaviour before this module, kept so that a benchmark can compare both in one run.
+``measured`` is the default. ``always-load`` mode reuses every chunk a tier can serve (the remote tier ends the
+reuse while its breaker is open): the behaviour before this module, kept so that a benchmark can compare both in
+one run, and so that tests of a tier's own mechanics on a tiny model (where computing beats any read) can load.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from dataclasses import dataclass
 from pcr_rag.cache.config import PLANNER_MODES
 from pcr_rag.cache.tiers.base import TIER_ORDER, Tier
 
-__all__ = ["REPROBE_S", "ComputeSpeed", "ReadSpeed", "ReusePlan", "ReusePlanner", "Segment"]
+__all__ = ["MIN_GAIN", "REPROBE_S", "ComputeSpeed", "ReadSpeed", "ReusePlan", "ReusePlanner", "Segment"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,9 @@ _READ_DECAY = 0.98  # weight of older read samples per new one (one sample per l
 _COMPUTE_DECAY = 0.95  # weight of older prefill-step samples per new one
 #: Seconds after a storage tier's last timed read when it is probed again (one layer read per period at most).
 REPROBE_S = 30.0
+#: A plan that skips cached chunks must be estimated at least this fraction faster than loading them all, so
+#: that estimation noise (a busy host, a cold page cache) does not flip a request between loading and computing.
+MIN_GAIN = 0.1
 
 
 @dataclass(frozen=True)
@@ -314,6 +320,7 @@ class ReusePlanner:
         remote_bytes, remote_s = 0, 0.0
         async_sources = False
         best_cut, best_s = 0, self._finish(0, total, step, layers, 0.0, 0.0, 0.0)
+        seconds = best_s
         for k, s in enumerate(segs, start=1):
             if s.tier is Tier.REMOTE:
                 remote_bytes += s.nbytes
@@ -347,6 +354,8 @@ class ReusePlanner:
             seconds = self._finish(positions[k], total, step, layers, serial, per_layer, mem)
             if seconds <= best_s:
                 best_cut, best_s = k, seconds
+        if best_cut < len(segs) and best_s > (1.0 - MIN_GAIN) * seconds:
+            return len(segs), seconds  # the skip is not clearly faster: load everything (less compute)
         return best_cut, best_s
 
     def _finish(self, start: int, total: int, step: int, layers: int, serial: float, per_layer: float,

@@ -78,10 +78,19 @@ def test_dram_to_device_on_a_gpu_host_follows_injected_speeds():
 
 def test_a_prefetch_in_flight_is_waited_for_before_the_step():
     p = planner(s_per_token=1e-3, step_tokens=None)
-    p.observe_read(Tier.SSD, CHUNK_BYTES / 0.3)
+    p.observe_read(Tier.SSD, CHUNK_BYTES / 0.5)
     overlapped = p.plan(ssd_chunks(2), 8 * 256)
     waited = p.plan(ssd_chunks(2, in_flight=True), 8 * 256)
-    assert overlapped.reuse == 2 and waited.reuse == 0  # a wait does not overlap: 300 ms to save 256
+    assert overlapped.reuse == 2 and waited.reuse == 0  # a wait does not overlap: 1 s to save 512 ms
+
+
+def test_a_skip_must_be_clearly_faster_than_loading():
+    """Within ``MIN_GAIN`` of loading every chunk, the plan loads: noise must not flip a request."""
+    p = planner(s_per_token=1e-3, step_tokens=None)
+    p.observe_read(Tier.SSD, CHUNK_BYTES / 0.3)  # waiting 600 ms to save 512 ms: computing is ~4% faster
+    assert p.plan(ssd_chunks(2, in_flight=True), 8 * 256).reuse == 2
+    p.observe_read(Tier.SSD, CHUNK_BYTES / 0.4)  # 800 ms to save 512 ms: ~12% faster, past the margin
+    assert p.plan(ssd_chunks(2, in_flight=True), 8 * 256).reuse == 0
 
 
 def test_unmeasured_speeds_load_and_always_load_loads():

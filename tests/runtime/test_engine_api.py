@@ -310,7 +310,6 @@ def test_stream_timeouts_cancel_the_request(tiny, tmp_path):
         assert eng.stream("hi", max_new_tokens=3, timeout=60).result().metrics.generated_tokens == 3
 
 
-@pytest.mark.xfail(reason='issue 50: new sampling fields (min_p, min_tokens, ignore_eos) changed what is refused; expectations to update', strict=False)
 def test_sampling_params_validation():
     assert SamplingParams.from_kwargs(max_tokens=5, stop="###").max_new_tokens == 5
     assert SamplingParams.from_kwargs(stop="###").stop == ("###",)
@@ -318,21 +317,22 @@ def test_sampling_params_validation():
     assert base.stop == ("a",) and SamplingParams.from_kwargs(base, temperature=None, seed=4) == \
         SamplingParams(7, 0.5, 0.9, ("a",), 4)
     assert SamplingParams.from_kwargs(base) is base
-    with pytest.raises(TypeError, match=r"\['bogus', 'min_p'\].*max_new_tokens"):
-        SamplingParams.from_kwargs(bogus=1, min_p=0.1, temperature=0.2)
+    with pytest.raises(TypeError, match=r"\['bogus', 'min_q'\].*max_new_tokens"):
+        SamplingParams.from_kwargs(bogus=1, min_q=0.1, temperature=0.2)
+    assert SamplingParams.from_kwargs(min_p=0.1, min_tokens=2, ignore_eos=True).min_p == 0.1
     with pytest.raises(InvalidRequestError, match="disagree"):
         SamplingParams.from_kwargs(max_tokens=3, max_new_tokens=4)
     for bad, match in [(dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=True), "max_new_tokens"),
                        (dict(temperature=-1), "temperature"), (dict(temperature=float("nan")), "temperature"),
                        (dict(top_p=0), "top_p"), (dict(top_p="1"), "top_p"), (dict(stop=[1]), "stop"),
-                       (dict(seed=1.5), "seed")]:
+                       (dict(seed=1.5), "seed"), (dict(min_p=1.5), "min_p"), (dict(min_p=-0.1), "min_p"),
+                       (dict(min_tokens=-1), "min_tokens"), (dict(ignore_eos=1), "ignore_eos")]:
         with pytest.raises(InvalidRequestError, match=match):
             SamplingParams.from_kwargs(**bad)
         with pytest.raises(InvalidRequestError, match=match):
             SamplingParams(**bad)
 
 
-@pytest.mark.xfail(reason='issue 50: new sampling fields (min_p, min_tokens, ignore_eos) changed what is refused; expectations to update', strict=False)
 def test_prompt_kinds_and_submit_reject_bad_input(tiny, tmp_path):
     with pytest.raises(InvalidRequestError, match="empty prompt"):
         FlatPrompt("  ")
@@ -349,7 +349,7 @@ def test_prompt_kinds_and_submit_reject_bad_input(tiny, tmp_path):
         with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['bogus'\]"):
             eng.stream("q", bogus=1)
         with pytest.raises(TypeError):
-            asyncio.run(eng.agenerate("q", min_p=0.1))
+            asyncio.run(eng.agenerate("q", min_q=0.1))
         assert eng.stats().requests["requests_finished"] == 0 and eng.scheduler.depth == 0
 
 

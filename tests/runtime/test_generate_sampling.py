@@ -51,14 +51,13 @@ def test_generate_takes_every_sampling_option_as_submit_does(name, eng) -> None:
     assert asyncio.run(agen(*args, **OPTIONS)).token_ids == want.token_ids
 
 
-@pytest.mark.xfail(reason='issue 50: new sampling fields changed the keyword check; expectation to update', strict=False)
 def test_generate_keeps_its_own_keywords_and_refuses_unknown_ones(eng) -> None:
     r = eng.generate(QUESTION, (DOC,), system="Be brief.", timeout=60, namespace="tenant-a", max_new_tokens=3)
     assert len(r.token_ids) <= 3
     with pytest.raises(TypeError, match="top_kk"):
         eng.generate(QUESTION, (DOC,), top_kk=3)
-    with pytest.raises(TypeError, match="min_p"):
-        eng.generate_messages(MESSAGES, min_p=0.1)
+    with pytest.raises(TypeError, match="min_q"):
+        eng.generate_messages(MESSAGES, min_q=0.1)
     with pytest.raises(InvalidRequestError, match="repetition_penalty"):
         eng.generate_prompt("Once upon a time", chat=False, repetition_penalty=0)
     with pytest.raises(InvalidRequestError, match="disagree"):
