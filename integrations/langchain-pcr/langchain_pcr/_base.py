@@ -6,14 +6,17 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing, closing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from uuid import UUID
 
 from langchain_core.language_models import LangSmithParams
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
 from langchain_pcr._common import PROVIDER, EngineHolder, RequestDocuments, model_display_name
 from langchain_pcr._remote import engine_holder
+from langchain_pcr._stream_run import take_started_run
 from langchain_pcr._tracing import run_span
 from langchain_pcr.callbacks import resolve_documents
+from pcr_rag.remote import RemoteEngine
 from pcr_rag.requests import GenerationResult, Prompt, RequestHandle, SamplingParams, StreamChunk
 
 if TYPE_CHECKING:
@@ -24,11 +27,56 @@ __all__ = ["ModelCall", "PCRModelParams"]
 
 @dataclass(frozen=True)
 class ModelCall:
-    """One submitted model call: the engine, the request's handle, and the documents passed with it."""
+    """One submitted model call: the engine, the request's handle, and the documents passed with it.
+
+    ``trace_run``: the LangChain run whose OpenInference span is made current (`run_span`) while the handle is
+    consumed, so a `RemoteEngine`'s HTTP call (it starts when the handle is first awaited or iterated, not at
+    submit) carries that span as ``traceparent``. None for a local engine: its request's spans start at submit,
+    under the same span, and consuming its handle sends nothing.
+    """
 
     engine: PCREngine
     handle: RequestHandle
     documents: RequestDocuments
+    trace_run: UUID | None = None
+
+    def result(self) -> GenerationResult:
+        """The handle's `GenerationResult` (a remote call goes out under the run's span)."""
+        with run_span(self.trace_run):
+            return self.handle.result()
+
+    async def aresult(self) -> GenerationResult:
+        """`result` for asyncio."""
+        with run_span(self.trace_run):
+            return await self.handle.aresult()
+
+    def pieces(self) -> Iterator[StreamChunk]:
+        """The handle's stream, each step (the first sends a remote call) under the run's span."""
+        if self.trace_run is None:
+            yield from self.handle
+            return
+        steps = iter(self.handle)
+        while True:
+            with run_span(self.trace_run):  # attached and detached within one step: never across a yield
+                piece = next(steps, None)
+            if piece is None:
+                return
+            yield piece
+
+    async def apieces(self) -> AsyncIterator[StreamChunk]:
+        """`pieces` for asyncio."""
+        if self.trace_run is None:
+            async for piece in self.handle:
+                yield piece
+            return
+        steps = aiter(self.handle)
+        while True:
+            try:
+                with run_span(self.trace_run):  # within one step, as in `pieces`
+                    piece = await anext(steps)
+            except StopAsyncIteration:
+                return
+            yield piece
 
 
 class PCRModelParams(BaseModel):
@@ -129,8 +177,12 @@ class PCRModelParams(BaseModel):
         params = SamplingParams.from_kwargs(defaults, stop=stop, **kwargs)
         engine = self._holder.get()
         docs = resolve_documents(engine, text, run_manager, explicit)
-        with run_span(getattr(run_manager, "run_id", None)):  # an OpenInference trace: the request under its model
-            return ModelCall(engine, engine.submit(make_prompt(docs.documents), params, timeout=timeout), docs)
+        # ChatPCR.stream's run comes without a run manager (`langchain_pcr._stream_run`): its id still places the
+        # request in the trace; its documents stay those found without the run tree
+        run_id = getattr(run_manager, "run_id", None) if run_manager is not None else take_started_run()
+        with run_span(run_id):  # an OpenInference trace: the request under its model
+            handle = engine.submit(make_prompt(docs.documents), params, timeout=timeout)
+        return ModelCall(engine, handle, docs, run_id if isinstance(engine, RemoteEngine) else None)
 
     def _text_chunk(self, text: str) -> Any:
         raise NotImplementedError
@@ -149,7 +201,7 @@ class PCRModelParams(BaseModel):
         """The one sync stream loop. Closing the handle is a no-op once finished and cancels the request when the
         consumer stopped early."""
         with closing(call.handle):
-            for piece in call.handle:
+            for piece in call.pieces():
                 chunk = self._chunk(piece, call)
                 if chunk is not None and run_manager is not None and not piece.is_final:
                     run_manager.on_llm_new_token(piece.text, chunk=chunk)
@@ -158,8 +210,8 @@ class PCRModelParams(BaseModel):
 
     async def _astream_call(self, call: ModelCall, run_manager: Any) -> AsyncIterator[Any]:
         """The one async stream loop (as `_stream_call`)."""
-        async with aclosing(call.handle):
-            async for piece in call.handle:
+        async with aclosing(call.handle), aclosing(call.apieces()) as pieces:
+            async for piece in pieces:
                 chunk = self._chunk(piece, call)
                 if chunk is not None and run_manager is not None and not piece.is_final:
                     await run_manager.on_llm_new_token(piece.text, chunk=chunk)

@@ -24,13 +24,14 @@ from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.runnables import Runnable, RunnableConfig, RunnableMap, RunnablePassthrough
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel
 
 from langchain_pcr._base import ModelCall, PCRModelParams
 from langchain_pcr._common import generation_info, model_display_name, usage_metadata
+from langchain_pcr._stream_run import with_run_recorder
 from pcr_rag.requests import ChatPrompt, GenerationResult, StreamChunk
 from pcr_rag.runtime.grammar import ResponseFormat
 from pcr_rag.structured import (
@@ -131,7 +132,8 @@ class ChatPCR(PCRModelParams, BaseChatModel):
             kwargs["response_format"] = fmt
         call = self._submit(lambda docs: ChatPrompt(tuple(turns), docs, chat_template_kwargs=self.chat_template_kwargs),
                             text, stop, run_manager, kwargs)
-        return ToolModelCall(call.engine, call.handle, call.documents, tuple(tools) if choice != "none" else ())
+        return ToolModelCall(call.engine, call.handle, call.documents, call.trace_run,
+                             tuple(tools) if choice != "none" else ())
 
     def _chat_result(self, result: GenerationResult, call: ModelCall) -> ChatResult:
         info = generation_info(result, model_display_name(self.model, call.engine), call.documents)
@@ -144,12 +146,12 @@ class ChatPCR(PCRModelParams, BaseChatModel):
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         call = self._request(messages, stop, run_manager, kwargs)
-        return self._chat_result(call.handle.result(), call)
+        return self._chat_result(call.result(), call)
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         call = self._request(messages, stop, run_manager, kwargs)
-        return self._chat_result(await call.handle, call)
+        return self._chat_result(await call.aresult(), call)
 
     def _text_chunk(self, text: str) -> ChatGenerationChunk:
         return ChatGenerationChunk(message=AIMessageChunk(content=text))
@@ -185,6 +187,18 @@ class ChatPCR(PCRModelParams, BaseChatModel):
             state.held += piece.text
             return None
         return self._text_chunk(piece.text)
+
+    def stream(self, input: LanguageModelInput, config: RunnableConfig | None = None, *,
+               stop: list[str] | None = None, **kwargs: Any) -> Iterator[AIMessageChunk]:
+        """LangChain's ``stream``, telling ``_stream`` its run (`langchain_pcr._stream_run`), which LangChain
+        does not: a traced remote call then carries the model's span as ``traceparent``."""
+        yield from super().stream(input, with_run_recorder(config), stop=stop, **kwargs)
+
+    async def astream(self, input: LanguageModelInput, config: RunnableConfig | None = None, *,
+                      stop: list[str] | None = None, **kwargs: Any) -> AsyncIterator[AIMessageChunk]:
+        """``astream`` as `stream`."""
+        async for chunk in super().astream(input, with_run_recorder(config), stop=stop, **kwargs):
+            yield chunk
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:

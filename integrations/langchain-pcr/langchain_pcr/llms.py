@@ -76,12 +76,12 @@ class PCRLLM(PCRModelParams, LLM):
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> LLMResult:
         # all prompts enter the engine's waiting queue at once (the prefetcher sees them all)
         calls = [self._request(p, stop, run_manager, kwargs) for p in prompts]
-        return self._result([self._generation(c.handle.result(), c) for c in calls])
+        return self._result([self._generation(c.result(), c) for c in calls])
 
     async def _agenerate(self, prompts: list[str], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> LLMResult:
         calls = [self._request(p, stop, run_manager, kwargs) for p in prompts]
-        results = await asyncio.gather(*(c.handle.aresult() for c in calls))
+        results = await asyncio.gather(*(c.aresult() for c in calls))
         return self._result([self._generation(r, c) for r, c in zip(results, calls)])
 
     def _call(self, prompt: str, stop: list[str] | None = None,
