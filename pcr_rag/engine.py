@@ -165,6 +165,7 @@ class PCREngine:
                                         kernel_identity(self.forward, warmed))
         self._roots: dict[str, bytes] = {}
         self._ssd_roots: Any = None  # the SSD tier, once open: it stores each root's manifest (`note_root`)
+        self._remote_roots: Any = None  # the remote tier, once open: it stores them in the shared store too
         self.root_key = self.root_for(None)
         self.cache: CacheEngine | None = None
         if config.enable_cache:
@@ -190,6 +191,10 @@ class PCREngine:
                                        str(config.cache_dir) if storage is None else self._ssd_roots.describe())
             if note is not None:
                 log.warning("%s", note)
+        if self.cache is not None and self.cache.remote is not None:
+            self._remote_roots = self.cache.remote.tier  # the shared store: manifests too, and their census
+            self._remote_roots.note_root(RootManifest.new(self.identity, config.namespace))
+            self._remote_roots.start_census(self.identity)  # off the request path; logs roots of other identities
         self.copy_engine = CopyEngine(self.device)
         # response formats compiled against the vocabulary (the rows of the logits), cached by format
         vocab_rows = self.loaded.model.get_output_embeddings().weight.shape[0]
@@ -548,8 +553,9 @@ class PCREngine:
         if root is None:
             root = self.identity.root(self.config.namespace, ns)
             self._roots[ns] = root
-            if self._ssd_roots is not None:
-                self._ssd_roots.note_root(RootManifest.new(self.identity, self.config.namespace, ns))
+            for tier in (self._ssd_roots, self._remote_roots):
+                if tier is not None:
+                    tier.note_root(RootManifest.new(self.identity, self.config.namespace, ns))
         return root
 
     def plan_for(self, query: str, documents: Sequence[str | Doc] = (), *, system: str | None = None,

@@ -439,6 +439,9 @@ class CacheEngine:
                 st.remote_io = self._remote.counters()
                 st.remote_io["recompute_chosen"] = st.recomputed_instead_of_loaded[Tier.REMOTE.value]
                 st.remote_io["compute_s_per_token"] = st.planner["compute_s_per_token"]
+                census = self._remote.tier.roots  # the start-up census of the store's root manifests, once run
+                if census is not None:
+                    st.remote_io.update(census.counters())
             st.pinned_chunks = self._index.pinned
             if self._dram.buffers is not None:
                 st.dram_buffers_reused = self._dram.buffers.reused

@@ -17,6 +17,10 @@ directory legible (``pcr-rag cache info``) and prunable:
   fingerprint, KV dtype, chunk size, plan id, weight format, kernel identity) and an 8-byte hash of the namespace salt - never the
   tenant's name in clear (the root key itself hashes the same salt, so the hash reveals nothing the file name does
   not). A root without a manifest (a cache written before manifests existed) is of unknown origin.
+- **The shared store.** An engine with a remote tier also stores each root's manifest there, one small sealed value
+  per root (``remote_value.manifest_value_name``), written with the root's first chunk; at start it reads the
+  manifests the store holds (bounded) and counts the roots of another identity (`RootCensus`, logged by
+  `foreign_roots_note`). A chunk value does not name its root, so the store is counted in roots, not chunks.
 
 Invariant: two roots hold interchangeable KV for equal tokens exactly when their identities are `compatible`
 (fingerprint, dtype, chunk size, plan and kernel identity equal); the namespace then decides whether the keys meet.
@@ -41,11 +45,13 @@ from pcr_rag.cache.keys import KEY_BYTES, namespace_key
 __all__ = [
     "MANIFEST_DIR",
     "ManifestError",
+    "RootCensus",
     "RootIdentity",
     "RootManifest",
     "RootUsage",
     "attribute",
     "foreign_chunks_note",
+    "foreign_roots_note",
     "host_description",
     "manifest_name",
     "namespace_hash",
@@ -329,3 +335,66 @@ def foreign_chunks_note(tier: Any, identity: RootIdentity, own_roots: Iterable[b
             f"{', '.join(parts)}; this engine's plan is {identity.plan}, kernels {identity.kernels or 'unknown'}. They count against the SSD budget until "
             f"evicted: stop the engine and run `pcr-rag cache prune --unusable --cache-dir {where}` with its "
             f"--model/--dtype/--chunk-size flags (`pcr-rag cache info` lists them)")
+
+
+#: Differences `RootCensus` keeps to name in its log line (the rest are counted only).
+MAX_CENSUS_DIFFERENCES = 4
+
+
+@dataclass(frozen=True)
+class RootCensus:
+    """The root manifests a shared store holds, as one engine's identity sees them: ``roots`` manifests read,
+    ``other`` of them naming an identity this engine's is not `RootIdentity.compatible` with, ``unreadable`` values
+    under a manifest name that are not a manifest of their root (malformed, oversized, failing their MAC), and
+    ``complete``: False when the bounded scan stopped before the whole store was seen (the counts are then lower
+    bounds). ``differences``: up to `MAX_CENSUS_DIFFERENCES` of what the other identities differ in ("..." last
+    when there are more)."""
+
+    roots: int = 0
+    other: int = 0
+    unreadable: int = 0
+    complete: bool = True
+    differences: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, identity: RootIdentity, manifests: Iterable[RootManifest | None], *,
+           complete: bool = True) -> RootCensus:
+        """The census of ``manifests`` (None: a value that was not a readable manifest) for ``identity``."""
+        roots = other = unreadable = 0
+        differences: set[str] = set()
+        for manifest in manifests:
+            if manifest is None:
+                unreadable += 1
+                continue
+            roots += 1
+            if not identity.compatible(manifest.identity):
+                other += 1
+                differences.add(identity.difference(manifest.identity))
+        named = tuple(sorted(differences))
+        if len(named) > MAX_CENSUS_DIFFERENCES:
+            named = (*named[:MAX_CENSUS_DIFFERENCES], "...")
+        return cls(roots, other, unreadable, complete, named)
+
+    def counters(self) -> dict[str, int]:
+        """The census as ``remote_io`` counters (``CacheStats``): ``roots_seen``, ``roots_of_other_identity``,
+        ``roots_unreadable``, ``roots_census_complete`` (0/1)."""
+        return {"roots_seen": self.roots, "roots_of_other_identity": self.other,
+                "roots_unreadable": self.unreadable, "roots_census_complete": int(self.complete)}
+
+
+def foreign_roots_note(census: RootCensus, identity: RootIdentity, where: str) -> str | None:
+    """One line for the engine's start-up log when the shared store ``where`` holds manifests of roots of another
+    identity (or unreadable ones); None when it holds none. Their chunks are never served here (their keys differ):
+    the line says why a replica finds none of them."""
+    if not census.other and not census.unreadable:
+        return None
+    parts = []
+    if census.other:
+        parts.append(f"the manifests of {census.other} namespace roots of other plans, kernels or models (their "
+                     f"{'; '.join(census.differences)}), whose chunks this engine never shares (their keys "
+                     f"differ)")
+    if census.unreadable:
+        parts.append(f"{census.unreadable} unreadable root manifests (malformed, oversized or failing their MAC)")
+    scope = "" if census.complete else " at least (its bounded scan saw part of the store)"
+    return (f"remote store {where} holds{scope} {' and '.join(parts)}; this engine's plan is {identity.plan}, "
+            f"kernels {identity.kernels or 'unknown'}. Only replicas of one identity share chunks (docs/replicas.md)")

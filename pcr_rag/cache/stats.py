@@ -48,7 +48,11 @@ class CacheStats:
       ``compute_s_per_token`` (the measured speeds the load-or-recompute decision uses), ``write_queue_depth``,
       ``latency_s`` (mean/p50/p95/p99 of recent calls, seconds). On a cluster (``redis+cluster://``), also
       ``nodes`` / ``nodes_open`` (primaries known / with an open per-node breaker), ``node_errors``,
-      ``node_skipped``, ``node_breaker_trips``, ``redirects`` (MOVED followed) and ``slot_map_refreshes``.
+      ``node_skipped``, ``node_breaker_trips``, ``redirects`` (MOVED followed) and ``slot_map_refreshes``. Once
+      the start-up census of the store's root manifests has run (``RemoteTier.start_census``): ``roots_seen``
+      (manifests read), ``roots_of_other_identity`` (those naming another model, dtype, chunk size, plan or kernel
+      identity: their chunks are never served here), ``roots_unreadable`` (malformed, oversized or failing their
+      MAC) and ``roots_census_complete`` (0: the bounded scan saw part of the store).
     - ``recomputed_instead_of_loaded``: per tier, cached chunks that requests recomputed because the planner found
       loading them slower (``cache.reuse_planner``; the remote entry is also ``remote_io["recompute_chosen"]``).
     - ``planner``: the planner's mode and estimates: ``read_bytes_per_s`` and ``read_latency_s`` per tier (0:

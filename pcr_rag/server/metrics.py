@@ -13,7 +13,8 @@ Two sources, one registry per app (never the process-global one, so several apps
   ``pcr:cache_usage_bytes{tier}``,
   ``pcr:cache_capacity_bytes{tier}``, ``pcr:cache_chunks{tier}``, ``pcr:cache_pinned_chunks``,
   ``pcr:cache_read_bytes_per_second{tier}`` (the load-or-recompute planner's read-speed estimates),
-  ``pcr:announcements_pending``; counters ``pcr:prompt_tokens_total``,
+  ``pcr:announcements_pending``, ``pcr:remote_roots_of_other_identity`` (namespace roots of another model, plan or
+  kernel identity whose manifests the shared store held at start); counters ``pcr:prompt_tokens_total``,
   ``pcr:prompt_tokens_by_source_total{source=computed|device|dram|ssd|remote}``, ``pcr:prefix_cache_queries_total`` and
   ``pcr:prefix_cache_hits_total`` (tokens, as vLLM counts them), ``pcr:cache_evictions_total{tier}``,
   ``pcr:chunks_recomputed_instead_of_loaded_total{tier}``,
@@ -199,6 +200,9 @@ class _EngineCollector(Collector):
                       req.get("recomputed_after_error", 0))
         yield counter("remote_values_forged", "Remote values rejected as forged (MAC, root, plan or layout), deleted.",
                       cache.remote_io.get("forged", 0))
+        yield gauge("remote_roots_of_other_identity", "Namespace roots of another model, plan or kernel identity "
+                    "whose manifests the remote store held at start (their chunks are never served here).",
+                    cache.remote_io.get("roots_of_other_identity", 0))
         yield counter("prefetch_loads", "SSD -> DRAM loads started by the prefetcher.", pf["loads_started"])
         yield counter("prefetch_hit_chunks", "Chunks on SSD at entry and in memory when their request ran.",
                       pf["prefetch_hit_chunks"])

@@ -82,10 +82,16 @@ def forge(raw: bytes, *, keep_seal: bool) -> bytes:
     return encode_header(h.meta, const, sums) + data.tobytes()
 
 
+def chunk_values(store: MemoryRemoteStore) -> dict[str, bytes]:
+    """The store's chunk values (not the root manifests, ``<namespace>:root:<root hex>``)."""
+    return {name: raw for name, raw in store.values.items() if ":root:" not in name}
+
+
 def forge_store(store: MemoryRemoteStore, *, keep_seal: bool = False) -> int:
-    for name, raw in list(store.values.items()):
+    chunks = chunk_values(store)
+    for name, raw in chunks.items():
         store.values[name] = forge(raw, keep_seal=keep_seal)
-    return len(store.values)
+    return len(chunks)
 
 
 # ---------------------------------------------------------------------------------------------- engine level
@@ -142,7 +148,7 @@ def test_forged_values_change_an_insecure_replica_but_are_rejected_under_a_secre
                 assert got.metrics.reused_by_tier["remote"] == 0 and same(got, ref)
                 assert io["forged"] >= 1 and io["hits"] == 0
                 assert f'pcr:remote_values_forged_total{{model_name="tiny"}} {float(io["forged"])}' in scraped
-                left = MemoryRemoteStore.named(name).values
+                left = chunk_values(MemoryRemoteStore.named(name))
                 assert all(not _is_forged(raw) for raw in left.values())  # forged ones deleted, fresh ones sealed
         finally:
             MemoryRemoteStore.forget(name)

@@ -5,7 +5,7 @@
 Builds `PCREngine` on the tiny test model in float32 (what an AVX2-only host runs; the CPU kernels torch and oneDNN
 dispatch to follow ``ATEN_CPU_CAPABILITY`` / ``ONEDNN_MAX_CPU_ISA`` caps in the environment), answers every request of REQUESTS_JSON ([[question, [documents...]], ...]) first with
 the cache off, then with the SSD directory and the remote store, and saves both runs' answers, the reuse, the
-kernel identity, the remote counters and the start-up warnings to OUT_PT (``torch.save``).
+kernel identity, the remote counters (the census of the store's root manifests included) and the start-up warnings to OUT_PT (``torch.save``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import time
 
 import torch
 
@@ -49,6 +50,9 @@ def main() -> None:
     with PCREngine(model=model, tokenizer=tok, config=cfg) as eng:
         results = [eng.generate(q, docs) for q, docs in requests]
         eng.flush(timeout=30)
+        deadline = time.monotonic() + 30  # the start-up census of the store's root manifests runs in the background
+        while eng.cache.remote.tier.roots is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         torch.save({
             "kernels": eng.identity.kernels,
             "off": [(r.token_ids, r.first_token_logits) for r in reference],

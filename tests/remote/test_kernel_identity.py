@@ -58,6 +58,11 @@ def test_a_host_on_another_kernel_path_reuses_none_of_the_chunks_it_cannot_repro
     assert _same(b["on"], b["off"]), "B's answers must equal its own cache-off run"
     assert _same(a["on"], a["off"])
     assert any("kernels" in line and "cannot use" in line for line in b["warnings"]), b["warnings"]
+    # the store's root manifests: A found none, B finds A's root, of other kernels, and says so at start
+    assert a["remote_io"]["roots_seen"] == 0
+    assert (b["remote_io"]["roots_seen"], b["remote_io"]["roots_of_other_identity"]) == (1, 1)
+    assert any(f"kernels {a['kernels']}" in line and "namespace roots" in line for line in b["warnings"])
     c = _run(tmp_path, "c", valkey.url, plain)  # the control, on A's kernel path: A's chunks are found
     assert c["kernels"] == a["kernels"] and c["reused"][0] > 0 and all(n > 0 for n in c["reused"])
+    assert (c["remote_io"]["roots_seen"], c["remote_io"]["roots_of_other_identity"]) == (2, 1)  # B's root
     assert _same(c["on"], a["off"])

@@ -14,6 +14,14 @@ The tier is *shared*: replicas on other machines write to the same store and rea
   engine drops the copy and the request recomputes).
 - A copy costs ``value_bytes`` of the tier's budget: the budget bounds what this engine tracks, the store's
   ``maxmemory`` what it holds.
+- Root manifests (``note_root``; `pcr_rag.cache.roots`): the manifest of each namespace root the engine names is
+  written (``SET NX``, sealed, with the tier's ``ttl_s``) just before the first chunk under that root this engine
+  writes, and with a TTL offered again each ``ttl_s`` / 2 while it writes there (so one the store expired comes back
+  while its root's chunks are still written). At start the engine runs ``start_census``: a background thread reads
+  the manifests the store holds (a bounded SCAN, values read up to ``MAX_MANIFEST_VALUE_BYTES``) and counts the
+  roots of another identity (``roots``, in ``stats().remote_io``), logging one line when there are any. A manifest
+  is never deleted (a newer replica's format may be one this one cannot read), only counted as unreadable. Nothing a
+  manifest says decides what is served: another identity's chunks have other keys.
 
 Reads fetch the whole value in one GET (a round trip per layer would cost more than the bytes), verify the
 header (MAC, the chunk's own plan, the KV layout) and length at once and each layer's tag when that layer is used.
@@ -22,14 +30,18 @@ header (MAC, the chunk's own plan, the KV layout) and length at once and each la
 from __future__ import annotations
 
 import logging
+import threading
+import time
 import warnings
 from collections.abc import Sequence
 
 import torch
 
+from pcr_rag.cache.background import lower_this_thread_priority
 from pcr_rag.cache.config import RemoteConfig
-from pcr_rag.cache.errors import CorruptChunkError, RemoteMissError
+from pcr_rag.cache.errors import CorruptChunkError, RemoteMissError, RemoteUnavailableError
 from pcr_rag.cache.payload import Payload, VirtualPayload
+from pcr_rag.cache.roots import ManifestError, RootCensus, RootIdentity, RootManifest, foreign_roots_note
 from pcr_rag.cache.seal import ForgedChunkError, Sealer
 from pcr_rag.cache.tiers.base import ChunkRef, PayloadLayers, Tier, TierKind, TierRecovery
 from pcr_rag.cache.tiers.breaker import CircuitBreaker
@@ -37,11 +49,15 @@ from pcr_rag.cache.tiers.chunk_file import ChunkHeader, header_bytes
 from pcr_rag.cache.tiers.remote_client import RemoteClient
 from pcr_rag.cache.tiers.remote_store import RemoteStore, open_store, redacted_url
 from pcr_rag.cache.tiers.remote_value import (
+    MAX_MANIFEST_VALUE_BYTES,
     PROBE_BYTES,
     Expected,
     RemoteHeader,
     ValueCodec,
     header_len_needed,
+    manifest_prefix,
+    manifest_value_name,
+    root_of_manifest_value,
     value_bytes,
     value_name,
 )
@@ -49,6 +65,12 @@ from pcr_rag.cache.tiers.remote_value import (
 __all__ = ["RemoteTier", "open_remote_tier", "root_of"]
 
 log = logging.getLogger(__name__)
+
+#: Bounds of a census of the store's root manifests: manifests read, SCAN round trips (each looks at ~1000 keys, so
+#: a store of up to ~1M values is walked whole), manifests read per round trip.
+MAX_CENSUS_ROOTS = 1024
+MAX_CENSUS_SCANS = 1024
+_CENSUS_BATCH = 128
 
 # Payloads are views over the immutable bytes a GET returned (no copy); nothing writes into a cached payload.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
@@ -81,6 +103,11 @@ class RemoteTier:
         sealer = Sealer(config.secret, "remote", encrypt=config.encrypt) if config.secret is not None else None
         self.codec = ValueCodec(sealer, config.kv_layout)
         self._known: set[bytes] = set()  # keys this engine tracks as stored (``holds``)
+        self._roots_lock = threading.Lock()
+        self._manifests: dict[bytes, RootManifest] = {}  # roots this engine named (``note_root``)
+        self._manifest_written: dict[bytes, float] = {}  # when each root's manifest was last written (monotonic s)
+        self.roots: RootCensus | None = None  # the start-up census (``start_census``), once it has run
+        self._closed = False  # a census still running stops reading manifests
 
     def name(self, key: bytes) -> str:
         return value_name(self.namespace, key)
@@ -97,9 +124,91 @@ class RemoteTier:
         root = root if root is not None else root_of(chunk)
         if root is None:
             raise ValueError(f"chunk {chunk.key.hex()}: its namespace root is unknown, so it cannot be sealed")
+        if self._manifests:
+            self._write_manifest(root)
         tensor = None if chunk.virtual or isinstance(payload, VirtualPayload) else payload
         self.client.set_nx(self.name(chunk.key), self.codec.encode(chunk, tensor, root), self.ttl_s)
         self._known.add(chunk.key)
+
+    # ------------------------------------------------------------------ root manifests
+    def note_root(self, manifest: RootManifest) -> None:
+        """Have ``manifest`` written to the store with the first chunk this tier writes under its root (no I/O
+        now: ``root_for`` calls this on a request's path)."""
+        with self._roots_lock:
+            self._manifests.setdefault(manifest.root, manifest)
+
+    def _write_manifest(self, root: bytes) -> None:
+        """Write ``root``'s manifest when it is due (never written, or half the TTL ago). A failure is logged and
+        leaves it due: the next chunk under the root tries again; the chunk's own write goes on either way."""
+        now = time.monotonic()
+        with self._roots_lock:
+            manifest = self._manifests.get(root)
+            last = self._manifest_written.get(root)
+            if manifest is None or (last is not None and (self.ttl_s <= 0 or now - last < self.ttl_s / 2)):
+                return
+            self._manifest_written[root] = now  # one writer at a time; undone below on failure
+        try:
+            self.client.write_meta(manifest_value_name(self.namespace, root), self.codec.encode_manifest(manifest),
+                                   self.ttl_s)
+        except RemoteUnavailableError as exc:
+            with self._roots_lock:
+                if self._manifest_written.get(root) == now:
+                    if last is None:
+                        del self._manifest_written[root]
+                    else:
+                        self._manifest_written[root] = last
+            log.debug("could not write the manifest of namespace root %s to the remote store: %s", root.hex(), exc)
+
+    def census(self, identity: RootIdentity) -> RootCensus:
+        """Read the root manifests the store holds (at most ``MAX_CENSUS_ROOTS``, in at most ``MAX_CENSUS_SCANS``
+        SCAN round trips) and count them against ``identity``; kept as ``roots``. A value under a manifest name
+        that is not a readable manifest of its root counts as unreadable (never raised, never deleted). Raises
+        ``RemoteUnavailableError`` when the store cannot be read."""
+        names, complete = self.client.scan(manifest_prefix(self.namespace), MAX_CENSUS_ROOTS, MAX_CENSUS_SCANS)
+        manifests: list[RootManifest | None] = []
+        named = [(n, root_of_manifest_value(self.namespace, n)) for n in sorted(names)]
+        manifests.extend(None for _, root in named if root is None)
+        roots = [(n, root) for n, root in named if root is not None]
+        for i in range(0, len(roots), _CENSUS_BATCH):
+            if self._closed:
+                raise RemoteUnavailableError(f"remote tier {self.describe()} closed during the census")
+            batch = roots[i : i + _CENSUS_BATCH]
+            raws = self.client.read_meta([n for n, _ in batch], MAX_MANIFEST_VALUE_BYTES + 1)
+            for (name, root), raw in zip(batch, raws, strict=True):
+                if raw is None:
+                    continue  # evicted or expired since the scan
+                try:
+                    manifests.append(self.codec.decode_manifest(raw, root))
+                except (ManifestError, CorruptChunkError) as exc:
+                    log.debug("remote value %s is not a readable root manifest: %s", name, exc)
+                    manifests.append(None)
+        census = RootCensus.of(identity, manifests, complete=complete)
+        self.roots = census
+        return census
+
+    def start_census(self, identity: RootIdentity) -> threading.Thread:
+        """Run ``census`` on a background thread (never on a request's path) and log one line when the store holds
+        roots of another identity (`foreign_roots_note`); a store that cannot be read is logged, never raised."""
+        def run() -> None:
+            lower_this_thread_priority()  # start-up work: the engine's own threads come first
+            try:
+                census = self.census(identity)
+            except RemoteUnavailableError as exc:
+                log.info("could not read the root manifests of remote store %s: %s", self.client.store.describe(),
+                         exc)
+                return
+            except Exception:  # noqa: BLE001 - a census only informs; it must never take the engine down
+                log.warning("reading the root manifests of remote store %s failed", self.client.store.describe(),
+                            exc_info=True)
+                return
+            note = foreign_roots_note(census, identity, f"{self.client.store.describe()} namespace "
+                                                        f"{self.namespace!r}")
+            if note is not None:
+                log.warning("%s", note)
+
+        thread = threading.Thread(target=run, name="pcr-cache-remote-census", daemon=True)
+        thread.start()
+        return thread
 
     def learn(self, chunk: ChunkRef) -> None:
         """Track a value a lookup found (engine lock held)."""
@@ -205,6 +314,7 @@ class RemoteTier:
         return f"remote {self.client.store.describe()} namespace {self.namespace!r}"
 
     def close(self) -> None:
+        self._closed = True
         self.client.close()
 
 

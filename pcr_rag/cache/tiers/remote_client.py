@@ -145,6 +145,23 @@ class RemoteClient:
                 self._counts["writes_existing"] += 1
         return written
 
+    # ------------------------------------------------------------------ metadata (root manifests)
+    def scan(self, prefix: str, limit: int, max_calls: int) -> tuple[list[str], bool]:
+        """`RemoteStore.scan`, through the breaker (counted only when it fails)."""
+        result, _ = self._run(lambda: self.store.scan(prefix, limit, max_calls))
+        return result
+
+    def read_meta(self, names: Sequence[str], max_bytes: int) -> list[bytes | None]:
+        """Small values other than chunks (at most ``max_bytes`` of each): through the breaker, but neither counted
+        as chunk reads nor taken as a sample of the read speed the load-or-recompute decision uses."""
+        result, _ = self._run(lambda: self.store.get_many(names, max_bytes))
+        return result
+
+    def write_meta(self, name: str, value: bytes, ttl_s: float) -> bool:
+        """``SET NX`` of a small value other than a chunk (not counted in ``writes`` / ``bytes_written``)."""
+        written, _ = self._run(lambda: self.store.set_nx(name, value, ttl_s))
+        return written
+
     def delete(self, name: str) -> None:
         """Best effort (a bad value is deleted so no replica reads it again); failures are only counted."""
         try:

@@ -20,6 +20,8 @@ nodes, then from every node it found; a client and connection pool per node; ``m
   nothing is retried except one MOVED redirect. A call costs at most one timeout per node that hangs (whose breaker
   then opens at once, so later calls skip it).
 - Opening does not touch the network: the slot map is read on first use.
+- ``scan`` walks every primary in the slot map in turn (SCAN is per node), each under its own breaker: a node that
+  fails or is skipped leaves the walk incomplete, not failed, unless no node answered.
 
 Servers should run with ``cluster-require-full-coverage no``: otherwise, while a shard without a live replica is
 down, every node answers ``CLUSTERDOWN`` and the whole cluster reads as failed.
@@ -37,7 +39,7 @@ from pcr_rag.cache.clock import Clock
 from pcr_rag.cache.config import RemoteConfig, parse_cluster_url
 from pcr_rag.cache.errors import RemoteNodeUnavailableError, RemoteTimeoutError, RemoteUnavailableError
 from pcr_rag.cache.tiers.breaker import BreakerSet
-from pcr_rag.cache.tiers.remote_store import SOCKET_READ_BYTES
+from pcr_rag.cache.tiers.remote_store import SOCKET_READ_BYTES, scan_client
 
 __all__ = ["NODE_COUNTERS", "ClusterStore"]
 
@@ -49,6 +51,10 @@ REFRESH_INTERVAL_S = 1.0
 #: Counters of a cluster store (since start): node calls that failed / were skipped by the node's open breaker,
 #: MOVED redirects followed, slot-map refreshes done.
 NODE_COUNTERS = ("node_errors", "node_skipped", "redirects", "slot_map_refreshes")
+
+
+def _direct(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
 
 
 def _slot(name: str) -> int:
@@ -250,7 +256,12 @@ class ClusterStore:
         return moved
 
     def _node_failed(self, batch: _NodeBatch, exc: BaseException, ops: Sequence[_Op]) -> None:
-        name = batch.node.name
+        err = self._fail_node(batch.node.name, exc)
+        for i in batch.ops:
+            ops[i].result = err
+
+    def _fail_node(self, name: str, exc: BaseException) -> RemoteNodeUnavailableError:
+        """Count and log a node's failure (its breaker, a slot-map refresh); the error its keys read as."""
         breaker = self.breakers.get(name)
         if isinstance(exc, (self._rexc.TimeoutError, TimeoutError)):
             breaker.trip()  # one caller paid the whole timeout: skip the node for the back-off
@@ -261,8 +272,6 @@ class ClusterStore:
         if isinstance(exc, self._rexc.ClusterDownError):
             hint = " (set cluster-require-full-coverage no on the servers, so one shard down leaves the rest serving)"
         err = RemoteNodeUnavailableError(f"{self.describe()}: node {name}: {type(exc).__name__}: {exc}{hint}")
-        for i in batch.ops:
-            ops[i].result = err
         with self._lock:
             first = name not in self._down
             self._down.add(name)
@@ -270,6 +279,7 @@ class ClusterStore:
             log.warning("remote cluster node %s failing (%s): the chunks in its slots are misses, the other nodes "
                         "still serve; looking for a failover", name, err)
         self._want_refresh()
+        return err
 
     def _node_answered(self, name: str) -> None:
         self.breakers.get(name).success()
@@ -372,6 +382,43 @@ class ClusterStore:
 
     def delete(self, name: str) -> None:
         self._one(name, ("DEL", name))
+
+    def scan(self, prefix: str, limit: int, max_calls: int) -> tuple[list[str], bool]:
+        """`RemoteStore.scan` over every primary of the slot map, ``max_calls`` SCAN round trips in all."""
+        manager = self._client()
+        names: dict[str, None] = {}
+        complete = True
+        calls = 0
+        answered = 0
+        failed: list[RemoteNodeUnavailableError] = []
+        for node in manager.get_nodes_by_server_type("primary"):
+            if calls >= max_calls or len(names) >= limit:
+                complete = False
+                break
+            if not self.breakers.get(node.name).allow():
+                self._count("node_skipped")
+                failed.append(RemoteNodeUnavailableError(f"{self.describe()}: node {node.name} skipped: its "
+                                                         f"circuit breaker is open", skipped=True))
+                complete = False
+                continue
+            if node.redis_connection is None:
+                manager.create_redis_connections([node])
+            try:
+                got, whole, made = scan_client(_direct, node.redis_connection, prefix, limit - len(names),
+                                               max_calls - calls)
+            except self._io_errors as exc:
+                failed.append(self._fail_node(node.name, exc))
+                complete = False
+                calls += 1
+                continue
+            self._node_answered(node.name)
+            answered += 1
+            calls += made
+            names.update(dict.fromkeys(got))
+            complete = complete and whole
+        if failed and not answered:
+            raise RemoteNodeUnavailableError(str(failed[0]), skipped=all(e.skipped for e in failed))
+        return list(names)[:limit], complete
 
     def describe(self) -> str:
         scheme = str(self.config.url).partition("://")[0]

@@ -6,25 +6,35 @@ client: a connection pool, pipelining, TLS and AUTH from the URL), ``ClusterStor
 Every failure of a store call raises ``RemoteUnavailableError`` (``RemoteTimeoutError`` past a timeout); a value
 the store does not hold reads as None. A ``RedisStore`` never retries and never waits without a bound: connects
 and operations have timeouts, and a call waits at most ``timeout_s`` for a free pooled connection.
+
+``scan`` lists names by prefix (the root manifests, at start: never on a request's path), bounded both in names
+returned and in SCAN round trips, so a store of millions of values costs a bounded walk, reported as incomplete.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from pcr_rag.cache.config import CLUSTER_SCHEMES, RemoteConfig, redacted_url
 from pcr_rag.cache.errors import RemoteTimeoutError, RemoteUnavailableError
 from pcr_rag.errors import ConfigError
 
-__all__ = ["MemoryRemoteStore", "RedisStore", "RemoteStore", "open_store", "redacted_url"]
+__all__ = ["MemoryRemoteStore", "RedisStore", "RemoteStore", "glob_prefix", "open_store", "redacted_url"]
 
 # bytes per socket read: values are whole chunks (MBs), and redis-py's default (64 KiB) costs a recv, a parser feed
 # and a parser poll per 64 KiB, so fewer, larger reads move a chunk faster (see docs/measurements-history.md)
 SOCKET_READ_BYTES = 1 << 20
+#: Keys a SCAN call asks the server to look at (its COUNT hint).
+SCAN_COUNT = 1000
+
+
+def glob_prefix(prefix: str) -> str:
+    """A SCAN MATCH pattern for names starting with ``prefix`` (its glob characters escaped)."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in prefix) + "*"
 
 
 class RemoteStore(Protocol):
@@ -44,6 +54,11 @@ class RemoteStore(Protocol):
         ...
 
     def delete(self, name: str) -> None: ...
+
+    def scan(self, prefix: str, limit: int, max_calls: int) -> tuple[list[str], bool]:
+        """Up to ``limit`` names that start with ``prefix``, walking the keyspace in at most ``max_calls`` SCAN
+        round trips; and whether the walk was complete (False: stopped at a bound, or some node failed)."""
+        ...
 
     def describe(self) -> str: ...
 
@@ -122,6 +137,10 @@ class RedisStore:
 
     def delete(self, name: str) -> None:
         self._call(self._client.delete, name)
+
+    def scan(self, prefix: str, limit: int, max_calls: int) -> tuple[list[str], bool]:
+        names, complete, _ = scan_client(self._call, self._client, prefix, limit, max_calls)
+        return names, complete
 
     def describe(self) -> str:
         return redacted_url(self.url)
@@ -207,11 +226,36 @@ class MemoryRemoteStore:
             if old is not None:
                 self.used -= len(old)
 
+    def scan(self, prefix: str, limit: int, max_calls: int) -> tuple[list[str], bool]:
+        """Every matching name in one call (``max_calls`` has nothing to bound here)."""
+        with self._lock:
+            self._check()
+            names = [n for n in self.values if n.startswith(prefix)]
+        return names[:limit], len(names) <= limit
+
     def describe(self) -> str:
         return f"memory://{self.name}"
 
     def close(self) -> None:
         """The store outlives its clients (other engines may share it)."""
+
+
+def scan_client(call: Callable[..., Any], client: Any, prefix: str, limit: int,
+                max_calls: int) -> tuple[list[str], bool, int]:
+    """``RemoteStore.scan`` over one server's ``redis.Redis`` ``client``, each SCAN through ``call`` (which turns
+    a failure into the caller's error), plus the SCAN calls made. Names SCAN returns twice are kept once."""
+    names: dict[str, None] = {}
+    cursor = 0
+    for calls in range(1, max_calls + 1):
+        cursor, batch = call(client.scan, cursor, match=glob_prefix(prefix), count=SCAN_COUNT)
+        for raw in batch:
+            name = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+            if len(names) >= limit and name not in names:
+                return list(names), False, calls
+            names[name] = None
+        if int(cursor) == 0:
+            return list(names), True, calls
+    return list(names), False, max_calls
 
 
 def open_store(config: RemoteConfig) -> RemoteStore:

@@ -19,6 +19,12 @@ Trust (the store is writable by others, so nothing in a value is believed on its
 
 Metadata-only chunks (the simulator) are stored as a short record of their sizes (``VIRTUAL_MAGIC``), followed by
 a MAC when sealed.
+
+Root manifests (``pcr_rag.cache.roots.RootManifest``: which model, plan and kernels a namespace root stands for) are
+values too, one per root, named ``<namespace>:root:<root hex>`` (a chunk name never holds a second ``:``):
+``MANIFEST_MAGIC``, a sealed flag, the manifest's JSON and, when sealed, an HMAC over the root and all of that under
+the header key (the magic keeps it from ever verifying as a chunk header, whose signed bytes start with
+``chunk_file.MAGIC``). A reader reads at most ``MAX_MANIFEST_VALUE_BYTES`` + 1 of one.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ import xxhash
 
 from pcr_rag.cache.config import KVLayout
 from pcr_rag.cache.errors import CorruptChunkError
+from pcr_rag.cache.keys import KEY_BYTES
+from pcr_rag.cache.roots import MAX_MANIFEST_BYTES, ManifestError, RootManifest
 from pcr_rag.cache.seal import MAC_BYTES, ForgedChunkError, Sealer
 from pcr_rag.cache.tiers.base import ChunkRecord, ChunkRef
 from pcr_rag.cache.tiers.chunk_file import (
@@ -50,11 +58,15 @@ from pcr_rag.cache.tiers.chunk_file import (
 )
 
 __all__ = [
+    "MAX_MANIFEST_VALUE_BYTES",
     "PROBE_BYTES",
     "Expected",
     "RemoteHeader",
     "ValueCodec",
     "header_len_needed",
+    "manifest_prefix",
+    "manifest_value_name",
+    "root_of_manifest_value",
     "value_bytes",
     "value_name",
 ]
@@ -66,11 +78,34 @@ VIRTUAL_MAGIC = b"PCRKVVT\x00"
 _VIRTUAL = struct.Struct("<8s16s16s16sBIQI")  # magic, key, parent, digest, flags, tokens, nbytes, layers
 _FLAG_ROOT, _FLAG_PARTIAL, _FLAG_SEALED = 1, 2, 4
 _ZERO_PARENT = NO_DIGEST  # the parent field of a chain's first chunk: the root is never stored
+MANIFEST_MAGIC = b"PCRROOT\x00"
+_MANIFEST_HEAD = len(MANIFEST_MAGIC) + 1  # magic, sealed flag
+#: The longest root manifest value: its head, the longest manifest and a MAC.
+MAX_MANIFEST_VALUE_BYTES = _MANIFEST_HEAD + MAX_MANIFEST_BYTES + MAC_BYTES
 
 
 def value_name(namespace: str, key: bytes) -> str:
     """The store key of a chunk: ``<namespace>:<key hex>``."""
     return f"{namespace}:{key.hex()}"
+
+
+def manifest_prefix(namespace: str) -> str:
+    """What the names of every root manifest of ``namespace`` start with."""
+    return f"{namespace}:root:"
+
+
+def manifest_value_name(namespace: str, root: bytes) -> str:
+    """The store key of a namespace root's manifest: ``<namespace>:root:<root hex>``."""
+    return f"{manifest_prefix(namespace)}{root.hex()}"
+
+
+def root_of_manifest_value(namespace: str, name: str) -> bytes | None:
+    """The root a store key names the manifest of (None: not a manifest name of ``namespace``)."""
+    prefix = manifest_prefix(namespace)
+    digits = name[len(prefix) :] if name.startswith(prefix) else ""
+    if len(digits) != 2 * KEY_BYTES or any(c not in "0123456789abcdef" for c in digits):
+        return None
+    return bytes.fromhex(digits)
 
 
 def value_bytes(chunk: ChunkRef | ChunkRecord, sealed: bool = True) -> int:
@@ -271,3 +306,29 @@ class ValueCodec:
         for i in range(header.shape[0]):
             view[i * lb : (i + 1) * lb] = open_layer(header, i, stored[i * lb : (i + 1) * lb], self.sealer, root)
         return out.view(header.dtype).view(header.shape)
+
+    # ------------------------------------------------------------------ root manifests
+    def encode_manifest(self, manifest: RootManifest) -> bytes:
+        """The store value of ``manifest`` (sealed under its root when this tier has a secret)."""
+        signed = MANIFEST_MAGIC + bytes([self.sealer is not None]) + manifest.encode()
+        return signed + self.sealer.sign_header(manifest.root, signed) if self.sealer is not None else signed
+
+    def decode_manifest(self, raw: bytes, root: bytes) -> RootManifest:
+        """The manifest a value read from ``root``'s manifest name holds; ``ManifestError`` when it is none (too
+        long, malformed, of another root) and ``ForgedChunkError`` when this tier has a secret and its MAC fails or
+        is missing."""
+        if len(raw) > MAX_MANIFEST_VALUE_BYTES:
+            raise ManifestError(f"the value of root {root.hex()}'s manifest is {len(raw)} bytes or more, not a "
+                                f"manifest")
+        if len(raw) < _MANIFEST_HEAD or raw[: len(MANIFEST_MAGIC)] != MANIFEST_MAGIC or raw[8] not in (0, 1):
+            raise ManifestError(f"the value of root {root.hex()}'s manifest does not start as a manifest")
+        sealed = raw[8] == 1
+        body = raw[_MANIFEST_HEAD : len(raw) - MAC_BYTES] if sealed else raw[_MANIFEST_HEAD:]
+        if self.sealer is not None:
+            if not sealed or len(raw) < _MANIFEST_HEAD + MAC_BYTES:
+                raise ForgedChunkError(f"manifest of root {root.hex()}: carries no MAC (written without the secret)")
+            signed, mac = raw[: len(raw) - MAC_BYTES], raw[len(raw) - MAC_BYTES :]
+            if not hmac.compare_digest(self.sealer.sign_header(root, signed), mac):
+                raise ForgedChunkError(f"manifest of root {root.hex()}: MAC mismatch (forged, or written under "
+                                       f"another secret or root)")
+        return RootManifest.decode(body, root)
