@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from pcr_rag import EngineConfig
 from pcr_rag.testing import save_tiny_model
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def load_example(name: str) -> ModuleType:
+def load_example(name: str, *, always_load: bool = False) -> ModuleType:
+    """The example as a module. ``always_load``: its engines load every cached chunk (``load_planner=
+    "always-load"``): on the tiny test model computing beats any read, so the measured planner would rightly skip
+    the SSD tier that an example about the cache directory shows (on the default model it loads)."""
     spec = importlib.util.spec_from_file_location(f"pcr_example_{name}", EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    if always_load:
+        module.EngineConfig = functools.partial(EngineConfig, load_planner="always-load")
     return module
 
 
@@ -72,7 +79,7 @@ def test_langchain_example_indexes_the_users_folder(tiny_dir, tmp_path, user_fol
 
 
 def test_persistent_cache_example(tiny_dir, tmp_path) -> None:
-    first, second = load_example("persistent_cache").main(tiny_dir, str(tmp_path / "kv"))
+    first, second = load_example("persistent_cache", always_load=True).main(tiny_dir, str(tmp_path / "kv"))
     assert first["computed"] == first["prompt_tokens"]
     # a restarted engine starts with an empty DRAM tier: everything it reuses came off the SSD, either read on
     # demand or prefetched into DRAM while the request waited in the queue
@@ -82,7 +89,7 @@ def test_persistent_cache_example(tiny_dir, tmp_path) -> None:
 
 
 def test_concurrent_prefetch_example(tiny_dir, tmp_path) -> None:
-    summary = load_example("concurrent_prefetch").main(tiny_dir, str(tmp_path / "kv"))
+    summary = load_example("concurrent_prefetch", always_load=True).main(tiny_dir, str(tmp_path / "kv"))
     on, off = summary["prefetch on"], summary["prefetch off"]
     assert on["answers"] == off["answers"]
     # after the restart everything reused comes from the cache directory, in DRAM (prefetched) or read from SSD

@@ -39,7 +39,8 @@ def start_server(tiny_dir: Path, cache_dir: Path, shutdown_timeout: float) -> tu
     cmd = [sys.executable, "-m", "pcr_rag.cli", "serve", "--model", str(tiny_dir), "--port", str(port),
            "--cache-dir", str(cache_dir), "--chunk-size", "16", "--dram", "64MiB", "--ssd", "64MiB",
            "--max-new-tokens", "8", "--max-model-len", "1024", "--max-active", "4", "--dtype", "float32",
-           "--shutdown-timeout", str(shutdown_timeout), "--log-level", "warning"]
+           "--shutdown-timeout", str(shutdown_timeout), "--log-level", "warning",
+           "--load-planner", "always-load"]  # on the tiny model computing beats any read, so the measured planner would rightly skip the SSD this test is about
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -126,7 +127,8 @@ def test_sigterm_lets_the_stream_finish_then_a_restart_finds_the_ssd_cache(tiny_
     assert _lock_is_free(cache / ".lock")
     # a restart (here: an engine with the server's configuration) opens the directory and finds the cache intact
     config = EngineConfig(cache_dir=cache, chunk_size=16, dram_capacity="64MiB", ssd_capacity="64MiB",
-                          max_new_tokens=8, max_model_len=1024, max_active=4, dtype="float32")
+                          max_new_tokens=8, max_model_len=1024, max_active=4, dtype="float32",
+                          load_planner="always-load")  # on the tiny model computing beats any read, so the measured planner would rightly skip the SSD this test is about
     with PCREngine(model=str(tiny_dir), config=config) as restarted:
         messages = [{"role": "user", "content": "Context:\n" + "\n\n".join(docs) + "\n\nQuestion: what?"}]
         again = restarted.generate_messages(messages, docs)
