@@ -20,6 +20,11 @@ rate, 32 output tokens; the longest preset, since low rates are mostly waiting f
 
     pcr-rag bench --json results/bench.json
 
+Replay a trace file (a RAG trace of per-segment ids and token lengths, or a Mooncake block-hash trace) and report
+its reuse bounds next to what each system reached (docs/benchmarks.md, "Replaying a trace")::
+
+    pcr-rag bench --trace benchmarks/traces/example_rag.jsonl --requests 16 --trace-speed 2 --json results/trace.json
+
 The kernel benchmark (prefill and decode of the forward pass against the machine's limit) is its own command:
 ``pcr-rag bench kernels --help`` (`pcr_rag.bench.kernels`).
 
@@ -49,6 +54,8 @@ from pcr_rag.bench.config import (
 from pcr_rag.bench.report import markdown_report, write_report
 from pcr_rag.bench.serving import run_bench
 from pcr_rag.bench.systems import BENCH_DEFAULT_SYSTEMS, ORDERS, SYSTEMS, UnknownSystemError
+from pcr_rag.bench.trace_file import read_trace
+from pcr_rag.bench.trace_replay import run_trace_bench, trace_config
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +131,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--repeats", type=int, help="repeat every (system, rate) run this many times (default 1)")
     w.add_argument("--max-new-tokens", type=int, help="output tokens per request (default 32; quick 8)")
     w.add_argument("--seed", type=int, help="workload seed (default 0)")
+    t = parser.add_argument_group("trace replay (docs/benchmarks.md#replaying-a-trace)")
+    t.add_argument("--trace", metavar="FILE",
+                   help="replay a trace file instead of the corpus workload: a RAG segment trace (JSON Lines of "
+                        "timestamp, segments, output_length) or a Mooncake block-hash trace; reports the reuse "
+                        "bounds next to what each system reached (default systems no-reuse,pcr; --requests N: "
+                        "the first N requests; e.g. benchmarks/traces/example_rag.jsonl)")
+    t.add_argument("--trace-speed", type=parse_floats, metavar="X",
+                   help="replay X times faster than the trace's timestamps (default 1; 'inf' = all at once)")
+    t.add_argument("--trace-length-scale", type=float, metavar="F",
+                   help="every segment's length times F (default 1; e.g. 0.5 for a CPU)")
     s = parser.add_argument_group("systems and cache")
     s.add_argument("--systems", help=f"comma-separated, from: {', '.join(SYSTEMS)}, pcr-window-N, "
                                      "pcr-max-active-N, pcr-schedule-{fcfs,cache-aware}, <cached system>@ORDER "
@@ -199,15 +216,40 @@ def output_paths(args: argparse.Namespace) -> tuple[Path | None, Path | None, Pa
     return json_path, md, plots
 
 
+def trace_run(args: argparse.Namespace) -> tuple[BenchConfig, Any]:
+    """(config, run) of ``--trace``: the trace read, cut to ``--requests`` and scaled, and a callable that replays
+    it (`pcr_rag.bench.trace_replay`). Raises `BenchError` naming what to change."""
+    speeds = args.trace_speed or (1.0,)
+    scale = 1.0 if args.trace_length_scale is None else args.trace_length_scale
+    if len(speeds) != 1:
+        raise BenchError(f"--trace-speed takes one factor, got {len(speeds)}")
+    if not scale > 0:
+        raise BenchError(f"--trace-length-scale must be > 0, got {scale}")
+    trace = read_trace(args.trace).head(args.requests).scaled(scale)
+    cfg = trace_config(config_from_args(args), trace, speed=speeds[0], systems_given=bool(args.systems),
+                       warmup_given=args.warmup is not None)
+    cfg.validate()
+
+    def replay() -> dict[str, Any]:
+        return run_trace_bench(cfg, trace, speed=speeds[0], progress=not args.no_progress,
+                               ttft_bound=not args.no_limit_ratio)
+
+    return cfg, replay
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        cfg = config_from_args(args)
-        cfg.validate()
+        if getattr(args, "trace", None):
+            cfg, replay = trace_run(args)
+        else:
+            cfg = config_from_args(args)
+            cfg.validate()
+            replay = None
     except (BenchError, UnknownSystemError, TypeError, ValueError) as exc:
         print(f"pcr-rag bench: {exc}", file=sys.stderr)
         return 2
     try:
-        report = run_bench(cfg, progress=not args.no_progress)
+        report = replay() if replay is not None else run_bench(cfg, progress=not args.no_progress)
     except BenchError as exc:
         print(f"pcr-rag bench: {exc}", file=sys.stderr)
         return 1

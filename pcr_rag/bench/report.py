@@ -43,6 +43,7 @@ from matplotlib.figure import Figure
 
 from pcr_rag.bench.stats import RatioInterval, RequestTable, paired_ratio_interval
 from pcr_rag.bench.targets import RatioTarget
+from pcr_rag.bench.trace_bounds import bounds_markdown
 from pcr_rag.metrics import TIERS, percentile, summarize
 
 __all__ = [
@@ -725,6 +726,8 @@ def markdown_report(report: Mapping[str, Any], *, title: str | None = None) -> s
         lines.append("")
     if report.get("limit_ratio") is not None:
         lines += ["## Limit ratio", "", "```json", json.dumps(report["limit_ratio"], indent=2), "```", ""]
+    if report.get("bounds"):  # a replayed trace (pcr-rag bench --trace)
+        lines += bounds_markdown(report["bounds"])
     notes = report.get("notes") or []
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]

@@ -133,12 +133,16 @@ def engine_options() -> frozenset[str]:
 
 class BenchRunner:
     """Runs one benchmark (see the module docstring). ``model``/``tokenizer`` override ``config.model`` (e.g. a
-    tiny test model); ``clock`` is the wall clock used for arrivals and durations (seconds)."""
+    tiny test model); ``clock`` is the wall clock used for arrivals and durations (seconds); ``traces_builder``
+    ``(config, loaded model) -> BenchTraces`` replaces the corpus traces (`build_traces`), e.g. with a replayed
+    trace file (`pcr_rag.bench.trace_replay`)."""
 
     def __init__(self, config: BenchConfig, *, model: Any = None, tokenizer: Any = None, progress: bool = True,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 traces_builder: Callable[[BenchConfig, Any], BenchTraces] | None = None) -> None:
         config.validate()
         self.config = config
+        self._traces_builder = traces_builder
         self._model_arg = model if model is not None else config.model
         self._tokenizer_arg = tokenizer
         self.progress = progress
@@ -173,7 +177,8 @@ class BenchRunner:
         try:
             self.loaded = load_model(self._model_arg, self._tokenizer_arg, dtype=cfg.dtype,
                                      device="auto" if cfg.device == "auto" else cfg.device)
-            traces = build_traces(cfg, self.loaded.tokenizer, self.loaded.kv.bytes_per_token)
+            traces = (self._traces_builder(cfg, self.loaded) if self._traces_builder is not None
+                      else build_traces(cfg, self.loaded.tokenizer, self.loaded.kv.bytes_per_token))
             self.traces = traces
             dram, ssd = tier_capacities(traces.ws_bytes, dram_fraction=cfg.dram_fraction,
                                         ssd_fraction=cfg.ssd_fraction,

@@ -1,0 +1,140 @@
+"""`pcr-rag bench --trace`: a trace becomes bench traces (arrivals scaled, exact token counts, warm-up of its own),
+bad arguments and bad lines exit 2, and an end-to-end replay of the example trace on a tiny model reports the
+bounds next to what no-reuse and pcr reached."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from pcr_rag.bench.config import SYSTEM_PROMPT, BenchConfig, BenchError
+from pcr_rag.bench.report import load_report
+from pcr_rag.bench.trace_file import parse_trace, read_trace
+from pcr_rag.bench.trace_replay import TRACE_SYSTEMS, build_replay, replay_rate, trace_config
+from pcr_rag.bench.workload import with_rate
+from pcr_rag.cli import main
+from pcr_rag.prompt import PromptBuilder
+from pcr_rag.testing import save_tiny_model, tiny_tokenizer
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "benchmarks" / "traces" / "example_rag.jsonl"
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=0)
+
+
+def _trace(*timestamps, tokens=12):
+    return parse_trace([json.dumps({"timestamp": t, "segments": [
+        {"kind": "system", "id": "s", "tokens": tokens}, {"kind": "passage", "id": f"p{i % 2}", "tokens": tokens},
+        {"kind": "question", "id": f"q{i}", "tokens": 4}]}) for i, t in enumerate(timestamps)])
+
+
+def test_replay_traces_scale_arrivals_and_count_exact_tokens():
+    trace = _trace(1000, 1500, 3000, 5000)
+    cfg = trace_config(BenchConfig(chunk_size=16, max_new_tokens=2), trace, speed=2.0)
+    assert cfg.systems == TRACE_SYSTEMS and cfg.repeats == 1 and cfg.saturation == () and not cfg.limit_ratio
+    assert cfg.num_requests == 4 and cfg.warmup_requests == 2 and cfg.rates == (pytest.approx(1.5),)  # 3 gaps in 2 s
+    tok = tiny_tokenizer()
+    replay = build_replay(trace, cfg, tok, kv_bytes_per_token=10, speed=2.0)
+    (measured,) = replay.traces.unit_traces.values()
+    # the runner scales the stored (1 req/s) arrivals by the run's rate: the trace's gaps divided by the speed
+    assert [r.arrival_s for r in with_rate(measured, cfg.rates[0])] == pytest.approx([0.0, 0.25, 1.0, 2.0])
+    builder = PromptBuilder(tok)
+    for req, laid in zip(measured, replay.bounds.served, strict=True):
+        docs = replay.traces.documents(req)
+        assert laid.segments == builder.build_rag(req.question, docs, SYSTEM_PROMPT).segments  # the engine's layout
+        assert len(docs) == 2 and len(tok(docs[1], add_special_tokens=False)["input_ids"]) == 12
+    assert measured[0].doc_ids[1] == measured[2].doc_ids[1] != measured[1].doc_ids[1]  # same id, same document
+    # warm-up: shaped like the first request, none of its ids
+    assert len(replay.traces.warmup) == 2
+    assert not set(replay.traces.warmup[0].doc_ids) & {d for r in measured for d in r.doc_ids}
+    assert replay.info["requests"] == 4 and replay.info["synthetic_text"]["max_abs_error"] == 0
+    assert replay.traces.ws_bytes == replay.bounds.stored_tokens * 10
+
+
+def test_replay_drops_what_does_not_fit_and_all_at_once():
+    short, long = _trace(0, 0, tokens=12), _trace(0, tokens=40)
+    trace = parse_trace([json.dumps({"timestamp": 0, "segments": [{"kind": s.kind, "id": s.id, "tokens": s.tokens}
+                                                                  for s in r.segments]})
+                         for r in (*short.requests, *long.requests)])
+    assert math.isinf(replay_rate(trace, 1.0)) and math.isinf(replay_rate(_trace(0, 100), float("inf")))
+    cfg = trace_config(BenchConfig(chunk_size=16, max_new_tokens=2), trace)
+    tok = tiny_tokenizer()
+    fits = max(laid.num_tokens for laid in build_replay(trace.head(2), cfg, tok, 1).bounds.served)
+    replay = build_replay(trace, cfg, tok, 1, context_tokens=fits + 2)  # the two short ones fit, the long one not
+    assert replay.info["dropped_too_long"] == 1 and len(replay.trace.requests) == 2
+    assert [r.line for r in replay.trace.requests] == [1, 2]
+    with pytest.raises(BenchError, match="no request of"):
+        build_replay(trace, cfg, tok, 1, context_tokens=10)
+
+
+def test_mooncake_replays_blocks_as_documents():
+    lines = [json.dumps({"timestamp": 1000 * i, "input_length": 1100, "output_length": 8, "hash_ids": [7, 8 + i, 20 + i]})
+             for i in range(3)]
+    trace = parse_trace(lines).scaled(1 / 32)
+    cfg = trace_config(BenchConfig(chunk_size=16, max_new_tokens=2), trace)
+    replay = build_replay(trace, cfg, tiny_tokenizer(), 1)
+    (measured,) = replay.traces.unit_traces.values()
+    assert all(r.question == "" and len(r.doc_ids) == 3 for r in measured)  # the blocks are the prompt
+    assert measured[0].doc_ids[0] == measured[2].doc_ids[0] and measured[0].doc_ids[1] != measured[1].doc_ids[1]
+    b = replay.bounds
+    assert b.prefix.reused[1] > 0 and b.position_independent == b.prefix and b.cache_aware is None
+    assert replay.info["format"] == "mooncake" and replay.info["output_length_mean"] == 8
+
+
+def test_trace_config_refuses_what_a_replay_cannot_do():
+    trace = _trace(0, 10)
+    with pytest.raises(BenchError, match="does not combine"):
+        trace_config(BenchConfig(quick=True), trace)
+    with pytest.raises(BenchError, match="cache-aware order is reported as a bound"):
+        trace_config(BenchConfig(systems=("pcr@cache-aware",)), trace, systems_given=True)
+    with pytest.raises(BenchError, match="--trace-speed must be > 0"):
+        trace_config(BenchConfig(), trace, speed=0.0)
+
+
+def test_bad_trace_arguments_exit_2(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "segments": [{"kind": "passage", "id": "p", "tokens": 3}]}\n{"timestamp": 1}\n')
+    assert main(["bench", "--trace", str(bad)]) == 2
+    assert f"{bad}, line 2: neither a RAG trace request" in capsys.readouterr().err
+    assert main(["bench", "--trace", str(EXAMPLE), "--quick"]) == 2
+    assert "does not combine" in capsys.readouterr().err
+    assert main(["bench", "--trace", str(EXAMPLE), "--trace-length-scale", "0"]) == 2
+    assert "--trace-length-scale must be > 0" in capsys.readouterr().err
+
+
+def test_bench_trace_end_to_end(tmp_path, tiny_model_dir, capsys):
+    out = tmp_path / "res" / "trace.json"
+    rc = main(["bench", "--trace", str(EXAMPLE), "--requests", "3", "--trace-speed", "50",
+               "--trace-length-scale", "0.2", "--model", str(tiny_model_dir), "--chunk-size", "16",
+               "--max-new-tokens", "2", "--threads", "1", "--no-progress", "--no-plots", "--json", str(out),
+               "--work-dir", str(tmp_path / "work")])
+    assert rc == 0
+    assert "## Trace replay: reuse bounds vs what each system reached" in capsys.readouterr().out
+    report = load_report(out)
+    assert {r["system"] for r in report["runs"]} == set(TRACE_SYSTEMS)
+    assert all(r["num_requests"] == 3 and r["extra"]["failed_requests"] == 0 for r in report["runs"])
+    section = report["bounds"]
+    rows = section["bounds"]
+    assert set(rows) == {"no_reuse", "prefix", "prefix_moved", "cache_aware", "position_independent"}
+    # the example's per-request system part before the passages: moving it, reordering and position
+    # independence each reach more than the exact prefix as served
+    prefix = rows["prefix"]["fraction"]
+    assert 0 < prefix < rows["position_independent"]["fraction"] <= 1
+    assert rows["prefix_moved"]["fraction"] >= prefix and rows["cache_aware"]["fraction"] >= prefix
+    assert all(rows[k]["ttft_bound_s"] > 0 for k in rows)  # a raw forward was timed and fitted
+    assert len(section["raw_forward"]["points"]) >= 3
+    reached = {r["system"]: r for r in section["reached"]}
+    assert reached["no-reuse"]["reuse"] == 0
+    assert reached["pcr"]["reuse"] <= prefix + 1e-9  # exact reuse never beats an unbounded exact prefix cache
+    assert all(r["prompt_tokens_as_laid_out"] for r in reached.values())  # the bounds' layout is the engine's
+    assert section["trace"]["requests"] == 3 and section["trace"]["file"] == str(EXAMPLE)
+    assert report["config"]["working_set"]["trace"]["format"] == "rag"
+    assert all(a["equal"] == a["n"] for a in report["answers"])  # pcr's answers are no-reuse's
+    md = (tmp_path / "res" / "trace.md").read_text()
+    assert "| pcr |" in md and "position-independent (any segment seen before" in md
+    assert read_trace(EXAMPLE).requests[0].line == 1
