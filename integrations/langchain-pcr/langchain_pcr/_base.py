@@ -176,10 +176,11 @@ class PCRModelParams(BaseModel):
         defaults = SamplingParams(self.max_tokens, self.temperature, self.top_p, tuple(self.stop or ()), self.seed)
         params = SamplingParams.from_kwargs(defaults, stop=stop, **kwargs)
         engine = self._holder.get()
-        docs = resolve_documents(engine, text, run_manager, explicit)
-        # ChatPCR.stream's run comes without a run manager (`langchain_pcr._stream_run`): its id still places the
-        # request in the trace; its documents stay those found without the run tree
-        run_id = getattr(run_manager, "run_id", None) if run_manager is not None else take_started_run()
+        # ChatPCR.stream's run comes without a run manager: the run it recorded (`langchain_pcr._stream_run`) stands
+        # in for it, so a stream finds the announcement and joins the trace as ``invoke`` does
+        run = run_manager if run_manager is not None else take_started_run()
+        docs = resolve_documents(engine, text, run, explicit)
+        run_id = getattr(run, "run_id", None)
         with run_span(run_id):  # an OpenInference trace: the request under its model
             handle = engine.submit(make_prompt(docs.documents), params, timeout=timeout)
         return ModelCall(engine, handle, docs, run_id if isinstance(engine, RemoteEngine) else None)

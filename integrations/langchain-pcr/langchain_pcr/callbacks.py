@@ -238,7 +238,9 @@ def resolve_documents(engine: Any, text: str, run_manager: Any, explicit: Sequen
 
 
 def find_announcement(run_manager: Any) -> Announcement | None:
-    """The announcement for a model run, asked of every `PCRRetrievalCallback` among its handlers."""
+    """The announcement for a model run, asked of every `PCRRetrievalCallback` among its handlers. ``run_manager``:
+    the run's LangChain run manager, or the `langchain_pcr._stream_run.StartedRun` a chat-model stream recorded
+    (LangChain passes none to ``_stream``); either gives ``run_id``, ``parent_run_id`` and ``handlers``."""
     if run_manager is None:
         return None
     handlers = list(getattr(run_manager, "handlers", []) or []) + list(

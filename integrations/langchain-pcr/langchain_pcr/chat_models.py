@@ -191,13 +191,14 @@ class ChatPCR(PCRModelParams, BaseChatModel):
     def stream(self, input: LanguageModelInput, config: RunnableConfig | None = None, *,
                stop: list[str] | None = None, **kwargs: Any) -> Iterator[AIMessageChunk]:
         """LangChain's ``stream``, telling ``_stream`` its run (`langchain_pcr._stream_run`), which LangChain
-        does not: a traced remote call then carries the model's span as ``traceparent``."""
-        yield from super().stream(input, with_run_recorder(config), stop=stop, **kwargs)
+        does not: the call then finds the retrieval hook's announcement through the run tree, and a traced remote
+        call carries the model's span as ``traceparent``, as with ``invoke``."""
+        yield from super().stream(input, with_run_recorder(config, self.callbacks), stop=stop, **kwargs)
 
     async def astream(self, input: LanguageModelInput, config: RunnableConfig | None = None, *,
                       stop: list[str] | None = None, **kwargs: Any) -> AsyncIterator[AIMessageChunk]:
         """``astream`` as `stream`."""
-        async for chunk in super().astream(input, with_run_recorder(config), stop=stop, **kwargs):
+        async for chunk in super().astream(input, with_run_recorder(config, self.callbacks), stop=stop, **kwargs):
             yield chunk
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
