@@ -58,9 +58,11 @@ def test_a_host_on_another_kernel_path_reuses_none_of_the_chunks_it_cannot_repro
     assert _same(b["on"], b["off"]), "B's answers must equal its own cache-off run"
     assert _same(a["on"], a["off"])
     assert any("kernels" in line and "cannot use" in line for line in b["warnings"]), b["warnings"]
-    # the store's root manifests: A found none, B finds A's root, of other kernels, and says so at start
-    assert a["remote_io"]["roots_seen"] == 0
-    assert (b["remote_io"]["roots_seen"], b["remote_io"]["roots_of_other_identity"]) == (1, 1)
+    # the store's root manifests: A finds none of another identity, B finds A's root, of other kernels, and says
+    # so at start. The census runs in the background beside the first requests, so an engine may also count its
+    # own root (written with its first chunk): roots_seen is 0 or 1 for A, 1 or 2 for B
+    assert a["remote_io"]["roots_of_other_identity"] == 0 and a["remote_io"]["roots_seen"] in (0, 1)
+    assert b["remote_io"]["roots_of_other_identity"] == 1 and b["remote_io"]["roots_seen"] in (1, 2)
     assert any(f"kernels {a['kernels']}" in line and "namespace roots" in line for line in b["warnings"])
     c = _run(tmp_path, "c", valkey.url, plain)  # the control, on A's kernel path: A's chunks are found
     assert c["kernels"] == a["kernels"] and c["reused"][0] > 0 and all(n > 0 for n in c["reused"])
