@@ -325,8 +325,8 @@ class PCREngine:
     # `submit`.
     def generate(self, query: str, documents: Sequence[str | Doc] = (), **kwargs: Any) -> GenerationResult:
         """Answer ``query`` over ``documents`` (in order, each cached as its own token run; a str or a `Doc` with
-        its sharing scope each, or ``scopes`` alongside; ``system``, ``namespace`` as for `submit`): `stream`,
-        waited for. Every `SamplingParams` field (``max_new_tokens`` / ``max_tokens``, ``temperature``,
+        its sharing scope each, or ``scopes`` alongside; ``system``, ``namespace`` as for `submit`; ``system_tail``:
+        per-request instructions placed after the documents, see `RagPrompt`): `stream`, waited for. Every `SamplingParams` field (``max_new_tokens`` / ``max_tokens``, ``temperature``,
         ``top_k``, the penalties, ``logprobs``, ...) is a keyword; an unknown keyword raises `TypeError`."""
         return self.stream(query, documents, **kwargs).result()
 
@@ -346,10 +346,11 @@ class PCREngine:
 
     def stream(self, query: str, documents: Sequence[str | Doc] = (), *, system: str | None = None,
                timeout: float | None = None, namespace: str | None = None,
-               scopes: Sequence[str | None] | None = None, **sampling: Any) -> RequestHandle:
+               scopes: Sequence[str | None] | None = None, system_tail: str | None = None,
+               **sampling: Any) -> RequestHandle:
         """Like `generate`; iterate the handle for `StreamChunk`s as tokens come, ``.result()`` afterwards."""
-        return self.submit(RagPrompt(query, documents, system, scopes), SamplingParams.from_kwargs(**sampling),
-                           timeout=timeout, namespace=namespace)
+        return self.submit(RagPrompt(query, documents, system, scopes, system_tail),
+                           SamplingParams.from_kwargs(**sampling), timeout=timeout, namespace=namespace)
 
     def stream_prompt(self, prompt: str, documents: Sequence[str | Doc] = (), *, chat: bool = True,
                       system: str | None = None, timeout: float | None = None, namespace: str | None = None,

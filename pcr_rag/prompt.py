@@ -509,17 +509,21 @@ class PromptBuilder:
             text = text[0]
         return text
 
-    def rag_user_text(self, query: str, documents: Sequence[str | Doc]) -> str:
+    def rag_user_text(self, query: str, documents: Sequence[str | Doc], system_tail: str | None = None) -> str:
+        """The user turn of a RAG prompt: the instruction, the documents, ``system_tail`` (when given and not
+        blank), the question. Without documents: the tail (if any) and the question."""
+        tail = f"{system_tail}{DEFAULT_SEPARATOR}" if system_tail and system_tail.strip() else ""
         if not documents:
-            return query
+            return f"{tail}{query}"
         body = DEFAULT_SEPARATOR.join(validate_documents(documents))
-        return f"{self.instruction}{DEFAULT_SEPARATOR}{body}{DEFAULT_SEPARATOR}Question: {query}"
+        return f"{self.instruction}{DEFAULT_SEPARATOR}{body}{DEFAULT_SEPARATOR}{tail}Question: {query}"
 
     # ---------------------------------------------------------------------------------------------- segmenting
     def build_rag(self, query: str, documents: Sequence[str | Doc], system: str | None = None, *,
-                  context: PromptContext | None = None) -> SegmentedPrompt:
-        """[system + instruction][doc 1]..[doc k][question], rendered as one user turn."""
-        text = self.render_chat(self.rag_user_text(query, documents), system)
+                  context: PromptContext | None = None, system_tail: str | None = None) -> SegmentedPrompt:
+        """[system + instruction][doc 1]..[doc k][system_tail][question], rendered as one user turn (the tail, a
+        request's per-request instructions, is computed with the question: see `RagPrompt`)."""
+        text = self.render_chat(self.rag_user_text(query, documents, system_tail), system)
         template_end = self.rag_template_end(text, system) if documents else 0
         return self.segment(text, documents, context=context, template_end=template_end)
 

@@ -92,14 +92,20 @@ def _docs(prompt: Any) -> tuple[Doc, ...]:
 
 @dataclass(frozen=True)
 class RagPrompt:
-    """A question over documents, laid out by the engine: ``[system][doc 1]...[doc k][question]``; each document
-    is cached as its own token run. ``documents`` may be any sequence of str or `Doc` (stored as a tuple of str;
-    the scopes go to ``scopes``, see `_set_documents`)."""
+    """A question over documents, laid out by the engine: ``[system][doc 1]...[doc k][system_tail][question]``;
+    each document is cached as its own token run. ``documents`` may be any sequence of str or `Doc` (stored as a
+    tuple of str; the scopes go to ``scopes``, see `_set_documents`).
+
+    ``system_tail``: the per-request part of the instructions (a date, a user profile), placed after the documents
+    instead of before them, so that it does not end every document's cached prefix. It changes the prompt (the
+    model reads the documents before it), so it is the caller's choice; it is computed on every request, like the
+    question."""
 
     query: str
     documents: tuple[str, ...] = ()
     system: str | None = None
     scopes: tuple[str | None, ...] = ()
+    system_tail: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.query, str):
@@ -108,6 +114,8 @@ class RagPrompt:
         if not self.query.strip() and not any(d.strip() for d in docs):
             raise InvalidRequestError("empty request: pass a non-empty query or at least one document")
         _check_system(self.system)
+        if self.system_tail is not None and not isinstance(self.system_tail, str):
+            raise InvalidRequestError(f"system_tail must be a str or None, got {type(self.system_tail).__name__}")
 
     @property
     def docs(self) -> tuple[Doc, ...]:
@@ -115,7 +123,7 @@ class RagPrompt:
         return _docs(self)
 
     def segment(self, builder: PromptBuilder, context: PromptContext | None = None) -> SegmentedPrompt:
-        return builder.build_rag(self.query, self.docs, self.system, context=context)
+        return builder.build_rag(self.query, self.docs, self.system, context=context, system_tail=self.system_tail)
 
 
 @dataclass(frozen=True)
