@@ -549,8 +549,9 @@ class BenchRunner:
                 docs = self.traces.documents(req)
                 if reorder:
                     docs = list(server.order_for_reuse(docs, **order_kwargs))  # type: ignore[union-attr]
+                out = req.max_new_tokens if req.max_new_tokens is not None else cfg.max_new_tokens
                 results[i] = server.generate(req.question, documents=docs, system=SYSTEM_PROMPT,
-                                             max_new_tokens=cfg.max_new_tokens, temperature=0.0)
+                                             max_new_tokens=out, temperature=0.0)
             except Exception as exc:  # noqa: BLE001 - a failed request is counted and reported, not fatal
                 with lock:
                     errors.append(exc)

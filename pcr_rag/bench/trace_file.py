@@ -122,11 +122,13 @@ class TraceRequest:
         return last if last is not None and last.kind == "question" else None
 
     def scaled(self, factor: float) -> TraceRequest:
-        """Every segment's length times ``factor`` (rounded, at least 1 token): the same structure, shorter."""
+        """Every segment's length and the output length times ``factor`` (rounded, at least 1 token): the same
+        structure, shorter."""
         if factor == 1.0:
             return self
+        out = None if self.output_length is None else max(1, round(self.output_length * factor))
         return replace(self, segments=tuple(replace(s, tokens=max(1, round(s.tokens * factor)))
-                                            for s in self.segments))
+                                            for s in self.segments), output_length=out)
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,7 @@ class Trace:
         return self if n is None else replace(self, requests=self.requests[:n])
 
     def scaled(self, factor: float) -> Trace:
-        """Every segment length times ``factor`` (`TraceRequest.scaled`)."""
+        """Every segment and output length times ``factor`` (`TraceRequest.scaled`)."""
         return self if factor == 1.0 else replace(self, requests=tuple(r.scaled(factor) for r in self.requests))
 
     def arrivals_s(self, speed: float = 1.0) -> list[float]:

@@ -46,8 +46,8 @@ from pcr_rag.prompt import PromptBuilder
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TRACE_SYSTEMS", "TraceReplay", "build_replay", "measure_raw_forward", "replay_rate", "run_trace_bench",
-           "trace_config"]
+__all__ = ["TRACE_SYSTEMS", "TraceReplay", "build_replay", "measure_raw_forward", "output_tokens", "replay_rate",
+           "run_trace_bench", "trace_config"]
 
 #: The systems a trace replay runs unless ``--systems`` says otherwise.
 TRACE_SYSTEMS: tuple[str, ...] = ("no-reuse", "pcr")
@@ -67,6 +67,13 @@ class TraceReplay:
     bounds: TraceBounds
     rate: float
     info: dict[str, Any]
+
+
+def output_tokens(request: TraceRequest, default: int) -> int:
+    """The output tokens a replayed request asks for: the trace's ``output_length`` (at least 1: a request
+    generates its first token), else ``default`` (``--max-new-tokens``). A cap, as in the trace's service: the
+    model's end of sequence can stop it sooner."""
+    return max(1, request.output_length) if request.output_length is not None else default
 
 
 def trace_config(cfg: BenchConfig, trace: Trace, *, speed: float = 1.0, systems_given: bool = False,
@@ -115,7 +122,7 @@ def build_replay(trace: Trace, cfg: BenchConfig, tokenizer: Any, kv_bytes_per_to
     for r in trace.requests:
         pair = layouts(r)
         n = planner.lay_out(pair[0]).num_tokens
-        if context_tokens is not None and n + cfg.max_new_tokens > context_tokens:
+        if context_tokens is not None and n + output_tokens(r, cfg.max_new_tokens) > context_tokens:
             dropped += 1
             continue
         kept.append(r)
@@ -136,7 +143,7 @@ def build_replay(trace: Trace, cfg: BenchConfig, tokenizer: Any, kv_bytes_per_to
     def bench_request(i: int, r: TraceRequest, arrival: float) -> Request:
         q = r.question
         return Request(i, arrival, tuple(_doc_key(s) for s in r.segments if s.kind != "question"),
-                       text.text(q) if q is not None else "")
+                       text.text(q) if q is not None else "", max_new_tokens=output_tokens(r, cfg.max_new_tokens))
 
     requests = [bench_request(i, r, a) for i, (r, a) in enumerate(zip(kept, unit, strict=True))]
     warmup = [bench_request(i, r, 0.0) for i, r in enumerate(warm_requests)]

@@ -57,13 +57,16 @@ QUESTION_TEMPLATES: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class Request:
-    """One RAG request of a trace: ``arrival_s`` seconds after the trace starts, with its documents in order."""
+    """One RAG request of a trace: ``arrival_s`` seconds after the trace starts, with its documents in order.
+    ``max_new_tokens``: this request's output tokens at most (a replayed trace's ``output_length``); None: the
+    run's ``BenchConfig.max_new_tokens``."""
 
     request_id: int
     arrival_s: float
     doc_ids: tuple[str, ...]
     question: str
     topic: int | None = None
+    max_new_tokens: int | None = None
 
 
 def zipf_weights(n: int, exponent: float = 1.0) -> np.ndarray:

@@ -13,7 +13,7 @@ import pytest
 from pcr_rag.bench.config import SYSTEM_PROMPT, BenchConfig, BenchError
 from pcr_rag.bench.report import load_report
 from pcr_rag.bench.trace_file import parse_trace, read_trace
-from pcr_rag.bench.trace_replay import TRACE_SYSTEMS, build_replay, replay_rate, trace_config
+from pcr_rag.bench.trace_replay import TRACE_SYSTEMS, build_replay, output_tokens, replay_rate, trace_config
 from pcr_rag.bench.workload import with_rate
 from pcr_rag.cli import main
 from pcr_rag.prompt import PromptBuilder
@@ -72,6 +72,21 @@ def test_replay_drops_what_does_not_fit_and_all_at_once():
         build_replay(trace, cfg, tok, 1, context_tokens=10)
 
 
+def test_each_request_generates_its_traces_output_length():
+    lines = [json.dumps({"timestamp": 0, "output_length": out, "segments": [
+        {"kind": "passage", "id": "p", "tokens": 12}, {"kind": "question", "id": f"q{i}", "tokens": 4}]})
+        for i, out in enumerate((40, 0))]
+    trace = parse_trace([*lines, json.dumps({"timestamp": 0, "segments": [{"kind": "question", "id": "q", "tokens": 4}]})])
+    assert [output_tokens(r, 7) for r in trace.requests] == [40, 1, 7]  # a first token at least; none: the default
+    assert [r.output_length for r in trace.scaled(0.5).requests] == [20, 1, None]
+    cfg = trace_config(BenchConfig(chunk_size=16, max_new_tokens=7), trace)
+    replay = build_replay(trace, cfg, tiny_tokenizer(), 1)
+    (measured,) = replay.traces.unit_traces.values()
+    assert [r.max_new_tokens for r in measured] == [40, 1, 7]
+    fits = max(laid.num_tokens for laid in replay.bounds.served)
+    assert len(build_replay(trace, cfg, tiny_tokenizer(), 1, context_tokens=fits + 8).trace.requests) == 2  # 40 not
+
+
 def test_mooncake_replays_blocks_as_documents():
     lines = [json.dumps({"timestamp": 1000 * i, "input_length": 1100, "output_length": 8, "hash_ids": [7, 8 + i, 20 + i]})
              for i in range(3)]
@@ -83,7 +98,7 @@ def test_mooncake_replays_blocks_as_documents():
     assert measured[0].doc_ids[0] == measured[2].doc_ids[0] and measured[0].doc_ids[1] != measured[1].doc_ids[1]
     b = replay.bounds
     assert b.prefix.reused[1] > 0 and b.position_independent == b.prefix and b.cache_aware is None
-    assert replay.info["format"] == "mooncake" and replay.info["output_length_mean"] == 8
+    assert replay.info["format"] == "mooncake" and replay.info["output_length_mean"] == 1  # 8 / 32, at least 1
 
 
 def test_trace_config_refuses_what_a_replay_cannot_do():
