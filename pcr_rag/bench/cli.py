@@ -140,7 +140,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--trace-speed", type=parse_floats, metavar="X",
                    help="replay X times faster than the trace's timestamps (default 1; 'inf' = all at once)")
     t.add_argument("--trace-length-scale", type=float, metavar="F",
-                   help="every segment's length times F (default 1; e.g. 0.5 for a CPU)")
+                   help="every segment's length and output length times F (default 1; e.g. 0.5 for a CPU)")
     s = parser.add_argument_group("systems and cache")
     s.add_argument("--systems", help=f"comma-separated, from: {', '.join(SYSTEMS)}, pcr-window-N, "
                                      "pcr-max-active-N, pcr-schedule-{fcfs,cache-aware}, <cached system>@ORDER "
