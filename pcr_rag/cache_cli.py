@@ -18,20 +18,31 @@ the torch thread count (``--threads``): KV is shared only between engines with e
 remote store is worth sharing only between replicas on the same CPU type and thread count (``info`` lists the
 host each root was written on).
 Anything that deletes takes the directory's lock, so it refuses to run while an engine uses the directory.
+
+``info --remote-url URL`` (or ``--remote-url-file``, read as ``pcr-rag serve`` reads it) also lists the root
+manifests a shared Valkey/Redis store holds under ``--remote-namespace``: per root its identity, when and on which
+host it was written, and whether it is this engine's (``*``) and this host's; values under a manifest name that are
+no readable manifest (malformed, oversized, failing their MAC under ``--remote-secret-file`` or
+``$PCR_RAG_REMOTE_SECRET``) are counted, never deleted. It reads them as the engine's start-up census does
+(`RemoteTier.read_manifests`: a bounded SCAN, bounded reads). With a remote URL the SSD directory is listed only when
+``--cache-dir`` names it. A store that cannot be read ends the command with status 1 and one line on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from pcr_rag.cache.errors import CacheDirLockedError, UnsafeCacheDirError
+from pcr_rag.cache.config import RemoteConfig, redacted_url
+from pcr_rag.cache.errors import CacheDirLockedError, RemoteUnavailableError, UnsafeCacheDirError
 from pcr_rag.cache.maintenance import (
     DirScan,
     PruneResult,
@@ -42,7 +53,7 @@ from pcr_rag.cache.maintenance import (
     summarize,
 )
 from pcr_rag.cache.maintenance import verify as verify_chunks
-from pcr_rag.cache.roots import RootIdentity
+from pcr_rag.cache.roots import RootIdentity, RootManifest, host_description
 from pcr_rag.cache.storage import LocalDirBackend
 from pcr_rag.config import EngineConfig, default_cache_dir
 from pcr_rag.errors import ConfigError, PCRError
@@ -65,9 +76,25 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                                                              "torch's own)")
 
 
+def _remote_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("a shared remote store (its root manifests), as `pcr-rag serve` names it")
+    url = g.add_mutually_exclusive_group()
+    url.add_argument("--remote-url", default=None, metavar="URL",
+                     help="the Valkey/Redis store replicas share (redis://, rediss://, redis+cluster://...)")
+    url.add_argument("--remote-url-file", default=None, metavar="PATH",
+                     help="read the URL from a file only its owner can read, so a password never shows in ps")
+    g.add_argument("--remote-secret-file", default=None, metavar="PATH",
+                   help="the replicas' secret, to check each manifest's MAC (default: $PCR_RAG_REMOTE_SECRET)")
+    g.add_argument("--remote-insecure", action="store_true",
+                   help="list the manifests without a secret (their MACs unchecked)")
+    g.add_argument("--remote-namespace", default=EngineConfig.remote_namespace,
+                   help=f"the engines' remote_namespace (default: {EngineConfig.remote_namespace})")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    info = sub.add_parser("info", help="what a cache directory holds, per root")
+    info = sub.add_parser("info", help="what a cache directory (or, with --remote-url, a shared store) holds, "
+                                       "per root")
     prune = sub.add_parser("prune", help="remove chunks this engine cannot use, or older than a date")
     check = sub.add_parser("verify", help="check every chunk file; --delete removes the bad ones")
     for p in (info, prune, check):
@@ -77,6 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for p in (info, prune):
         _engine_flags(p)
     info.add_argument("--no-engine", action="store_true", help="do not load the model: no current root")
+    _remote_flags(info)
     what = prune.add_mutually_exclusive_group(required=True)
     what.add_argument("--unusable", action="store_true", help="chunks of other models, dtypes, chunk sizes or "
                                                               "plans, of unknown origin, and orphans")
@@ -149,21 +177,156 @@ def _group_dict(g: RootGroup) -> dict[str, Any]:
             "bytes": g.usage.nbytes, "oldest": g.usage.oldest, "newest": g.usage.newest}
 
 
+@dataclass(frozen=True)
+class RemoteRoots:
+    """The root manifests a shared store holds (``manifests``, sorted by identity then root), how many values under
+    a manifest name were no readable manifest (``unreadable``), and whether the bounded scan saw the whole store
+    (``complete``: else the counts are lower bounds). ``where``: the store's URL with its password redacted."""
+
+    where: str
+    namespace: str
+    manifests: tuple[RootManifest, ...]
+    unreadable: int
+    complete: bool
+
+    @property
+    def identities(self) -> int:
+        return len({m.identity for m in self.manifests})
+
+
+def _remote_config(args: argparse.Namespace) -> RemoteConfig:
+    """The store the flags name, configured as the engine's (`EngineConfig.remote_config`)."""
+    url, secret = args.remote_url, None
+    if args.remote_url_file is not None or args.remote_secret_file is not None:
+        try:  # the serve extra's private-file readers (pcr_rag.server needs fastapi)
+            from pcr_rag.server.flags import MAX_SECRET_BYTES, read_private_file, read_secret_file
+        except ImportError as exc:
+            raise ConfigError(f"--remote-url-file / --remote-secret-file need the serve extra "
+                              f"(pip install 'pcr-rag[serve]'): {exc}") from None
+        try:
+            if args.remote_url_file is not None:
+                url = read_private_file(args.remote_url_file, max_bytes=MAX_SECRET_BYTES,
+                                        what="remote URL file").decode("utf-8").strip()
+                if not url:
+                    raise ConfigError(f"the remote URL file {args.remote_url_file} is empty")
+            if args.remote_secret_file is not None:
+                secret = read_secret_file(args.remote_secret_file)
+        except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+            if isinstance(exc, ConfigError):
+                raise
+            raise ConfigError(str(exc)) from None
+    config = EngineConfig(device="cpu", remote_url=url, remote_secret=secret, remote_insecure=args.remote_insecure,
+                          remote_namespace=args.remote_namespace, remote_connect_timeout_s=2.0,
+                          remote_timeout_s=5.0, remote_breaker_errors=1).remote_config
+    assert config is not None  # a URL was given
+    return config
+
+
+class _DropFailingLine(logging.Filter):
+    """Drops the remote client's "requests use the local tiers" warning: the command reports a failure itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "requests use the local tiers" not in str(record.msg)
+
+
+def read_remote_roots(config: RemoteConfig) -> RemoteRoots:
+    """The root manifests of the store ``config`` names, read as the engine's census reads them
+    (`RemoteTier.read_manifests`). Raises ``RemoteUnavailableError`` when the store cannot be read."""
+    from pcr_rag.cache.tiers.remote import open_remote_tier
+
+    tier = open_remote_tier(config)
+    client_log = logging.getLogger("pcr_rag.cache.tiers.remote_client")
+    quiet = _DropFailingLine()  # its "requests use the local tiers" line is the engine's; the caller says why
+    client_log.addFilter(quiet)
+    try:
+        found, complete = tier.read_manifests()
+    finally:
+        client_log.removeFilter(quiet)
+        tier.close()
+    manifests = sorted((m for m in found if m is not None),
+                       key=lambda m: (sorted(m.identity.as_dict().items()), m.root))
+    return RemoteRoots(redacted_url(config.url), config.namespace, tuple(manifests),
+                       sum(1 for m in found if m is None), complete)
+
+
+def _remote_dict(remote: RemoteRoots, identity: RootIdentity | None, here: str) -> dict[str, Any]:
+    return {"url": remote.where, "namespace": remote.namespace, "complete": remote.complete,
+            "identities": remote.identities, "unreadable": remote.unreadable,
+            "roots": [{"root": m.root.hex(), "identity": m.identity.as_dict(), "namespace_hash": m.namespace_hash,
+                       "written_at": m.written_at, "host": m.host, "this_host": m.host == here,
+                       "current": None if identity is None else identity.compatible(m.identity)}
+                      for m in remote.manifests]}
+
+
+def _print_remote(remote: RemoteRoots, identity: RootIdentity | None, here: str, out: Any) -> None:
+    scope = "" if remote.complete else " at least (the bounded scan saw part of the store)"
+    print(f"remote store {remote.where} namespace {remote.namespace!r}: holds{scope} {len(remote.manifests)} root "
+          f"manifests of {remote.identities} identities", file=out)
+    groups: dict[RootIdentity, list[RootManifest]] = {}
+    for m in remote.manifests:
+        groups.setdefault(m.identity, []).append(m)
+    for who, manifests in groups.items():
+        mark = "*" if identity is not None and identity.compatible(who) else " "
+        print(f"{mark} {who.describe()}: {len(manifests)} root(s), written {_when(min(m.written_at for m in manifests))}"
+              f" .. {_when(max(m.written_at for m in manifests))}", file=out)
+        for m in manifests:
+            host = f"{m.host or 'unknown host'}{' (this host)' if m.host == here else ''}"
+            print(f"    root {m.root.hex()}: written {_when(m.written_at)} on {host}", file=out)
+    if remote.unreadable:
+        print(f"  unreadable root manifests: {remote.unreadable} (malformed, oversized or failing their MAC; left in "
+              f"the store)", file=out)
+    if identity is not None and any(not identity.compatible(who) for who in groups):
+        print("(* = usable by this engine; chunks of the other identities are never shared with it)", file=out)
+
+
 def _info(args: argparse.Namespace, out: Any) -> int:
-    backend = _open(args)
+    remote_asked = args.remote_url is not None or args.remote_url_file is not None
+    backend = _open(args) if args.cache_dir is not None or not remote_asked else None
+    remote = None
+    if remote_asked:
+        config = _remote_config(args)
+        try:
+            remote = read_remote_roots(config)
+        except RemoteUnavailableError as exc:
+            print(f"pcr-rag cache info: cannot read the remote store: {redacted_url(exc)}", file=sys.stderr)
+            return 1
     identity = None if args.no_engine else engine_identity(args)
+    if identity is None and args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)  # the host description names the thread count
+    here = host_description() if remote is not None else ""
     own = [identity.root(args.namespace)] if identity is not None else []
+    if args.json:
+        body: dict[str, Any] = _ssd_dict(backend, identity, own) if backend is not None else {}
+        body["current"] = None if identity is None else {**identity.as_dict(), "root": own[0].hex()}
+        if remote is not None:
+            body["remote"] = _remote_dict(remote, identity, here)
+        print(json.dumps(body), file=out)
+        return 0
+    if backend is not None:
+        _print_ssd(backend, identity, own, out)
+    elif identity is not None:
+        print(f"this engine: root {own[0].hex()} ({identity.describe()})", file=out)
+    if remote is not None:
+        _print_remote(remote, identity, here, out)
+    return 0
+
+
+def _ssd_dict(backend: LocalDirBackend, identity: RootIdentity | None, own: list[bytes]) -> dict[str, Any]:
+    found = scan(backend)
+    orphans = found.usage().get(None)
+    return {
+        "cache_dir": str(backend.root), "groups": [_group_dict(g) for g in summarize(found, identity, own)],
+        "orphans": {"chunks": orphans.chunks, "bytes": orphans.nbytes} if orphans else {"chunks": 0, "bytes": 0},
+        "unreadable": [{"name": n, "reason": r} for n, r in found.unreadable],
+    }
+
+
+def _print_ssd(backend: LocalDirBackend, identity: RootIdentity | None, own: list[bytes], out: Any) -> None:
     found = scan(backend)
     groups = summarize(found, identity, own)
     orphans = found.usage().get(None)
-    if args.json:
-        print(json.dumps({
-            "cache_dir": str(backend.root), "groups": [_group_dict(g) for g in groups],
-            "current": None if identity is None else {**identity.as_dict(), "root": own[0].hex()},
-            "orphans": {"chunks": orphans.chunks, "bytes": orphans.nbytes} if orphans else {"chunks": 0, "bytes": 0},
-            "unreadable": [{"name": n, "reason": r} for n, r in found.unreadable],
-        }), file=out)
-        return 0
     total = sum(c.file_bytes for c in found.chunks)
     print(f"{backend.root}: {len(found.chunks)} chunks, {_mib(total)}, under {sum(g.namespaces for g in groups)} "
           f"roots", file=out)
@@ -186,7 +349,6 @@ def _info(args: argparse.Namespace, out: Any) -> int:
     if identity is not None and any(not g.current for g in groups):
         print(f"(* = usable by this engine; `pcr-rag cache prune --unusable --cache-dir {backend.root}` with the "
               f"same model flags removes the rest)", file=out)
-    return 0
 
 
 def _report_prune(result: PruneResult, backend: LocalDirBackend, args: argparse.Namespace, out: Any) -> None:

@@ -160,9 +160,18 @@ class RemoteTier:
             log.debug("could not write the manifest of namespace root %s to the remote store: %s", root.hex(), exc)
 
     def census(self, identity: RootIdentity) -> RootCensus:
-        """Read the root manifests the store holds (at most ``MAX_CENSUS_ROOTS``, in at most ``MAX_CENSUS_SCANS``
-        SCAN round trips) and count them against ``identity``; kept as ``roots``. A value under a manifest name
-        that is not a readable manifest of its root counts as unreadable (never raised, never deleted). Raises
+        """Read the root manifests the store holds (`read_manifests`) and count them against ``identity``; kept as
+        ``roots``. Raises ``RemoteUnavailableError`` when the store cannot be read."""
+        manifests, complete = self.read_manifests()
+        census = RootCensus.of(identity, manifests, complete=complete)
+        self.roots = census
+        return census
+
+    def read_manifests(self) -> tuple[list[RootManifest | None], bool]:
+        """The root manifests the store holds (at most ``MAX_CENSUS_ROOTS``, in at most ``MAX_CENSUS_SCANS`` SCAN
+        round trips, each value read up to ``MAX_MANIFEST_VALUE_BYTES``), None for a value under a manifest name
+        that is not a readable manifest of its root (never raised, never deleted), and whether the scan saw the
+        whole store. Used by the census and ``pcr-rag cache info --remote-url``. Raises
         ``RemoteUnavailableError`` when the store cannot be read."""
         names, complete = self.client.scan(manifest_prefix(self.namespace), MAX_CENSUS_ROOTS, MAX_CENSUS_SCANS)
         manifests: list[RootManifest | None] = []
@@ -182,9 +191,7 @@ class RemoteTier:
                 except (ManifestError, CorruptChunkError) as exc:
                     log.debug("remote value %s is not a readable root manifest: %s", name, exc)
                     manifests.append(None)
-        census = RootCensus.of(identity, manifests, complete=complete)
-        self.roots = census
-        return census
+        return manifests, complete
 
     def start_census(self, identity: RootIdentity) -> threading.Thread:
         """Run ``census`` on a background thread (never on a request's path) and log one line when the store holds
