@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 
 import pytest
 import torch
 
 from pcr_rag.cache import ChunkSpec, chunk_key, namespace_key
+from pcr_rag.cache.tiers.remote_store import MemoryRemoteStore
 
 ROOT = namespace_key("test-model", "float32", 4)
 
@@ -73,3 +75,11 @@ def fake_pinned(monkeypatch) -> list[int]:
     monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
     return requests
+
+
+@pytest.fixture
+def store_name():
+    """A fresh in-memory remote store's name (``memory://<name>``), forgotten after the test."""
+    name = f"store-{uuid.uuid4().hex[:8]}"
+    yield name
+    MemoryRemoteStore.forget(name)

@@ -16,7 +16,6 @@ import math
 import struct
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -34,12 +33,6 @@ from .test_remote_tier import SECRET, fill, remote_config
 NS = "pcr-rag"
 PAD = 64 << 20
 
-
-@pytest.fixture
-def store_name():
-    name = f"bounded-{uuid.uuid4().hex[:8]}"
-    yield name
-    MemoryRemoteStore.forget(name)
 
 
 def engine(store_name: str) -> CacheEngine:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-import uuid
 
 import pytest
 import torch
@@ -36,12 +35,6 @@ X = RootIdentity(model="tiny", fingerprint="f" * 16, dtype="float32", chunk_size
 Y = dataclasses.replace(X, kernels="b2b2b2b2")  # the same model and plan computed by other kernels
 RUNS = [[1] * 4, [2] * 4, [3] * 4]
 
-
-@pytest.fixture
-def store_name():
-    name = f"roots-{uuid.uuid4().hex[:8]}"
-    yield name
-    MemoryRemoteStore.forget(name)
 
 
 def engine(store_name: str, **remote) -> CacheEngine:

@@ -32,12 +32,6 @@ def remote_config(url: str, **kw) -> RemoteConfig:
     return RemoteConfig(url, **kw)
 
 
-@pytest.fixture
-def store_name():
-    name = f"unit-{uuid.uuid4().hex[:8]}"
-    yield name
-    MemoryRemoteStore.forget(name)
-
 
 def engine(store_name: str, clock: ManualClock | None = None, namespace: str = "pcr-rag", **remote) -> CacheEngine:
     remote.setdefault("breaker_backoff_s", 5.0)

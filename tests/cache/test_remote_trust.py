@@ -45,12 +45,6 @@ from .test_remote_tier import LAYOUT, SECRET, fill, remote_config
 NS = "pcr-rag"
 
 
-@pytest.fixture
-def store_name():
-    name = f"trust-{uuid.uuid4().hex[:8]}"
-    yield name
-    MemoryRemoteStore.forget(name)
-
 
 def engine(store_name: str, **remote) -> CacheEngine:
     cfg = CacheConfig(chunk_size=4, dram_bytes=1 << 20, sync_io=True,
