@@ -19,6 +19,7 @@ from pcr_rag.home import cache_home
 from pcr_rag.limits import DEFAULT_LIMITS, RequestLimits
 from pcr_rag.runtime.admission import SCHEDULES
 from pcr_rag.runtime.announcements import DEFAULT_MAX_PENDING, DEFAULT_MAX_PER_NAMESPACE
+from pcr_rag.runtime.blend import REUSE_MODES
 from pcr_rag.runtime.step_budget import check_budget_steps
 from pcr_rag.runtime.weights import WEIGHT_FORMATS
 from pcr_rag.units import parse_bytes
@@ -31,7 +32,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 
 _BOOL_FIELDS = ("layerwise", "prefetch", "enable_cache", "compile", "warmup", "freeze_gc", "remote_insecure",
                 "remote_encrypt", "ssd_encrypt", "allow_download")
-_STR_FIELDS = ("namespace", "remote_namespace", "schedule", "weights", "eviction", "load_planner")
+_STR_FIELDS = ("namespace", "remote_namespace", "schedule", "weights", "eviction", "load_planner", "reuse")
 
 
 def _check_bool(name: str, value: object) -> None:
@@ -44,6 +45,11 @@ def _check_int(name: str, value: object, *, minimum: int) -> None:
     """Counts are ints, never bools (``True`` is an int in Python, and ``chunk_size=True`` is a mistake)."""
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_fraction(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ConfigError(f"{name} must be a fraction in [0, 1], got {value!r}")
 
 
 def _check_seconds(name: str, value: object, *, positive: bool) -> None:
@@ -119,6 +125,19 @@ class EngineConfig(RemoteFields):  # type: ignore[misc,valid-type]
             measured read speed and the measured prefill speed: `pcr_rag.cache.reuse_planner`) or "always-load"
             (every cached chunk a tier can serve is loaded, however slow the tier).
         enable_cache: False runs the same chunk-aligned prefill without any reuse (the no-reuse baseline).
+        reuse: "exact" (the default: only the exact prefix is reused, answers never depend on the cache) or
+            "blend" (opt-in, approximate: documents after the exact prefix also reuse their position-independent
+            KV wherever they appear, `pcr_rag.runtime.blend`; each response reports ``blended_tokens``). A
+            request may ask for either (``reuse=``).
+        blend_recompute: in blend mode, the fraction of each placed document's tokens (its first ones) computed
+            in context before the rest is placed (docs/blend.md has the quality each fraction measured).
+        blend_verify: in blend mode, the fraction of blended requests that are also run exactly, as shadow
+            requests, and compared (`pcr_rag.runtime.blend_gate`); 0 = none.
+        blend_gate_window / blend_gate_min_identical / blend_gate_max_kl: the gate over the last
+            ``blend_gate_window`` verified requests of a namespace: when the share of greedy answers identical to
+            exact falls below ``blend_gate_min_identical`` or the median first-token KL (nats) rises above
+            ``blend_gate_max_kl``, that namespace's blend requests are served exactly from then on (logged,
+            counted).
         namespace: tenant salt; caches of different namespaces never share chunks.
         max_new_tokens: default generation length (tokens).
         announce_ttl_s: an announced request that nobody claims expires after this many seconds.
@@ -230,6 +249,12 @@ class EngineConfig(RemoteFields):  # type: ignore[misc,valid-type]
     eviction: EvictionPolicyName = "lookahead-lru"
     load_planner: LoadPlannerName = "measured"
     enable_cache: bool = True
+    reuse: str = "exact"
+    blend_recompute: float = 0.15
+    blend_verify: float = 0.0
+    blend_gate_window: int = 16
+    blend_gate_min_identical: float = 0.75
+    blend_gate_max_kl: float = 0.5
     namespace: str = ""
     max_new_tokens: int = 128
     announce_ttl_s: float = 120.0
@@ -297,6 +322,14 @@ class EngineConfig(RemoteFields):  # type: ignore[misc,valid-type]
             raise ConfigError(f"eviction must be 'lookahead-lru' or 'lru', got {self.eviction!r}")
         if self.load_planner not in PLANNER_MODES:
             raise ConfigError(f"load_planner must be one of {PLANNER_MODES}, got {self.load_planner!r}")
+        if self.reuse not in REUSE_MODES:
+            raise ConfigError(f"reuse must be one of {REUSE_MODES}, got {self.reuse!r}")
+        for name in ("blend_recompute", "blend_verify", "blend_gate_min_identical"):
+            _check_fraction(name, getattr(self, name))
+        kl = self.blend_gate_max_kl
+        if isinstance(kl, bool) or not isinstance(kl, (int, float)) or not (math.isfinite(kl) and kl > 0):
+            raise ConfigError(f"blend_gate_max_kl must be a number of nats > 0, got {kl!r}")
+        _check_int("blend_gate_window", self.blend_gate_window, minimum=1)
         _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
         _check_seconds("announce_ttl_s", self.announce_ttl_s, positive=True)
         _check_seconds("remote_ttl_s", self.remote_ttl_s, positive=False)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pcr_rag import logs, tracing
-from pcr_rag.cache import CacheConfig, CacheEngine, CacheStats, ChunkSpec, Tier, plan_chunks
+from pcr_rag.cache import CacheConfig, CacheEngine, CacheStats, ChunkSpec, Tier, blend_root, plan_chunks
 from pcr_rag.cache.config import remote_with_layout
 from pcr_rag.cache.keys import scope_key
 from pcr_rag.cache.roots import RootIdentity, RootManifest, foreign_chunks_note
@@ -55,6 +55,7 @@ from pcr_rag.runtime import gc_pauses
 from pcr_rag.runtime.admission import PrefillOutlook
 from pcr_rag.runtime.announcements import AnnouncementBoard, Ticket
 from pcr_rag.runtime.batch import BatchExecutor
+from pcr_rag.runtime.blend import REUSE_MODES, BlendDocument, BlendRequest
 from pcr_rag.runtime.forward import WARM_UP_ROW, FastForward
 from pcr_rag.runtime.grammar import GrammarCompiler
 from pcr_rag.runtime.kernel_probe import first_step_positions, kernel_identity
@@ -164,6 +165,7 @@ class PCREngine:
         self.identity = RootIdentity.of(self.loaded, self.forward, config.chunk_size,
                                         kernel_identity(self.forward, warmed))
         self._roots: dict[str, bytes] = {}
+        self._anchor: tuple[int, ...] | None = None  # blend mode's anchor (`_blend_anchor`), made on first use
         self._ssd_roots: Any = None  # the SSD tier, once open: it stores each root's manifest (`note_root`)
         self._remote_roots: Any = None  # the remote tier, once open: it stores them in the shared store too
         self.root_key = self.root_for(None)
@@ -251,7 +253,8 @@ class PCREngine:
 
     # ------------------------------------------------------------------------------------------ requests
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *,
-               timeout: float | None = None, namespace: str | None = None) -> RequestHandle:
+               timeout: float | None = None, namespace: str | None = None,
+               reuse: str | None = None) -> RequestHandle:
         """Validate, render and enqueue one request; returns at once with its `RequestHandle`.
 
         Args:
@@ -264,6 +267,10 @@ class PCREngine:
                 a shared system prompt), never from a private segment on, and never claim each other's
                 announcements (None or "" = the engine's own, the shared pool, where documents are shared unless
                 marked private). The prompt's token pieces and learned layout are kept per namespace.
+            reuse: "exact" or "blend" for this request (None = ``EngineConfig.reuse``): blend also places the
+                documents after the exact prefix from their position-independent KV (approximate, opt-in;
+                `pcr_rag.runtime.blend`); the result's ``metrics.reuse`` says how it was served (a namespace whose
+                blend gate tripped is served exactly) and ``metrics.blended_tokens`` how many tokens were placed.
         Raises (before any compute): `InvalidRequestError` (bad prompt kind, params or timeout; a response format
             that does not compile), `PromptTooLongError` (a rendered prompt longer than
             `PromptBuilder.max_prompt_chars` is rejected before it is tokenized), `QueueFullError`,
@@ -276,6 +283,9 @@ class PCREngine:
             raise InvalidRequestError(f"prompt must be a RagPrompt, FlatPrompt or ChatPrompt, got "
                                       f"{type(prompt).__name__}")
         root = self.root_for(namespace)
+        mode = self.config.reuse if reuse is None else reuse
+        if mode not in REUSE_MODES:
+            raise InvalidRequestError(f"reuse must be one of {REUSE_MODES} or None, got {reuse!r}")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -308,7 +318,9 @@ class PCREngine:
             request_id=request_id, token_ids=seg.token_ids, plan=plan, params=params,
             submitted_at=time.perf_counter(), on_token=channel.put, documents_found=seg.documents_found,
             constraint=constraint, log_id=logs.request_id() or f"req-{request_id}", trace=trace, tenant=root,
+            blend=self._blend_request(seg, root) if mode == "blend" else None,
         )
+        req.metrics.reuse = "blend" if req.blend is not None else "exact"
         req.ssd_keys_at_entry = self._ssd_keys(req.keys) | (ticket.ssd_keys_at_entry if ticket else frozenset())
         req.metrics.announced = ticket is not None
         req.future.add_done_callback(channel.close)
@@ -347,23 +359,25 @@ class PCREngine:
     def stream(self, query: str, documents: Sequence[str | Doc] = (), *, system: str | None = None,
                timeout: float | None = None, namespace: str | None = None,
                scopes: Sequence[str | None] | None = None, system_tail: str | None = None,
-               **sampling: Any) -> RequestHandle:
+               reuse: str | None = None, **sampling: Any) -> RequestHandle:
         """Like `generate`; iterate the handle for `StreamChunk`s as tokens come, ``.result()`` afterwards."""
         return self.submit(RagPrompt(query, documents, system, scopes, system_tail),
-                           SamplingParams.from_kwargs(**sampling), timeout=timeout, namespace=namespace)
+                           SamplingParams.from_kwargs(**sampling), timeout=timeout, namespace=namespace, reuse=reuse)
 
     def stream_prompt(self, prompt: str, documents: Sequence[str | Doc] = (), *, chat: bool = True,
                       system: str | None = None, timeout: float | None = None, namespace: str | None = None,
-                      scopes: Sequence[str | None] | None = None, **sampling: Any) -> RequestHandle:
+                      scopes: Sequence[str | None] | None = None, reuse: str | None = None,
+                      **sampling: Any) -> RequestHandle:
         return self.submit(FlatPrompt(prompt, documents, chat, system, scopes),
-                           SamplingParams.from_kwargs(**sampling), timeout=timeout, namespace=namespace)
+                           SamplingParams.from_kwargs(**sampling), timeout=timeout, namespace=namespace, reuse=reuse)
 
     def stream_messages(self, messages: Sequence[Mapping[str, Any]], documents: Sequence[str | Doc] = (), *,
                         timeout: float | None = None, namespace: str | None = None,
                         scopes: Sequence[str | None] | None = None,
-                        chat_template_kwargs: dict[str, Any] | None = None, **sampling: Any) -> RequestHandle:
+                        chat_template_kwargs: dict[str, Any] | None = None, reuse: str | None = None,
+                        **sampling: Any) -> RequestHandle:
         return self.submit(ChatPrompt(messages, documents, scopes, chat_template_kwargs),
-                           SamplingParams.from_kwargs(**sampling), timeout=timeout, namespace=namespace)
+                           SamplingParams.from_kwargs(**sampling), timeout=timeout, namespace=namespace, reuse=reuse)
 
     async def agenerate(self, query: str, documents: Sequence[str | Doc] = (), **kwargs: Any) -> GenerationResult:
         """`generate` without blocking the event loop; cancelling the task cancels the request."""
@@ -565,6 +579,30 @@ class PCREngine:
         root = self.root_for(namespace)
         seg = RagPrompt(query, documents, system, scopes).segment(self.builder, PromptContext(namespace or ""))
         return self._plan(seg, root)
+
+    def _blend_request(self, seg: SegmentedPrompt, root: bytes) -> BlendRequest | None:
+        """Blend mode's view of ``seg`` in the namespace whose root is ``root``: its document segments, each keyed
+        under the blend root of the engine-wide root while every segment up to it is shared, else of ``root``.
+        None without a cache (nothing to reuse)."""
+        if self.cache is None:
+            return None
+        shared, own = blend_root(self.root_key), blend_root(root)
+        offsets = [0]
+        for s in seg.segments:
+            offsets.append(offsets[-1] + len(s))
+        private_from = len(seg.segments) if seg.private_from is None else seg.private_from
+        docs = tuple(BlendDocument(offsets[i], offsets[i + 1], shared if i < private_from else own)
+                     for i in seg.document_segments)
+        return BlendRequest(self._blend_anchor(), docs, float(self.config.blend_recompute), self.config.chunk_size)
+
+    def _blend_anchor(self) -> tuple[int, ...]:
+        """The fixed head that documents' position-independent KV is computed behind: the tokens of the engine's
+        default RAG layout before its first document (chat template, system turn, instruction), once."""
+        if self._anchor is None:
+            seg = self.builder.build_rag("?", ["Document."])
+            first = seg.document_segments[0] if seg.document_segments else 1
+            self._anchor = tuple(t for s in seg.segments[:first] for t in s)
+        return self._anchor
 
     def _plan(self, seg: SegmentedPrompt, root: bytes) -> list[ChunkSpec]:
         """The chunk plan of ``seg`` in the namespace whose root is ``root``: its shared segments key from the

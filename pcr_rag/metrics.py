@@ -21,7 +21,8 @@ class RequestMetrics:
     the rest, prefill_s - prefill_compute_s, is other requests' decode and prefill steps run between its own.
     load_wait_s: the part of prefill_compute_s spent waiting for its cached KV (layer loads, in-flight prefetches).
     itl_s: gaps between consecutive generated tokens.
-    computed_tokens + reused_tokens == prompt_tokens; reused_by_tier splits reused_tokens by the tier the KV
+    computed_tokens + reused_tokens + blended_tokens == prompt_tokens (blended_tokens: blend mode's placed tokens,
+    approximate KV; reused_tokens: the exact prefix, "cached_tokens" in the API); reused_by_tier splits reused_tokens by the tier the KV
     came from when the request ran. prefetch_hit_chunks: chunks on SSD when the request entered the queue (or
     was announced) and in memory when it ran. recomputed_after_error: times its prefill gave up cached KV because
     the cache or a store failed (a load raising, a checksum or MAC failing, a read timing out, the lease itself
@@ -43,6 +44,8 @@ class RequestMetrics:
     recomputed_after_error: int = 0
     announced: bool = False
     prefill_compute_s: float = 0.0  # last, so the fields before it keep their positions
+    blended_tokens: int = 0  # blend mode: prompt tokens whose KV was placed from documents' isolated KV
+    reuse: str = "exact"     # how the prompt was served: "exact", or "blend" (`pcr_rag.runtime.blend`)
 
     @property
     def tpot_s(self) -> float:
@@ -91,6 +94,8 @@ class MetricsRecorder:
         self.reused_by_tier = dict.fromkeys(TIERS, 0)
         self.prefetch_hit_chunks = 0
         self.recomputed_after_error = 0  # prefills that gave up cached KV after a cache or store failure
+        self.blended_tokens = 0
+        self.blended_requests = 0
 
     def record(self, m: RequestMetrics) -> None:
         with self._lock:
@@ -102,6 +107,8 @@ class MetricsRecorder:
                 self.reused_by_tier[tier] = self.reused_by_tier.get(tier, 0) + n
             self.prefetch_hit_chunks += m.prefetch_hit_chunks
             self.recomputed_after_error += m.recomputed_after_error
+            self.blended_tokens += m.blended_tokens
+            self.blended_requests += m.reuse == "blend"
 
     def record_failure(self, cancelled: bool = False) -> None:
         with self._lock:
@@ -123,6 +130,8 @@ class MetricsRecorder:
                 "reused_by_tier": dict(self.reused_by_tier),
                 "prefetch_hit_chunks": self.prefetch_hit_chunks,
                 "recomputed_after_error": self.recomputed_after_error,
+                "blended_tokens": self.blended_tokens,
+                "blended_requests": self.blended_requests,
             }
         total = out["prompt_tokens"]
         out["hit_ratio"] = {t: (n / total if total else 0.0) for t, n in out["reused_by_tier"].items()}

@@ -109,6 +109,8 @@ class SegmentedPrompt:
             0 on the default layouts.
         private_from: the first segment that holds anything private (see the module docstring); the chunk plan
             switches to the tenant's root there (`pcr_rag.cache.keys.plan_chunks`). None: every segment is shared.
+        document_segments: the segments that hold exactly one document and the text before it back to the
+            previous document's end (its lead or separator), in order: what blend mode reuses in any position.
     """
 
     text: str
@@ -116,6 +118,7 @@ class SegmentedPrompt:
     documents_found: int
     cuts_adjusted: int = 0
     private_from: int | None = None
+    document_segments: tuple[int, ...] = ()
 
     @property
     def token_ids(self) -> list[int]:
@@ -163,6 +166,21 @@ class DocumentPieces:
         core = document.rstrip()
         lead = self.first_lead if previous is None else previous[len(previous.rstrip()):] + self.lead
         return lead + core + self.trail
+
+
+def _document_segments(text: str, bounds: Sequence[tuple[Sequence[int], tuple[int, int]]],
+                       spans: Sequence[tuple[int, int]]) -> tuple[int, ...]:
+    """Indexes of the segments (``bounds``: ids and character range each) that hold exactly one located document
+    (``spans``, in order): a segment that starts at or before the document, after the previous document's start,
+    and ends where the document ends or inside the whitespace it ends with (cuts go before trailing whitespace)."""
+    found: list[int] = []
+    for j, (start, end) in enumerate(spans):
+        floor = spans[j - 1][0] + 1 if j else 0
+        for i, (_, (a, b)) in enumerate(bounds):
+            if floor <= a <= start < b <= end and not text[b:end].strip():
+                found.append(i)
+                break
+    return tuple(found)
 
 
 def split_documents(documents: object, scopes: object = None) -> tuple[tuple[str, ...], tuple[str | None, ...]]:
@@ -730,7 +748,7 @@ class PromptBuilder:
             if not any(start < end for start, _ in shared_docs):
                 private_from = 0
         return SegmentedPrompt(text=text, segments=segments, documents_found=len(spans), cuts_adjusted=adjusted,
-                               private_from=private_from)
+                               private_from=private_from, document_segments=_document_segments(text, bounds, spans))
 
     def _private_test(self, text: str, located: Sequence[tuple[tuple[int, int], str | None]], namespaced: bool,
                       template_end: int, private_start: int | None):

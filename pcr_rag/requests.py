@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from collections.abc import Generator
 
     from pcr_rag.cache import ChunkSpec
+    from pcr_rag.runtime.blend import BlendRequest
     from pcr_rag.runtime.sampling import TokenConstraint
 
 log = logging.getLogger(__name__)
@@ -500,6 +501,7 @@ class Request:
     log_id: str = ""  # the id its log lines carry (`pcr_rag.logs`): the server's request id, else "req-<request_id>"
     trace: RequestTrace | None = None  # its spans' parent and the times they need; None when tracing is off
     tenant: bytes = b""  # whom the chunks it computes are charged to: its namespace's root (`PCREngine.root_for`)
+    blend: BlendRequest | None = None  # blend mode's documents (`pcr_rag.runtime.blend`); None: exact
 
     @property
     def keys(self) -> list[bytes]:

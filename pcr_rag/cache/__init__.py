@@ -38,6 +38,7 @@ _EXPORTS = {
     "StorageBackend": "pcr_rag.cache.storage",
     "Tier": "pcr_rag.cache.tiers",
     "VirtualPayload": "pcr_rag.cache.payload",
+    "blend_root": "pcr_rag.cache.keys",
     "chunk_key": "pcr_rag.cache.keys",
     "namespace_key": "pcr_rag.cache.keys",
     "plan_chunks": "pcr_rag.cache.keys",
@@ -73,6 +74,7 @@ __all__ = [
     "StorageBackend",
     "Tier",
     "VirtualPayload",
+    "blend_root",
     "chunk_key",
     "namespace_key",
     "plan_chunks",
@@ -90,7 +92,15 @@ if TYPE_CHECKING:
         ChunkNotFoundError,
         CorruptChunkError,
     )
-    from pcr_rag.cache.keys import KEY_BYTES, ChunkSpec, chunk_key, namespace_key, plan_chunks, tokens_digest
+    from pcr_rag.cache.keys import (
+        KEY_BYTES,
+        ChunkSpec,
+        blend_root,
+        chunk_key,
+        namespace_key,
+        plan_chunks,
+        tokens_digest,
+    )
     from pcr_rag.cache.payload import Payload, VirtualPayload
     from pcr_rag.cache.policy import LookaheadLRUPolicy, LRUPolicy
     from pcr_rag.cache.stats import CacheStats

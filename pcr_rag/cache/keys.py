@@ -5,6 +5,8 @@ Invariants:
 - ``chunk_key(parent, tokens)`` hashes the parent key, the token ids (little-endian int64) and the token count, so a
   key covers its own tokens and every token before it; equal keys mean equal KV. A partial chunk and a full chunk
   with the same parent never share a key (the count differs).
+- ``blend_root(root)`` roots the position-independent chains of blend mode: under its own personalization, so
+  they never share a key with an exact chain.
 - Python's salted ``hash()`` is never used: keys are stable across processes and restarts.
 - Sharing scopes (`plan_chunks` with ``private_root``): the chunks of the shared segments chain from the shared
   root; the first private segment's parent is ``scope_key(private_root, last shared key)``, a hash under its own
@@ -21,13 +23,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["KEY_BYTES", "ChunkSpec", "chunk_key", "namespace_key", "plan_chunks", "scope_key", "tokens_digest"]
+__all__ = ["KEY_BYTES", "ChunkSpec", "blend_root", "chunk_key", "namespace_key", "plan_chunks", "scope_key", "tokens_digest"]
 
 KEY_BYTES = 16
 _NS_PERSON = b"pcr-ns-v1"
 _CHUNK_PERSON = b"pcr-chunk-v1"
 _DIGEST_PERSON = b"pcr-tok-v1"
 _SCOPE_PERSON = b"pcr-scope-v1"
+_BLEND_PERSON = b"pcr-blend-v1"
 
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:
@@ -71,6 +74,16 @@ def scope_key(private_root: bytes, parent: bytes) -> bytes:
     h.update(private_root)
     h.update(parent)
     return h.digest()
+
+
+def blend_root(root: bytes) -> bytes:
+    """16-byte root of ``root``'s position-independent key space (blend mode, `pcr_rag.runtime.blend`): the
+    chains ``[anchor][document]`` of a namespace's documents chain from it, so they share no key with the exact
+    chains from ``root`` and inherit its scope (the engine-wide root's for shared documents, a tenant's for
+    private ones)."""
+    if len(root) != KEY_BYTES:
+        raise ValueError(f"root key must be {KEY_BYTES} bytes, got {len(root)}")
+    return hashlib.blake2b(root, digest_size=KEY_BYTES, person=_BLEND_PERSON).digest()
 
 
 def tokens_digest(tokens: Sequence[int]) -> bytes:

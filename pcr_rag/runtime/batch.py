@@ -279,6 +279,7 @@ class BatchExecutor:
         m.computed_tokens = task.computed_tokens
         m.reused_by_tier = dict(task.reused_by_tier)
         m.reused_tokens = sum(task.reused_by_tier.values())
+        m.blended_tokens = task.blended_tokens
         m.load_wait_s = task.load_wait_s
         m.recomputed_after_error = task.retries
         m.prefetch_hit_chunks = len(a.request.ssd_keys_at_entry & task.memory_keys)

@@ -67,6 +67,7 @@ from pcr_rag.runtime.attention_probe import sub_blocks_exact
 from pcr_rag.runtime.kernel_probe import probe_token_ids
 from pcr_rag.runtime.kv_arena import KVArena, RowKV
 from pcr_rag.runtime.model import LoadedModel
+from pcr_rag.runtime.rope_shift import RopeShift
 from pcr_rag.runtime.tile_probe import LinearMaker, exact_row_counts, fit_to_tiles
 from pcr_rag.runtime.weights import Linear, PaddedRows, make_linear
 
@@ -282,6 +283,7 @@ class FastForward:
             self._compile_row_pieces()
         self._masks: dict[tuple, torch.Tensor] = {}
         self._cos, self._sin = self._rope_tables(base.rotary_emb, {lw.rope for lw in self.layers}, gemma)
+        self.rope_shift = RopeShift(base.rotary_emb, per_kind=gemma, device=self.device)  # blend's placement
         self.short_tile_sizes = self._useful_short_tiles(candidates)
         self.decode_sizes = self._exact_decode_sizes(decode_candidates, make, make_head, kind)
         self.attention_sub_block = self._exact_sub_block(attention_sub_block)

@@ -34,6 +34,7 @@ from pcr_rag.errors import PrefixLoadError
 from pcr_rag.metrics import TIERS
 from pcr_rag.requests import Request
 from pcr_rag.runtime.admission import PrefillOutlook, PrefillSpeed
+from pcr_rag.runtime.blend import BlendRequest, PlacedPiece, Placement, Span, blend_spans
 from pcr_rag.runtime.detokenize import INCOMPLETE_CHAR, IncrementalText
 from pcr_rag.runtime.forward import FastForward, run_layers
 from pcr_rag.runtime.kv_arena import RowKV
@@ -66,15 +67,20 @@ class PrefillContext:
 
 
 class _StepHooks:
-    """`LayerHooks` of one prefill step: wait for the prefix load, offload completed chunks."""
+    """`LayerHooks` of one prefill step: wait for the prefix load, place blended documents' KV (blend mode),
+    offload completed chunks."""
 
-    def __init__(self, load: PrefixLoad | None, offload: ChunkOffload | None) -> None:
+    def __init__(self, load: PrefixLoad | None, offload: ChunkOffload | None,
+                 placement: Placement | None = None) -> None:
         self.load = load
         self.offload = offload
+        self.placement = placement
 
     def before_attention(self, layer: int) -> None:
         if self.load is not None:
             self.load.wait_layer(layer)
+        if self.placement is not None:
+            self.placement.place_layer(layer)
 
     def after_layer(self, layer: int, start: int, end: int) -> None:
         if self.offload is not None:
@@ -93,6 +99,19 @@ class _InflightStep:
     seconds: float = 0.0
     waited: float = 0.0
     started_at: float = field(default_factory=time.perf_counter)  # perf_counter seconds (a traced request's span)
+
+
+@dataclass(frozen=True)
+class _IsolatedDocument:
+    """The request-like input of a blend document's isolated prefill (``[anchor][document]`` on its own chain):
+    what `PrefillTask` reads of a request."""
+
+    token_ids: list[int]
+    plan: list[ChunkSpec]
+    submitted_at: float
+    tenant: bytes
+    trace: None = None
+    blend: None = None
 
 
 class PrefillTask:
@@ -121,16 +140,24 @@ class PrefillTask:
         self._inflight: _InflightStep | None = None
         self.last_step: tuple[int, float, int] = (0, 0.0, 0)  # the last complete step's (tokens, compute s, start)
         self._trace = getattr(request, "trace", None)  # a traced request notes its load's and steps' times
+        # blend mode (`pcr_rag.runtime.blend`): None in exact mode, and without a cache
+        self._blend: BlendRequest | None = getattr(request, "blend", None) if ctx.cache is not None else None
+        self.blended_tokens = 0                # prompt tokens whose KV was placed from documents' isolated KV
+        self._compute_spans: list[Span] = []   # blend: the compute spans after the current one
+        self._span_end = self.total            # end of the compute span `position` is in
+        self._exact_until = self.total         # plan chunks ending after this are never inserted (blend)
+        self._placement: Placement | None = None
+        self._blend_leases: list = []          # leases pinning documents' isolated KV until it is placed
 
     # ------------------------------------------------------------------------------------------------ state
     @property
     def remaining(self) -> int:
         """Tokens still to compute."""
-        return self.total - self.position
+        return self._span_end - self.position + sum(s.end - s.start for s in self._compute_spans)
 
     @property
     def computed_tokens(self) -> int:
-        return self.total - sum(self.reused_by_tier.values())
+        return self.total - sum(self.reused_by_tier.values()) - self.blended_tokens
 
     def outlook(self) -> PrefillOutlook:
         """What the schedule ranks this task by: tokens left to compute (exact once begun, else the prompt minus
@@ -151,6 +178,7 @@ class PrefillTask:
         self.begun = True
         cache = self.ctx.cache
         self.reused_by_tier = dict.fromkeys(TIERS, 0)
+        self._span_end, self._compute_spans, self._exact_until = self.total, [], self.total
         self._sources = []
         matched = 0
         if cache is not None and self._max_chunks > 0:
@@ -162,6 +190,8 @@ class PrefillTask:
             self._collect_sources(matched)
         self.position = min(self.plan[matched - 1].end, self.total - 1) if matched else 0
         self._stored_upto = matched
+        if self._blend is not None:
+            self._begin_blend()
         if self._sources:
             self._load = self.ctx.copy.start_load(self.row, self._sources, cache.open_layer_reader,
                                                   layerwise=self.ctx.layerwise)
@@ -203,6 +233,85 @@ class PrefillTask:
             if payload is not None and spec.key not in fetched_now:
                 in_memory.append(spec.key)
         self.memory_keys = frozenset(in_memory)
+
+    # ------------------------------------------------------------------------------------------------ blend
+    def _begin_blend(self) -> None:
+        """Plan the blend spans after the exact prefix (`blend_spans`), get each placed document's isolated KV
+        (DRAM chunks as they are, anything else through an isolated prefill in this row, which also caches it),
+        zero-fill the row from the prefix to the end, and hand the placement to the first step's hooks. Runs
+        before the prefix load starts (an isolated prefill uses the row's first positions)."""
+        blend, ids = self._blend, self.request.token_ids
+        self._release_blend()
+        self.blended_tokens = 0
+        exact_end = self.position
+        anchor = len(blend.anchor)
+        limit = min(self.row.arena.row_capacity, self.ctx.forward.max_positions)
+        wanted = [i for i, d in enumerate(blend.documents) if d.end > exact_end and anchor + d.num_tokens <= limit]
+        spans = blend_spans(self.total, exact_end, blend.documents, wanted, blend.recompute)
+        pieces: list[PlacedPiece] = []
+        kept: list[int] = []
+        for span in spans:
+            if span.placed:
+                doc = blend.documents[span.document]
+                got = self._document_kv(blend, span.document, ids)
+                if got is None:
+                    continue
+                iso_lo, iso_hi = anchor + span.start - doc.start, anchor + span.end - doc.start
+                for payload, lo, hi in got:
+                    a, b = max(lo, iso_lo), min(hi, iso_hi)
+                    if a < b:
+                        pieces.append(PlacedPiece(payload, a - lo, b - lo, a, a - anchor + doc.start))
+                kept.append(span.document)
+        spans = blend_spans(self.total, exact_end, blend.documents, kept, blend.recompute)
+        placed = [s for s in spans if s.placed]
+        computes = [s for s in spans if not s.placed]
+        self.blended_tokens = sum(s.end - s.start for s in placed)
+        self._exact_until = placed[0].start if placed else self.total
+        self.position, self._span_end = computes[0].start, computes[0].end  # placed spans come first
+        self._compute_spans = computes[1:]
+        if placed:
+            block = self.ctx.forward.attention_block
+            self.row.ensure_finite(exact_end, -(-self.total // block) * block)
+            self._placement = Placement(self.row, self.ctx.forward.rope_shift,
+                                        [lw.rope for lw in self.ctx.forward.layers], pieces)
+
+    def _document_kv(self, blend: BlendRequest, index: int, ids: Sequence[int]
+                     ) -> list[tuple[torch.Tensor, int, int]] | None:
+        """Document ``index``'s isolated KV as pieces ``(payload, start, end)`` (positions of the isolated
+        ``[anchor][document]`` prompt), or None when it cannot be had (a cache failure: it is computed in place).
+        Cached in DRAM: the chunks' payloads, pinned until placed. Otherwise the isolated prompt is prefilled in
+        this row (loading what a tier holds, computing the rest, caching every chunk) and copied out."""
+        doc = blend.documents[index]
+        cache = self.ctx.cache
+        plan = blend.document_plan(doc, ids)
+        n = len(blend.anchor) + doc.num_tokens
+        try:
+            lease = cache.acquire(plan, prompt_tokens=n)
+            doc_chunks = [s for s in plan if s.segment == 1]
+            if lease.num_chunks == len(plan):
+                payloads = [cache.get_payload(s.key) for s in doc_chunks]
+                if all(isinstance(p, torch.Tensor) for p in payloads):
+                    self._blend_leases.append(lease)
+                    return [(p, s.start, s.end) for p, s in zip(payloads, doc_chunks)]
+            lease.release()
+            iso = PrefillTask(_IsolatedDocument([*blend.anchor, *ids[doc.start: doc.end]], plan,
+                                                self.request.submitted_at, self.request.tenant), self.row, self.ctx)
+            try:
+                while iso.advance(self.total) is None:
+                    pass
+            finally:
+                iso.release()
+            self.retries += iso.retries
+            return [(self.row.chunk_payload(len(blend.anchor), n), len(blend.anchor), n)]
+        except Exception as exc:  # noqa: BLE001 - blending is an optimisation: the document is computed in place
+            log.warning("blend: document at %d computed in place: %s: %s", doc.start, type(exc).__name__, exc)
+            return None
+
+    def _release_blend(self) -> None:
+        self._placement = None
+        for lease in self._blend_leases:
+            lease.release()
+        self._blend_leases = []
 
     @property
     def in_flight(self) -> bool:
@@ -259,10 +368,10 @@ class PrefillTask:
         step = self._inflight
         if step is None:
             start = self.position
-            end = min(self.total, _aligned_end(start, max(1, budget), self.ctx.forward.attention_block))
+            end = min(self._span_end, _aligned_end(start, max(1, budget), self.ctx.forward.attention_block))
             offload = self._offload_for(end)
             generator = self.ctx.forward.prefill_layers(self.row, self._ids[start:end], start,
-                                                        hooks=_StepHooks(self._load, offload),
+                                                        hooks=_StepHooks(self._load, offload, self._placement),
                                                         want_logits=end == self.total)
             step = self._inflight = _InflightStep(start, end, generator, offload)
         waits_before, t0 = sum(self.ctx.copy.waits.seconds), time.perf_counter()
@@ -288,6 +397,11 @@ class PrefillTask:
             self._promote_ssd_chunks()
         self.last_step = (step.end - step.start, compute_s, step.start)
         self.position = step.end
+        if self._placement is not None and self._placement.done:
+            self._release_blend()  # placed: the documents' chunks need no pin any more
+        if self.position == self._span_end and self._compute_spans:
+            span = self._compute_spans.pop(0)  # skip the placed span before it
+            self.position, self._span_end = span.start, span.end
         if step.offload is not None:
             self._insert_completed(step.offload)
         return logits
@@ -297,6 +411,7 @@ class PrefillTask:
         if self.ctx.cache is None:
             return None
         upto = self._stored_upto
+        end = min(end, self._exact_until)  # nothing computed after a placed document is exact
         while upto < len(self.plan) and self.plan[upto].end <= end:
             upto += 1
         if upto == self._stored_upto:
@@ -332,6 +447,7 @@ class PrefillTask:
         """Unpin the leased prefix (idempotent); stops a load still running and drops a step in flight."""
         self._inflight = None
         self._cancel_load()
+        self._release_blend()
         if self._lease is not None:
             self._lease.release()
             self._lease = None
