@@ -82,7 +82,9 @@ class EngineStats:
     schedule's aging rate (`admission.PrefillSpeed`); ``step_budget``: the ITL budget's reading (decode step and
     prefill cost line in ms, the last layers-per-step cap chosen while rows decoded; `StepBudget.as_dict`); ``gc``:
     the process's garbage collections per generation, their total and longest pause (seconds), and the objects
-    frozen now (`gc_pauses.GCPauses.snapshot`: process-wide figures)."""
+    frozen now (`gc_pauses.GCPauses.snapshot`: process-wide figures); ``blend``: blend mode's gate
+    (`pcr_rag.runtime.blend_gate.BlendGate.snapshot`: verified requests, greedy answers identical to exact, mean
+    token agreement, median first-token KL, fallbacks to exact, the shadow requests' cost)."""
 
     requests: Mapping[str, Any]
     cache: CacheStats
@@ -94,6 +96,7 @@ class EngineStats:
     prefill_tokens_per_s: float = 0.0
     step_budget: Mapping[str, Any] = field(default_factory=dict)
     gc: Mapping[str, Any] = field(default_factory=dict)
+    blend: Mapping[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """Everything as plain dicts and numbers (the bench's records, `prometheus`)."""
@@ -108,6 +111,7 @@ class EngineStats:
             "prefill_tokens_per_s": self.prefill_tokens_per_s,
             "step_budget": dict(self.step_budget),
             "gc": dict(self.gc),
+            "blend": dict(self.blend),
         }
 
     def prometheus(self) -> str:

@@ -21,6 +21,8 @@ pcr-max-active-N         pcr with ``max_active=N`` (the saturation comparison)
 pcr-schedule-S           pcr with ``schedule=S`` (``fcfs`` or ``cache-aware``; needs an engine with that option)
 <cached system>@O        that system with document order ``O`` (``relevance`` or ``cache-aware``) instead of
                          the run's ``--order``
+pcr-blend                pcr with ``reuse="blend"``: documents after the exact prefix are placed from their
+                         position-independent KV (approximate; `pcr_rag.runtime.blend`; not in the default set)
 pcr-cold                 pcr as a cold replica: empty DRAM and SSD before every measured run, no warm-up
 pcr-remote               pcr-cold behind a shared Valkey that a first replica warmed with the warm-up trace
                          (``remote="warm"``)
@@ -120,6 +122,8 @@ SYSTEMS: Mapping[str, SystemSpec] = MappingProxyType({
               itl_budget_steps=None),
         _spec("pcr-always-load", "PCR loading every cached chunk (no load-or-recompute planner)",
               load_planner="always-load"),
+        _spec("pcr-blend", "PCR with blend mode: documents after the exact prefix placed from their "
+              "position-independent KV (approximate, opt-in)", reuse="blend"),
         _spec("pcr-cold", "PCR as a new replica: empty local tiers before every run", cold=True),
         _spec("pcr-remote", "PCR new replica behind a shared Valkey another replica warmed", cold=True,
               remote="warm"),
