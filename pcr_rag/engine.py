@@ -22,6 +22,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ from pcr_rag.platform_support import check_engine_platform
 from pcr_rag.prompt import Doc, DocumentPieces, PromptBuilder, PromptContext, SegmentedPrompt, split_documents
 from pcr_rag.reorder import reuse_order
 from pcr_rag.requests import (
+    GREEDY_BELOW,
     PROMPT_KINDS,
     ChatPrompt,
     FlatPrompt,
@@ -56,6 +58,7 @@ from pcr_rag.runtime.admission import PrefillOutlook
 from pcr_rag.runtime.announcements import AnnouncementBoard, Ticket
 from pcr_rag.runtime.batch import BatchExecutor
 from pcr_rag.runtime.blend import REUSE_MODES, BlendDocument, BlendRequest
+from pcr_rag.runtime.blend_gate import BlendGate, ShadowJob, ShadowRunner
 from pcr_rag.runtime.forward import WARM_UP_ROW, FastForward
 from pcr_rag.runtime.grammar import GrammarCompiler
 from pcr_rag.runtime.kernel_probe import first_step_positions, kernel_identity
@@ -222,6 +225,11 @@ class PCREngine:
         self.scheduler = Scheduler(self.executor, schedule=config.schedule, max_queue=config.max_queue,
                                    outlook_of=self._waiting_outlook, speed=prefill_ctx.speed,
                                    on_change=self._queue_changed)
+        self.blend_gate = BlendGate(verify=config.blend_verify, window=config.blend_gate_window,
+                                    min_identical=config.blend_gate_min_identical, max_kl=config.blend_gate_max_kl)
+        self._shadows: ShadowRunner | None = None
+        if config.blend_verify > 0 and self.cache is not None:
+            self._shadows = ShadowRunner(self.blend_gate, lambda: self.scheduler.depth == 0)
         if self.cache is not None and (config.prefetch or config.eviction == "lookahead-lru"):
             self.prefetcher = Prefetcher(
                 self.cache, self._window_keys, window=config.prefetch_window, do_loads=config.prefetch,
@@ -282,6 +290,11 @@ class PCREngine:
         The handle raises what happens later: `RequestFailedError` (the engine failed this request alone; its row
             and pins are already released), `RequestCancelledError`, `EngineClosedError`, `TimeoutError`.
         """
+        return self._submit(prompt, params, timeout=timeout, namespace=namespace, reuse=reuse)
+
+    def _submit(self, prompt: Prompt, params: SamplingParams | None, *, timeout: float | None,
+                namespace: str | None, reuse: str | None, shadow: bool = False) -> RequestHandle:
+        """`submit`; ``shadow``: the blend gate's exact twin of a blended request (not counted as a request)."""
         self._check_open()
         if not isinstance(prompt, PROMPT_KINDS):
             raise InvalidRequestError(f"prompt must be a RagPrompt, FlatPrompt or ChatPrompt, got "
@@ -322,9 +335,12 @@ class PCREngine:
             request_id=request_id, token_ids=seg.token_ids, plan=plan, params=params,
             submitted_at=time.perf_counter(), on_token=channel.put, documents_found=seg.documents_found,
             constraint=constraint, log_id=logs.request_id() or f"req-{request_id}", trace=trace, tenant=root,
-            blend=self._blend_request(seg, root) if mode == "blend" else None,
+            blend=self._blend_request(seg, root) if mode == "blend" and self.blend_gate.allows(root) else None,
+            shadow=shadow,
         )
         req.metrics.reuse = "blend" if req.blend is not None else "exact"
+        if req.blend is not None and self._shadows is not None and self.blend_gate.sample():
+            req.future.add_done_callback(functools.partial(self._verify, prompt, params, namespace, root))
         req.ssd_keys_at_entry = self._ssd_keys(req.keys) | (ticket.ssd_keys_at_entry if ticket else frozenset())
         req.metrics.announced = ticket is not None
         req.future.add_done_callback(channel.close)
@@ -558,7 +574,8 @@ class PCREngine:
                            max_queue_depth=self.scheduler.max_depth,
                            layer_wait_s=list(self.copy_engine.waits.seconds), running=self.executor.active,
                            prefill_tokens_per_s=self.executor.ctx.speed.tokens_per_s,
-                           step_budget=self.executor.budget.as_dict(), gc=gc_pauses.pauses.snapshot())
+                           step_budget=self.executor.budget.as_dict(), gc=gc_pauses.pauses.snapshot(),
+                           blend=self.blend_gate.snapshot(self._shadows.pending if self._shadows else 0))
 
     def root_for(self, namespace: str | None = None) -> bytes:
         """The chunk keys' root for requests of ``namespace`` (None or "" = `root_key`, the engine's own).
@@ -583,6 +600,19 @@ class PCREngine:
         root = self.root_for(namespace)
         seg = RagPrompt(query, documents, system, scopes).segment(self.builder, PromptContext(namespace or ""))
         return self._plan(seg, root)
+
+    def _verify(self, prompt: Prompt, params: SamplingParams, namespace: str | None, root: bytes,
+                done: Future) -> None:
+        """A sampled blended request finished: queue its exact twin for the gate (`ShadowRunner`)."""
+        if done.cancelled() or done.exception() is not None or self._shadows is None:
+            return
+
+        def run() -> GenerationResult:
+            return self._submit(prompt, params, timeout=None, namespace=namespace, reuse="exact",
+                                shadow=True).result()
+
+        reproducible = params.temperature < GREEDY_BELOW or params.seed is not None
+        self._shadows.add(ShadowJob(done.result(), root, reproducible, run))
 
     def _blend_request(self, seg: SegmentedPrompt, root: bytes) -> BlendRequest | None:
         """Blend mode's view of ``seg`` in the namespace whose root is ``root``: its document segments, each keyed
@@ -631,6 +661,8 @@ class PCREngine:
             if self._closed:
                 return
             self._closed = True
+        if self._shadows is not None:
+            self._shadows.close()
         self.scheduler.close()
         if self.prefetcher is not None:
             self.prefetcher.close()

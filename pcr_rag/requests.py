@@ -502,6 +502,7 @@ class Request:
     trace: RequestTrace | None = None  # its spans' parent and the times they need; None when tracing is off
     tenant: bytes = b""  # whom the chunks it computes are charged to: its namespace's root (`PCREngine.root_for`)
     blend: BlendRequest | None = None  # blend mode's documents (`pcr_rag.runtime.blend`); None: exact
+    shadow: bool = False  # the blend gate's exact twin of a blended request (`pcr_rag.runtime.blend_gate`)
 
     @property
     def keys(self) -> list[bytes]:

@@ -315,7 +315,8 @@ class BatchExecutor:
             finish_reason=d.finish_reason, request_id=req.request_id, documents_found=req.documents_found,
             first_token_logits=a.first_logits.detach().float().cpu(),
             logprobs=[self.token_texts.describe(r) for r in d.sampler.logprobs] if req.params.logprobs else None)
-        self.recorder.record(m)
+        if not req.shadow:  # a blend gate's exact twin is counted by the gate, not as a user request
+            self.recorder.record(m)
         log.debug("request %d finished (%s): %d prompt tokens, %d reused, %d generated, ttft %.3f s, e2e %.3f s",
                   req.request_id, d.finish_reason, m.prompt_tokens, m.reused_tokens, m.generated_tokens, m.ttft_s,
                   m.e2e_s)
