@@ -16,6 +16,7 @@ layer by layer and inserted -> batched decode with every other running request, 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -172,6 +173,7 @@ class PCREngine:
         self.identity = RootIdentity.of(self.loaded, self.forward, config.chunk_size,
                                         kernel_identity(self.forward, warmed))
         self._roots: dict[str, bytes] = {}
+        self._blend_roots: dict[str, bytes] = {}  # blend mode's roots per namespace (`_blend_root_for`)
         self._anchor: tuple[int, ...] | None = None  # blend mode's anchor (`_blend_anchor`), made on first use
         self._ssd_roots: Any = None  # the SSD tier, once open: it stores each root's manifest (`note_root`)
         self._remote_roots: Any = None  # the remote tier, once open: it stores them in the shared store too
@@ -335,7 +337,7 @@ class PCREngine:
             request_id=request_id, token_ids=seg.token_ids, plan=plan, params=params,
             submitted_at=time.perf_counter(), on_token=channel.put, documents_found=seg.documents_found,
             constraint=constraint, log_id=logs.request_id() or f"req-{request_id}", trace=trace, tenant=root,
-            blend=self._blend_request(seg, root) if mode == "blend" and self.blend_gate.allows(root) else None,
+            blend=self._blend_request(seg, namespace) if mode == "blend" and self.blend_gate.allows(root) else None,
             shadow=shadow,
         )
         req.metrics.reuse = "blend" if req.blend is not None else "exact"
@@ -426,7 +428,8 @@ class PCREngine:
     # ------------------------------------------------------------------------------------------ announcements
     def announce(self, documents: Sequence[str | Doc], query: str | None = None, *, system: str | None = None,
                  prefix: str | None = None, separator: str | None = None, layout: str = "auto",
-                 namespace: str | None = None, scopes: Sequence[str | None] | None = None) -> Ticket:
+                 namespace: str | None = None, scopes: Sequence[str | None] | None = None,
+                 reuse: str | None = None) -> Ticket:
         """Retrieval finished: put the coming request into the prefetch window before the LLM call exists.
 
         The prefix's chunk keys are predicted: ``layout="rag"`` uses the engine's own layout (as `generate`),
@@ -434,9 +437,13 @@ class PCREngine:
         `generate_prompt`), ``"auto"`` picks flat once a flat prompt of the namespace has been seen. Documents and
         their scopes as for `generate`. A later request with the same documents and ``namespace`` (as for
         `submit`) claims the ticket; an unclaimed one expires after ``announce_ttl_s``. Documents too long for
-        any request raise `PromptTooLongError` before they are tokenized."""
+        any request raise `PromptTooLongError` before they are tokenized. ``reuse`` as for `submit`: for a blend
+        request the documents' position-independent chains are prefetched too."""
         self._check_open()
         root = self.root_for(namespace)
+        mode = self.config.reuse if reuse is None else reuse
+        if mode not in REUSE_MODES:
+            raise InvalidRequestError(f"reuse must be one of {REUSE_MODES} or None, got {reuse!r}")
         docs, doc_scopes = split_documents(documents, scopes)
         if not docs:
             raise InvalidRequestError("announce() needs at least one document")
@@ -452,7 +459,10 @@ class PCREngine:
                                               context=context)
         with tracing.announcement_span(len(docs)) as span:
             keys = [c.key for c in self._plan(seg, root)]
-            ticket = self.board.add(docs, keys, self._ssd_keys(keys), namespace or "")
+            blend = self._blend_request(seg, namespace) if mode == "blend" and self.blend_gate.allows(root) else None
+            chains = blend.chains if blend is not None else ()
+            ssd = self._ssd_keys(keys).union(*(self._ssd_keys(c) for c in chains))
+            ticket = self.board.add(docs, keys, ssd, namespace or "", chains)
             tracing.remember_announcement(span, ticket.ticket_id, len(keys))
         self.builder.accept(context)
         self._queue_changed()
@@ -614,20 +624,36 @@ class PCREngine:
         reproducible = params.temperature < GREEDY_BELOW or params.seed is not None
         self._shadows.add(ShadowJob(done.result(), root, reproducible, run))
 
-    def _blend_request(self, seg: SegmentedPrompt, root: bytes) -> BlendRequest | None:
-        """Blend mode's view of ``seg`` in the namespace whose root is ``root``: its document segments, each keyed
-        under the blend root of the engine-wide root while every segment up to it is shared, else of ``root``.
-        None without a cache (nothing to reuse)."""
+    def _blend_root_for(self, namespace: str | None) -> bytes:
+        """The blend root of ``namespace``'s root (`pcr_rag.cache.keys.blend_root`); its manifest is written to the
+        SSD and remote tiers the first time (so their census knows its chunks as this identity's)."""
+        ns = namespace or ""
+        root = self._blend_roots.get(ns)
+        if root is None:
+            root = blend_root(self.root_for(ns))
+            self._blend_roots[ns] = root
+            for tier in (self._ssd_roots, self._remote_roots):
+                if tier is not None:
+                    tier.note_root(RootManifest.new(self.identity, self.config.namespace, ns, blend=True))
+        return root
+
+    def _blend_request(self, seg: SegmentedPrompt, namespace: str | None) -> BlendRequest | None:
+        """Blend mode's view of ``seg`` in ``namespace``: its document segments, each keyed under the blend root of
+        the engine-wide root while every segment up to it is shared, else of the namespace's root. None without a
+        cache (nothing to reuse)."""
         if self.cache is None:
             return None
-        shared, own = blend_root(self.root_key), blend_root(root)
+        shared, own = self._blend_root_for(None), self._blend_root_for(namespace)
         offsets = [0]
         for s in seg.segments:
             offsets.append(offsets[-1] + len(s))
         private_from = len(seg.segments) if seg.private_from is None else seg.private_from
         docs = tuple(BlendDocument(offsets[i], offsets[i + 1], shared if i < private_from else own)
                      for i in seg.document_segments)
-        return BlendRequest(self._blend_anchor(), docs, float(self.config.blend_recompute), self.config.chunk_size)
+        blend = BlendRequest(self._blend_anchor(), docs, float(self.config.blend_recompute), self.config.chunk_size)
+        ids = seg.token_ids
+        chains = tuple(tuple(c.key for c in blend.document_plan(d, ids)) for d in docs)
+        return dataclasses.replace(blend, chains=chains)
 
     def _blend_anchor(self) -> tuple[int, ...]:
         """The fixed head that documents' position-independent KV is computed behind: the tokens of the engine's
@@ -709,7 +735,9 @@ class PCREngine:
         announced requests."""
         window: list[Sequence[bytes]] = list(self.executor.waiting_keys())[:limit]
         if len(window) < limit:
-            window.extend(r.keys for r in self.scheduler.window(limit - len(window)))
+            for r in self.scheduler.window(limit - len(window)):
+                window.append(r.keys)
+                window.extend(r.blend.chains if r.blend is not None else ())
         if len(window) < limit:
             window.extend(self.board.keys(limit - len(window)))
         return window

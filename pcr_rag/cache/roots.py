@@ -40,7 +40,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pcr_rag.cache.keys import KEY_BYTES, namespace_key
+from pcr_rag.cache.keys import KEY_BYTES, blend_root, namespace_key
 
 __all__ = [
     "MANIFEST_DIR",
@@ -179,18 +179,23 @@ class RootManifest:
     namespace_hash: str
     written_at: float
     host: str = ""
+    blend: bool = False  # the root of the namespace's position-independent chains (`pcr_rag.cache.keys.blend_root`)
 
     @classmethod
     def new(cls, identity: RootIdentity, namespace: str = "", request_namespace: str = "", *,
-            host: str | None = None) -> RootManifest:
-        """The manifest of ``identity``'s root for the namespace; ``host`` None: this host (`host_description`)."""
-        return cls(identity.root(namespace, request_namespace), identity,
-                   namespace_hash(namespace, request_namespace), time.time(),
-                   host_description() if host is None else host)
+            host: str | None = None, blend: bool = False) -> RootManifest:
+        """The manifest of ``identity``'s root for the namespace (``blend``: of that root's blend root, under
+        which blend mode keeps documents' position-independent KV); ``host`` None: this host
+        (`host_description`)."""
+        root = identity.root(namespace, request_namespace)
+        return cls(blend_root(root) if blend else root, identity, namespace_hash(namespace, request_namespace),
+                   time.time(), host_description() if host is None else host, blend)
 
     def encode(self) -> bytes:
         body = {"version": MANIFEST_VERSION, "root": self.root.hex(), **self.identity.as_dict(),
                 "namespace_hash": self.namespace_hash, "written_at": self.written_at, "host": self.host}
+        if self.blend:
+            body["blend"] = True
         return json.dumps(body, sort_keys=True).encode("utf-8") + b"\n"
 
     @classmethod
@@ -211,7 +216,7 @@ class RootManifest:
             host = body.get("host", "")
             manifest = cls(bytes.fromhex(_field(body, "root", str)), identity, _field(body, "namespace_hash", str),
                            float(_field(body, "written_at", (int, float))),
-                           _printable("host", host) if isinstance(host, str) else "")
+                           _printable("host", host) if isinstance(host, str) else "", body.get("blend") is True)
         except RecursionError:
             raise ManifestError(f"manifest of root {root.hex()} is nested too deeply") from None
         except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:

@@ -35,6 +35,7 @@ class Ticket:
     expires_at: float
     ssd_keys_at_entry: frozenset[bytes] = frozenset()
     namespace: str = ""  # tenant namespace: only a request of the same namespace claims it
+    chains: tuple[tuple[bytes, ...], ...] = ()  # blend mode: each document's position-independent chain
     claimed: bool = False
     expired: bool = False
 
@@ -67,13 +68,15 @@ class AnnouncementBoard:
         self.evicted = 0
 
     def add(self, documents: tuple[str, ...], keys: Sequence[bytes],
-            ssd_keys: frozenset[bytes] = frozenset(), namespace: str = "") -> Ticket:
+            ssd_keys: frozenset[bytes] = frozenset(), namespace: str = "",
+            chains: Sequence[Sequence[bytes]] = ()) -> Ticket:
         now = self.clock()
         with self._lock:
             ticket_id = 0
             while ticket_id == 0 or ticket_id in self._tickets:
                 ticket_id = secrets.randbits(TICKET_ID_BITS)
-            t = Ticket(ticket_id, documents, tuple(keys), now, now + self.ttl_s, ssd_keys, namespace)
+            t = Ticket(ticket_id, documents, tuple(keys), now, now + self.ttl_s, ssd_keys, namespace,
+                       tuple(tuple(c) for c in chains))
             own = self._by_namespace.get(namespace)
             if own is not None and len(own) >= self.max_per_namespace:
                 self._evict(next(iter(own.values())))
@@ -120,8 +123,10 @@ class AnnouncementBoard:
         return n
 
     def keys(self, limit: int) -> list[tuple[bytes, ...]]:
+        """The key chains of the first ``limit`` tickets: each one's prefix, then (blend mode) its documents'
+        position-independent chains."""
         with self._lock:
-            return [t.keys for t in itertools.islice(self._tickets.values(), limit)]
+            return [chain for t in itertools.islice(self._tickets.values(), limit) for chain in (t.keys, *t.chains)]
 
     def __len__(self) -> int:
         with self._lock:

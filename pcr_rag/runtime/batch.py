@@ -111,11 +111,17 @@ class BatchExecutor:
         return [a for a in self._active.values() if a.prefill is not None]
 
     def waiting_keys(self) -> list[list[bytes]]:
-        """Chunk keys of admitted requests whose prefill has not begun, oldest first (any thread): the head of
-        the prefetch window."""
+        """Chunk key chains of admitted requests whose prefill has not begun, oldest first (any thread): the head
+        of the prefetch window. A blend request's documents' position-independent chains follow its own."""
         with self._lock:
             tasks = [a.prefill for a in self._active.values() if a.prefill is not None]
-        return [[c.key for c in t.plan] for t in tasks if not t.begun]
+        chains: list[list[bytes]] = []
+        for t in tasks:
+            if not t.begun:
+                chains.append([c.key for c in t.plan])
+                blend = getattr(t.request, "blend", None)
+                chains.extend(list(c) for c in (blend.chains if blend is not None else ()))
+        return chains
 
     def in_flight_keys(self) -> set[bytes]:
         """Chunk keys in the plans of admitted requests still prefilling (any thread): what the waiting queue counts

@@ -66,13 +66,15 @@ class BlendDocument:
 @dataclass(frozen=True)
 class BlendRequest:
     """What a blend request's prefill needs besides its exact plan: the anchor's token ids, its document
-    segments in prompt order, the fraction of each placed document's tokens recomputed first, and the chunk size
-    of the position-independent chains."""
+    segments in prompt order, the fraction of each placed document's tokens recomputed first, the chunk size of
+    the position-independent chains, and their keys (``chains``, one per document: what the prefetcher loads
+    ahead of the request)."""
 
     anchor: tuple[int, ...]
     documents: tuple[BlendDocument, ...]
     recompute: float
     chunk_size: int
+    chains: tuple[tuple[bytes, ...], ...] = ()
 
     def document_plan(self, doc: BlendDocument, token_ids: Sequence[int]) -> list[ChunkSpec]:
         """The chunk plan of ``doc``'s position-independent chain: ``[anchor][document]`` under its blend root."""

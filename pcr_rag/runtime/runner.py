@@ -278,9 +278,11 @@ class PrefillTask:
     def _document_kv(self, blend: BlendRequest, index: int, ids: Sequence[int]
                      ) -> list[tuple[torch.Tensor, int, int]] | None:
         """Document ``index``'s isolated KV as pieces ``(payload, start, end)`` (positions of the isolated
-        ``[anchor][document]`` prompt), or None when it cannot be had (a cache failure: it is computed in place).
+        ``[anchor][document]`` prompt), or None when it is better computed in place: the load-or-recompute planner
+        (`pcr_rag.cache.reuse_planner`) declines to load its cached chunks from a slow tier, or the cache fails.
         Cached in DRAM: the chunks' payloads, pinned until placed. Otherwise the isolated prompt is prefilled in
-        this row (loading what a tier holds, computing the rest, caching every chunk) and copied out."""
+        this row (loading what a tier holds, computing the rest - a document seen for the first time is computed
+        once, here, never also in context - and caching every chunk) and copied out."""
         doc = blend.documents[index]
         cache = self.ctx.cache
         plan = blend.document_plan(doc, ids)
@@ -293,7 +295,12 @@ class PrefillTask:
                 if all(isinstance(p, torch.Tensor) for p in payloads):
                     self._blend_leases.append(lease)
                     return [(p, s.start, s.end) for p, s in zip(payloads, doc_chunks)]
+            declined = lease.num_chunks < len(cache.match([s.key for s in plan]).keys)
             lease.release()
+            if declined:
+                # the load-or-recompute planner finds its tier slower than computing: compute it in place (the
+                # same tokens as in isolation, exact against its real context, and no placement)
+                return None
             iso = PrefillTask(_IsolatedDocument([*blend.anchor, *ids[doc.start: doc.end]], plan,
                                                 self.request.submitted_at, self.request.tenant), self.row, self.ctx)
             try:

@@ -18,9 +18,10 @@ from pcr_rag.runtime.blend import BlendDocument, Span, blend_spans
 from pcr_rag.runtime.forward import FastForward
 from pcr_rag.testing import TEST_DEVICE, tiny_loaded_model, tiny_model
 
-DOC_A = "Kafka stores ordered records in partitions that consumers read at their own pace. " * 3
-DOC_B = "Gradient descent follows the negative gradient to reduce the loss function step by step. " * 3
-DOC_C = "The Rhine rises in the Swiss Alps and flows north to the North Sea through six countries. " * 3
+# stripped, as retrievers return them: a document's segment then starts with the same separator in every position
+DOC_A = ("Kafka stores ordered records in partitions that consumers read at their own pace. " * 3).strip()
+DOC_B = ("Gradient descent follows the negative gradient to reduce the loss function step by step. " * 3).strip()
+DOC_C = ("The Rhine rises in the Swiss Alps and flows north to the North Sea through six countries. " * 3).strip()
 QUESTION = "what do the documents say?"
 
 
@@ -246,3 +247,58 @@ def test_a_new_document_is_computed_once_in_isolation(tiny, tmp_path):
         anchor = len(eng._blend_anchor())
     assert got.metrics.blended_tokens > 0
     assert sum(counts) <= got.metrics.prompt_tokens + anchor + 2
+
+
+def test_an_announcement_prefetches_the_documents_position_independent_kv(tiny, tmp_path, caplog):
+    """Layer-wise overlap and prefetch apply to blended documents: after a restart their isolated KV is on SSD
+    only; a blend announcement puts their chains in the prefetch window and the prefetcher loads them to DRAM,
+    so the request places them from memory."""
+    import time
+
+    path = tmp_path / "c"
+    with _engine(tiny, path, reuse="blend") as eng:
+        eng.generate(QUESTION, [DOC_A, DOC_B])
+        eng.cache.flush()
+    with _engine(tiny, path, reuse="blend", prefetch=True) as eng:
+        # the blend root has its manifest: the restart finds no chunks "of unknown origin"
+        assert "cannot use" not in caplog.text
+        ticket = eng.announce([DOC_C, DOC_B, DOC_A], QUESTION)
+        assert len(ticket.chains) == 3
+        cached = [c for c in ticket.chains if len(eng.cache.match(list(c)).keys) == len(c)]
+        assert len(cached) == 2  # DOC_A's and DOC_B's chains (DOC_C was never seen)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            tiers = [t for c in cached for t in eng.cache.match(list(c)).tiers]
+            if all(t.value in ("dram", "device") for t in tiers):
+                break
+            time.sleep(0.02)
+        assert all(t.value in ("dram", "device") for t in tiers), tiers
+        got = eng.generate(QUESTION, [DOC_C, DOC_B, DOC_A])
+        assert got.metrics.blended_tokens > 0
+        assert eng.stats().prefetch["claimed"] == 1
+    with _engine(tiny, tmp_path / "exact", prefetch=True) as eng:
+        assert eng.announce([DOC_A, DOC_B], QUESTION).chains == ()  # an exact announcement has none
+
+
+def test_a_slow_tier_the_planner_declines_computes_the_document_in_place(tiny, tmp_path, caplog):
+    """The load-or-recompute planner covers blended documents too: when loading a document's isolated KV from
+    its tier is estimated slower than computing it, the document is computed in place (not placed)."""
+    from pcr_rag.cache.reuse_planner import ReusePlan
+
+    path = tmp_path / "c"
+    with _engine(tiny, path, reuse="blend") as eng:
+        eng.generate(QUESTION, [DOC_A, DOC_B])
+        eng.cache.flush()
+    with _engine(tiny, path, reuse="blend", load_planner="measured") as eng:
+        planner = eng.cache.planner
+        declined = []
+
+        def slow_tier(segments, prompt_tokens, **kw):  # every tier estimated slower than recomputing
+            declined.append(len(segments))
+            return ReusePlan(0, None, tuple(s.tier for s in segments))
+
+        planner.plan = slow_tier
+        got = eng.generate(QUESTION, [DOC_B, DOC_A])
+    assert declined and got.metrics.blended_tokens == 0
+    assert got.metrics.computed_tokens == got.metrics.prompt_tokens
+    assert "computed in place" not in caplog.text  # declined by the planner, not a cache failure
