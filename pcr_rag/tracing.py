@@ -229,6 +229,8 @@ class RequestTrace:
             "gen_ai.usage.input_tokens": len(request.token_ids),
             "pcr_rag.reused_tokens": m.reused_tokens,
             "pcr_rag.computed_tokens": m.computed_tokens,
+            "pcr_rag.blended_tokens": m.blended_tokens,
+            "pcr_rag.reuse": m.reuse,
             "pcr_rag.announced": m.announced,
         }
         if params.max_new_tokens is not None:
@@ -266,7 +268,8 @@ class RequestTrace:
             first = at_row + m.prefill_s if prefilled else end
             prefill = tracer.start_span("pcr_rag.prefill", context=inside, start_time=self._ns(at_row), attributes={
                 "pcr_rag.prompt_tokens": m.prompt_tokens, "pcr_rag.computed_tokens": m.computed_tokens,
-                "pcr_rag.reused_tokens": m.reused_tokens, "pcr_rag.compute_s": m.prefill_compute_s,
+                "pcr_rag.reused_tokens": m.reused_tokens, "pcr_rag.blended_tokens": m.blended_tokens,
+                "pcr_rag.compute_s": m.prefill_compute_s,
                 "pcr_rag.load_wait_s": m.load_wait_s, "pcr_rag.recomputed_after_error": m.recomputed_after_error})
             under = trace.set_span_in_context(prefill)
             if self.load is not None:

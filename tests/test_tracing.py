@@ -83,6 +83,7 @@ def test_request_span_has_genai_attributes_and_timed_children(engine, provider) 
     assert attrs["gen_ai.response.finish_reasons"] == (result.finish_reason,)
     assert attrs["gen_ai.request.max_tokens"] == 4
     assert attrs["pcr_rag.reused_tokens"] == result.metrics.reused_tokens > 0
+    assert attrs["pcr_rag.blended_tokens"] == 0 and attrs["pcr_rag.reuse"] == "exact"
 
     kids = {s.name: s for s in children(spans, root)}
     assert set(kids) == {"pcr_rag.queue", "pcr_rag.prefill", "pcr_rag.decode"}

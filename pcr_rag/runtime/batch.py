@@ -323,9 +323,9 @@ class BatchExecutor:
             logprobs=[self.token_texts.describe(r) for r in d.sampler.logprobs] if req.params.logprobs else None)
         if not req.shadow:  # a blend gate's exact twin is counted by the gate, not as a user request
             self.recorder.record(m)
-        log.debug("request %d finished (%s): %d prompt tokens, %d reused, %d generated, ttft %.3f s, e2e %.3f s",
-                  req.request_id, d.finish_reason, m.prompt_tokens, m.reused_tokens, m.generated_tokens, m.ttft_s,
-                  m.e2e_s)
+        log.debug("request %d finished (%s): %d prompt tokens, %d reused, %d blended, %d generated, ttft %.3f s, "
+                  "e2e %.3f s", req.request_id, d.finish_reason, m.prompt_tokens, m.reused_tokens, m.blended_tokens,
+                  m.generated_tokens, m.ttft_s, m.e2e_s)
         self._release(a)
         req.state = RequestState.FINISHED
         if not req.future.done():
