@@ -24,6 +24,7 @@ from pcr_rag.errors import ConfigError
 from pcr_rag.runtime.step_budget import check_budget_steps
 from pcr_rag.sim.experiment import (
     SimSettings,
+    SimWorkload,
     build_scenario,
     hit_ratio_study,
     no_reuse_capacity_rps,
@@ -43,6 +44,7 @@ from pcr_rag.sim.simulator import (
     default_max_batch,
 )
 from pcr_rag.sim.systems import DEFAULT_SYSTEMS, UnknownSystemError, get_system, parse_systems
+from pcr_rag.sim.trace_replay import TRACE_SIM_SYSTEMS, TRACE_WARMUP, run_trace_cli
 from pcr_rag.sim.validate import run_validation
 
 log = logging.getLogger(__name__)
@@ -73,7 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="one forward per prefill, or one per chunk like the runtime (default: the profile's)")
     w = parser.add_argument_group("workload (the bench's generator and defaults)")
     w.add_argument("--requests", type=int, default=1000, help="measured requests per system and rate")
-    w.add_argument("--warmup", type=int, default=16, help="warm-up requests per system (all at once)")
+    w.add_argument("--warmup", type=int, default=None,
+                   help=f"warm-up requests per system (all at once; default {SimWorkload.warmup_requests}, with "
+                        f"--trace {TRACE_WARMUP})")
     w.add_argument("--passages", type=int, default=256, help="passage pool size")
     w.add_argument("--passage-tokens", type=int, default=300, help="mean passage length, tokens")
     w.add_argument("--top-k", type=int, default=3)
@@ -109,6 +113,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --validate run: N > 1 runs quick's workload with N interleaved repeats of no-reuse, "
                         "dram-only and pcr only (about 8 minutes per repeat on 2 cores), so the paired interval of "
                         "the error narrows")
+    t = parser.add_argument_group("trace replay (the file `pcr-rag bench --trace` replays)")
+    t.add_argument("--trace", default=None, metavar="FILE",
+                   help="instead of the comparison: replay a RAG segment trace (or Mooncake block-hash trace) and "
+                        "print each system's mean TTFT and reused fraction (exact + blended) per profile; "
+                        "--profile may then name several, comma-separated; --requests takes the first N; "
+                        f"systems default to {','.join(TRACE_SIM_SYSTEMS)}")
+    t.add_argument("--trace-speed", type=parse_floats, default=None, metavar="X",
+                   help="arrivals are the trace's timestamps divided by X (default 1; 'inf' = all at once)")
+    t.add_argument("--trace-length-scale", type=float, default=None, metavar="F",
+                   help="every segment's and output's length times F (rounded, at least 1)")
+    t.add_argument("--blend-recompute", type=parse_floats, default=None, metavar="F[,F...]",
+                   help="run each blend system (pcr-blend) once per recompute fraction, named NAME@r=F (default: "
+                        "the engine's blend_recompute)")
+    t.add_argument("--blend-fused", action="store_true",
+                   help="also run each blend system as a what-if whose compute spans run as one forward step "
+                        "(NAME+fused; pcr-rag's forward runs one step per contiguous span)")
     add_fleet_arguments(parser)
 
 
@@ -129,6 +149,11 @@ def _budget(text: str) -> float | None:
 
 def run(args: argparse.Namespace) -> int:
     say = (lambda _m: None) if args.quiet else (lambda m: print(m, flush=True))
+    if args.trace:
+        if args.fleet or args.validate or args.two_replicas:
+            print("error: --trace runs on its own: leave out --fleet, --validate and --two-replicas", file=sys.stderr)
+            return 2
+        return run_trace_cli(args, say)
     try:
         profile = get_profile(args.profile)
         systems = parse_systems(args.systems)

@@ -111,6 +111,15 @@ class PrefillWork:
     ``ssd_wait_s`` delays the SSD reads (the SSD is busy with earlier reads). ``promote_tokens`` are copied back
     device -> host after the prefill (the runtime keeps a DRAM copy of chunks it read from SSD). ``offload``: the
     new KV is copied device -> host layer by layer (False when nothing is cached, e.g. no-reuse).
+
+    Blend mode (`pcr_rag.runtime.blend`): the steps need not be contiguous. ``step_context`` gives the tokens
+    already in the request's KV before each step (its attention reads them all: the exact prefix, placed
+    documents and earlier computed spans); empty: ``cached_tokens`` plus the steps before it. ``step_offload``
+    gives the tokens of each step copied to the host (the runtime inserts nothing computed after a placed
+    document); empty: every step's tokens when ``offload``. ``placed_tokens`` are placed from documents'
+    position-independent KV in the first step, each layer's keys rotated (`CostModel.place_s`); their loads from
+    the host are in ``dram_tokens`` / ``ssd_tokens`` like any cached chunk's. ``step_pairs`` (optional) gives each
+    step's attention (query, key) pairs where a step computes several spans at once (`CostModel.layer_compute_s`).
     """
 
     cached_tokens: int
@@ -122,10 +131,33 @@ class PrefillWork:
     ssd_wait_s: float = 0.0
     promote_tokens: int = 0
     offload: bool = True
+    step_context: tuple[int, ...] = ()
+    step_offload: tuple[int, ...] = ()
+    placed_tokens: int = 0
+    step_pairs: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        n = len(self.compute_steps)
+        for name in ("step_context", "step_offload", "step_pairs"):
+            got = len(getattr(self, name))
+            if got not in (0, n):
+                raise ValueError(f"{name} needs one entry per compute step ({n}), got {got}")
 
     @property
     def computed_tokens(self) -> int:
         return sum(self.compute_steps)
+
+    def context_of(self, index: int) -> int:
+        """Tokens in the request's KV before compute step ``index``."""
+        if self.step_context:
+            return self.step_context[index]
+        return self.cached_tokens + sum(self.compute_steps[:index])
+
+    def offload_of(self, index: int) -> int:
+        """Tokens of compute step ``index`` copied device -> host."""
+        if not self.offload:
+            return 0
+        return self.step_offload[index] if self.step_offload else self.compute_steps[index]
 
 
 @dataclass(frozen=True)
@@ -150,12 +182,15 @@ class CostModel:
         self._layer_bytes = profile.kv_bytes_per_token_layer
 
     # --- compute -----------------------------------------------------------------------------------------------
-    def layer_compute_s(self, new_tokens: int, context_tokens: int) -> float:
-        """One layer of one forward step computing ``new_tokens`` after ``context_tokens`` (causal attention)."""
+    def layer_compute_s(self, new_tokens: int, context_tokens: int, pairs: float | None = None) -> float:
+        """One layer of one forward step computing ``new_tokens`` after ``context_tokens`` (causal attention);
+        ``pairs``: the (query, key) pairs its attention computes, where the step is not one contiguous span
+        (default: ``new * context + new * (new + 1) / 2``)."""
         if new_tokens <= 0:
             return 0.0
         p = self.profile
-        pairs = new_tokens * context_tokens + new_tokens * (new_tokens + 1) / 2.0
+        if pairs is None:
+            pairs = new_tokens * context_tokens + new_tokens * (new_tokens + 1) / 2.0
         return p.layer_s_fixed + p.layer_s_per_token * new_tokens + p.layer_s_per_token_ctx * pairs
 
     def compute_only_s(self, steps: Sequence[int], cached_tokens: int = 0) -> float:
@@ -183,6 +218,20 @@ class CostModel:
         p = self.profile
         return (p.decode_s_per_token + p.decode_s_per_row * max(0, rows - 1)
                 + p.decode_s_per_token_ctx * context_tokens)
+
+    def place_s(self, tokens: int) -> float:
+        """Placing ``tokens`` of a document's position-independent KV, all layers: one elementwise pass over their
+        keys, modelled as memory traffic (the keys, half of the KV bytes, read and written once). On a GPU the rate
+        is the device memory's as a decode step reads KV (``decode_s_per_token_ctx``: seconds per token of KV read,
+        so one token's keys read and written cost one token's KV read); on a CPU (``device_is_host``) it is the
+        measured host memory copy (``h2d_bytes_per_s``: bytes copied per second), since a CPU decode step's
+        per-context cost is attention compute, not a memory rate. The value copy is the load (``dram_tokens``) or
+        already on the device."""
+        p = self.profile
+        tokens = max(0, tokens)
+        if p.device_is_host:
+            return tokens * (p.kv_bytes_per_token / 2.0) / p.h2d_bytes_per_s
+        return tokens * p.decode_s_per_token_ctx
 
     # --- transfers ---------------------------------------------------------------------------------------------
     def h2d_s(self, tokens: int) -> float:
@@ -219,13 +268,14 @@ class CostModel:
         sync = p.layer_sync_s if (load_layer > 0 or work.offload) else 0.0
         compute = d2h = stall = 0.0
         steps: list[float] = []
-        ctx = work.cached_tokens
+        place_layer = self.place_s(work.placed_tokens) / n
         first = True
-        for step in work.compute_steps:
+        for i, step in enumerate(work.compute_steps):
             if step <= 0:
                 continue
-            c = self.layer_compute_s(step, ctx)
-            o = step * lb / p.d2h_bytes_per_s if work.offload else 0.0
+            pairs = work.step_pairs[i] if work.step_pairs else None
+            c = self.layer_compute_s(step, work.context_of(i), pairs) + (place_layer if first else 0.0)
+            o = work.offload_of(i) * lb / p.d2h_bytes_per_s
             res = pipeline_uniform(
                 n,
                 load_layer if first else 0.0,
@@ -240,7 +290,6 @@ class CostModel:
             stall += res.done_s - n * c - p.step_s_fixed
             compute += n * c + p.step_s_fixed
             d2h += n * o
-            ctx += step
             first = False
         promote = self.d2h_s(work.promote_tokens)
         if steps:

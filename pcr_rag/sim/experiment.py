@@ -342,7 +342,9 @@ def speed_check(profile: Profile, workload: SimWorkload, settings: SimSettings, 
 def workload_from_args(args: Any) -> SimWorkload:
     """The `SimWorkload` of ``pcr-rag simulate``'s parsed arguments (an ``argparse.Namespace``)."""
     return SimWorkload(
-        num_requests=args.requests, warmup_requests=args.warmup, num_passages=args.passages,
+        num_requests=args.requests,
+        warmup_requests=SimWorkload.warmup_requests if args.warmup is None else args.warmup,
+        num_passages=args.passages,
         passage_tokens=args.passage_tokens, top_k=args.top_k, num_topics=args.topics or None, zipf=args.zipf,
         system_tokens=args.system_tokens, question_tokens=args.question_tokens, output_tokens=args.max_new_tokens,
         burstiness=args.burstiness, seed=args.seed, chunk_size=args.chunk_size, dram_fraction=args.dram_fraction,

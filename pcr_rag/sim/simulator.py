@@ -35,6 +35,25 @@ replicas simulated one after the other share): the engine's remote tier runs for
 write-through of metadata-only values, the load-or-recompute decision with the link's speeds and the profile's
 compute speed); a request fetches its remote chunks whole before its prefill starts, as the runtime does (one
 round trip + bytes / bandwidth), then uses them like DRAM hits. Remote chunks are not prefetched here.
+
+Blend mode (a system with ``blend``, `pcr_rag.runtime.blend`), as the runtime's `PrefillTask._begin_blend` runs it:
+after the exact prefix match, the spans are `blend_spans` of the request's documents (`SimRequest.documents`):
+each later document is placed after its first ``ceil(blend_recompute * n)`` tokens, everything else is computed,
+the last token always. A document whose position-independent chain ``[anchor][document]`` is wholly in memory
+(DRAM, or the device) is leased and placed: its placed tokens load host -> device layer by layer in the first
+step, like the exact prefix's DRAM chunks. Any other document is first prefilled in isolation (its chain's cached
+chunks loaded from their tiers, SSD reads on the same channel as any on-demand read, the rest computed behind
+them; the computed chunks inserted and SSD/remote ones kept in DRAM, as the isolated `PrefillTask` does), one
+after the other before the request's own steps; its KV is then on the device. The anchor is thus computed once
+per cache (while it stays cached) and each new document once, in isolation. Placing rotates the placed keys in
+the first step (`CostModel.place_s`). Compute spans cost their true context (every earlier position, placed ones
+included); nothing computed after the first placed position is inserted into the exact index (`_Prefill
+.exact_until`) or offloaded. A document whose cached chunks the cache's load-or-recompute planner declines to load
+is computed in place instead, as in the runtime. The prefetch window holds a blend request's documents' chains
+after its own, as the runtime's does (`PCREngine._window_keys`). The blend gate is not modelled (it is off
+unless ``blend_verify`` > 0).
+A request's ``computed_tokens`` is the runtime's (prompt - exact reuse - blended); ``isolated_tokens`` counts
+what the isolated prefills computed.
 """
 
 from __future__ import annotations
@@ -55,6 +74,7 @@ from pcr_rag.cache import (
     CacheConfig,
     CacheEngine,
     CacheStats,
+    ChunkSpec,
     ManualClock,
     MemoryBackend,
     RemoteConfig,
@@ -63,6 +83,7 @@ from pcr_rag.cache import (
 )
 from pcr_rag.cache.config import KVLayout
 from pcr_rag.runtime.admission import PrefillOutlook, prefill_candidates, queue_order, rank
+from pcr_rag.runtime.blend import BlendDocument, blend_spans
 from pcr_rag.runtime.forward import ATTENTION_BLOCK
 from pcr_rag.runtime.prefetcher import plan_prefetch
 from pcr_rag.runtime.runner import prefill_step_sizes
@@ -71,7 +92,7 @@ from pcr_rag.sim.costmodel import CostModel, PrefillWork
 from pcr_rag.sim.profiles import Profile
 from pcr_rag.sim.remote_link import RemoteLink
 from pcr_rag.sim.systems import SimSystem, engine_default
-from pcr_rag.sim.trace import SimRequest
+from pcr_rag.sim.trace import SimDocument, SimRequest
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +193,14 @@ class RequestOutcome:
     prefetch_hit_chunks: int = 0
     prefill_s: float = 0.0
     stall_s: float = 0.0
+    blended_tokens: int = 0  # placed from documents' position-independent KV (blend mode)
+    isolated_tokens: int = 0  # computed by blend mode's isolated prefills of documents (anchor included)
+    forward_steps: int = 0  # forward steps of its prefill (blend mode's isolated prefills included)
+
+    @property
+    def exact_tokens(self) -> int:
+        """Prompt tokens reused exactly (the prefix match, every tier)."""
+        return sum(self.reused.values())
 
     @property
     def ttft_s(self) -> float:
@@ -221,9 +250,29 @@ class _Prefill:
     step_s: list[float]  # their modelled seconds
     position: int  # tokens [0, position) are in the request's KV
     stored: int  # plan chunks [0, stored) are cached (matched or inserted)
+    ends: list[int] = field(default_factory=list)  # the position each step of ``steps`` ends at, in order
     layers_done: int = 0  # layers of steps[0] already run (engine-steps: a step paused by the ITL budget)
     began_s: float = math.inf  # when it began (`_begin`; the schedule's aging)
     served_s: float = 0.0  # modelled seconds of its steps run so far (the schedule's aging)
+    exact_until: int | None = None  # blend: plan chunks ending after this position are never inserted
+    blend_leases: list[Any] = field(default_factory=list)  # blend: documents' chains pinned until placed
+
+
+@dataclass
+class _BlendPrep:
+    """Blend mode's part of one prefill (`Simulator._blend_prep`): the compute spans ``[start, end)`` after the
+    exact prefix, the placed tokens by where their KV comes from (``memory``: leased DRAM chains, loaded host ->
+    device; ``device``: already on the device), the isolated prefills' seconds and tokens, the position from which
+    nothing is inserted, and the leases of the placed chains."""
+
+    computes: list[tuple[int, int]]
+    placed: int
+    memory: int
+    exact_until: int
+    prelude_s: float
+    isolated_tokens: int
+    isolated_steps: int
+    leases: list[Any]
 
 
 @dataclass
@@ -503,63 +552,243 @@ class Simulator:
             elif c.key in ssd_keys:
                 out.prefetch_hit_chunks += 1
         cached = plan[matched - 1].end if matched else 0
-        out.computed_tokens = req.prompt_tokens - cached
-        if self.cfg.steps_mode == "engine":
-            steps = tuple(prefill_step_sizes(cached, req.prompt_tokens, self._prefill_chunk_tokens, ATTENTION_BLOCK))
-        elif self.cfg.steps_mode == "per_chunk":
-            steps = tuple(c.num_tokens for c in plan[matched:])
+        blend = None
+        if self.engine is not None and self.sys.blend and req.documents:
+            blend = self._blend_prep(req, cached, now)
+        if blend is None:
+            spans = [(cached, req.prompt_tokens)]
+            out.computed_tokens = req.prompt_tokens - cached
         else:
-            steps = (req.prompt_tokens - cached,)
+            spans = blend.computes
+            out.blended_tokens = blend.placed
+            out.isolated_tokens = blend.isolated_tokens
+            out.computed_tokens = req.prompt_tokens - cached - blend.placed
+        pairs: tuple[float, ...] = ()
+        if blend is not None and self.sys.blend_fused:  # what-if: every compute span in one forward step
+            spans = [(lo, hi) for lo, hi in spans if hi > lo]
+            steps, starts = (sum(hi - lo for lo, hi in spans),), [spans[0][0]]
+            pairs = (sum((hi - lo) * lo + (hi - lo) * (hi - lo + 1) / 2.0 for lo, hi in spans),)
+        else:
+            steps, starts = self._step_plan(plan, spans)
         if self.engine is None:
-            step_s = [self.cm.compute_only_s((n,), cached_tokens=cached + sum(steps[:i]))
+            step_s = [self.cm.compute_only_s((n,), cached_tokens=starts[i])
                       - (self.cm.profile.request_overhead_s if i else 0.0) for i, n in enumerate(steps)]
             stall = 0.0
             self.counters["compute_busy_s"] += sum(step_s)
         else:
+            prelude = blend.prelude_s if blend is not None else 0.0
             ssd_wait = 0.0
             if ssd_tokens:
-                # on-demand reads go before queued prefetches, after the read on the device now
+                # on-demand reads go before queued prefetches, after the read on the device now (the isolated
+                # prefills of blend mode run before the prefix load starts)
                 busy_until = max(self.ssd_demand_free, self.pf_current[1] if self.pf_current else 0.0)
-                ssd_wait = max(0.0, busy_until - now)
+                ssd_wait = max(0.0, busy_until - now - prelude)
+            exact_until = req.prompt_tokens if blend is None else blend.exact_until
             work = PrefillWork(
                 cached_tokens=cached,
                 compute_steps=steps,
                 device_tokens=reused["device"],
-                dram_tokens=reused["dram"] + remote_tokens,
+                dram_tokens=reused["dram"] + remote_tokens + (blend.memory if blend is not None else 0),
                 ssd_tokens=ssd_tokens,
                 ssd_chunks=ssd_chunks,
                 ssd_wait_s=ssd_wait,
                 promote_tokens=ssd_tokens,
                 offload=not self.sys.device_cache,
+                step_context=tuple(starts) if blend is not None else (),
+                step_offload=self._offload_tokens(spans, steps, starts, exact_until, fused=bool(pairs))
+                if blend is not None else (),
+                placed_tokens=blend.placed if blend is not None else 0,
+                step_pairs=pairs,
             )
             cost = self.cm.prefill(work, overlap=self.sys.overlap)
             step_s, stall = list(cost.step_s), cost.stall_s
+            if prelude:
+                step_s[0] += prelude
             if remote_tokens and self.cfg.remote is not None:  # fetched whole before the prefill starts
-                if self.remote_fetch is None:
-                    fetch = self.cfg.remote.fetch_s(remote_tokens * kb)
-                else:
-                    fetch = self.remote_fetch(now, [(plan[i].key, plan[i].num_tokens * kb) for i in ssd_read
-                                                    if tiers[i] is Tier.REMOTE])
+                fetch = self._remote_fetch_s(now, [(plan[i].key, plan[i].num_tokens * kb) for i in ssd_read
+                                                   if tiers[i] is Tier.REMOTE], remote_tokens * kb)
                 step_s[0] += fetch
                 stall += fetch
-                self.counters["remote_read_bytes"] += remote_tokens * kb
-                self.counters["remote_read_s"] += fetch
             if ssd_tokens:
                 busy = cost.ssd_read_s
-                self.ssd_demand_free = now + ssd_wait + busy
+                self.ssd_demand_free = now + prelude + ssd_wait + busy
                 self.counters["ssd_read_bytes"] += ssd_tokens * kb
                 self.counters["ssd_read_busy_s"] += busy
             self.counters["compute_busy_s"] += cost.compute_s
-            self.counters["h2d_bytes"] += (reused["dram"] + ssd_tokens) * kb
+            self.counters["h2d_bytes"] += (work.dram_tokens - remote_tokens + ssd_tokens) * kb
             if work.offload:
-                self.counters["d2h_bytes"] += (out.computed_tokens + ssd_tokens) * kb
+                self.counters["d2h_bytes"] += (sum(work.offload_of(i) for i in range(len(steps))) + ssd_tokens) * kb
         if len(step_s) != len(steps):  # a step of no tokens (an empty plan): one step of everything
             steps, step_s = (sum(steps),), [sum(step_s)]
+            starts = [starts[0]] if starts else [cached]
+        ends = [st + n for st, n in zip(starts, steps, strict=True)]
+        out.forward_steps = len(steps) + (blend.isolated_steps if blend is not None else 0)
+        if pairs:
+            ends = [req.prompt_tokens]
         out.prefill_s = sum(step_s)
         out.stall_s = stall
         if self.sys.device_cache:
             self._trim_device_cache()
-        return _Prefill(req, lease, ssd_read, list(steps), step_s, cached, matched, began_s=now)
+        run = _Prefill(req, lease, ssd_read, list(steps), step_s, cached, matched, ends=ends, began_s=now)
+        if blend is not None:
+            run.exact_until, run.blend_leases = blend.exact_until, blend.leases
+        return run
+
+    def _step_plan(self, plan: Sequence[ChunkSpec], spans: Sequence[tuple[int, int]]
+                   ) -> tuple[tuple[int, ...], list[int]]:
+        """The forward steps computing ``spans`` (``[start, end)``, in order) in the profile's step mode, and
+        the position each step starts at: ``engine``: the runtime's steps per span (`prefill_step_sizes`, as
+        `PrefillTask._step` cuts each compute span); ``per_chunk``: each span cut at the plan's chunk boundaries;
+        ``single``: one step per span."""
+        steps: list[int] = []
+        starts: list[int] = []
+        mode = self.cfg.steps_mode
+        for lo, hi in spans:
+            if hi <= lo:
+                continue
+            if mode == "engine":
+                sizes = prefill_step_sizes(lo, hi, self._prefill_chunk_tokens, ATTENTION_BLOCK)
+            elif mode == "per_chunk":
+                sizes = [min(c.end, hi) - max(c.start, lo) for c in plan if c.end > lo and c.start < hi]
+            else:
+                sizes = [hi - lo]
+            pos = lo
+            for n in sizes:
+                steps.append(n)
+                starts.append(pos)
+                pos += n
+        if not steps:  # nothing to compute (an empty plan)
+            return (0,), [spans[0][0] if spans else 0]
+        return tuple(steps), starts
+
+    @staticmethod
+    def _offload_tokens(spans: Sequence[tuple[int, int]], steps: Sequence[int], starts: Sequence[int],
+                        exact_until: int, *, fused: bool) -> tuple[int, ...]:
+        """Tokens of each step copied to the host: those before ``exact_until`` (blend mode offloads and inserts
+        nothing computed after its first placed position); a fused step computes every span."""
+        if fused:
+            return (sum(max(0, min(hi, exact_until) - lo) for lo, hi in spans),)
+        return tuple(max(0, min(st + n, exact_until) - st) for st, n in zip(starts, steps, strict=True))
+
+    def _remote_fetch_s(self, now: float, chunks: list[tuple[bytes, int]], nbytes: int) -> float:
+        """Seconds to fetch ``chunks`` (key, bytes) whole from the remote tier (the link's model, or the fleet's
+        `remote_fetch`), counted in the remote counters."""
+        assert self.cfg.remote is not None
+        fetch = self.cfg.remote.fetch_s(nbytes) if self.remote_fetch is None else self.remote_fetch(now, chunks)
+        self.counters["remote_read_bytes"] += nbytes
+        self.counters["remote_read_s"] += fetch
+        return fetch
+
+    # ------------------------------------------------------------------------------------------------ blend
+    def _blend_prep(self, req: SimRequest, exact_end: int, now: float) -> _BlendPrep:
+        """Blend mode's spans after the exact prefix ending at ``exact_end`` (see the module docstring), with each
+        placed document's KV got as the runtime gets it (`PrefillTask._document_kv`): a chain wholly in memory is
+        leased; one whose cached chunks the load-or-recompute planner declines to load is computed in place (not
+        placed); any other is prefilled in isolation first (`_isolated_prefill`, its seconds summed into
+        ``prelude_s``)."""
+        docs = req.documents
+        bdocs = [BlendDocument(d.start, d.end, b"") for d in docs]
+        total, frac = req.prompt_tokens, self.sys.blend_recompute
+        wanted = [i for i, d in enumerate(docs) if d.end > exact_end]
+        kept: list[int] = []
+        leases: list[Any] = []
+        memory_docs: set[int] = set()
+        prelude = 0.0
+        isolated = steps = 0
+        for span in blend_spans(total, exact_end, bdocs, wanted, frac):
+            if not span.placed:
+                continue
+            doc = docs[span.document]
+            self._note_bytes(doc.plan)
+            lease = self.engine.acquire(doc.keys, prompt_tokens=doc.plan[-1].end)
+            in_memory = lease.num_chunks == len(doc.plan) and all(
+                t in (Tier.DRAM, Tier.DEVICE) for t in lease.tiers[: lease.num_chunks])
+            if in_memory:
+                leases.append(lease)
+                memory_docs.add(span.document)
+            else:
+                declined = lease.num_chunks < len(self.engine.match(doc.keys).keys)
+                lease.release()
+                if declined:  # the load-or-recompute planner would rather compute it: in place, not placed
+                    continue
+                seconds, tokens = self._isolated_prefill(doc, now + prelude)
+                prelude += seconds
+                isolated += tokens
+                steps += 1
+            kept.append(span.document)
+        spans = blend_spans(total, exact_end, bdocs, kept, frac)
+        placed = [sp for sp in spans if sp.placed]
+        memory = 0 if self.sys.device_cache else sum(sp.end - sp.start for sp in placed if sp.document in memory_docs)
+        return _BlendPrep(
+            computes=[(sp.start, sp.end) for sp in spans if not sp.placed],
+            placed=sum(sp.end - sp.start for sp in placed),
+            memory=memory,
+            exact_until=placed[0].start if placed else total,
+            prelude_s=prelude,
+            isolated_tokens=isolated,
+            isolated_steps=steps,
+            leases=leases,
+        )
+
+    def _isolated_prefill(self, doc: SimDocument, now: float) -> tuple[float, int]:
+        """Prefill ``doc``'s chain ``[anchor][document]`` on its own, starting at ``now`` (the runtime's isolated
+        `PrefillTask`: its cached chunks loaded from their tiers, the rest computed behind them, the last position
+        always; computed chunks inserted, SSD- and remote-read ones kept in DRAM). Returns (seconds, tokens
+        computed); the request overhead is the request's own, not counted here."""
+        plan, kb, p = doc.plan, self.kv_bytes_per_token, self.cm.profile
+        n = plan[-1].end
+        lease = self.engine.acquire(doc.keys, prompt_tokens=n)
+        try:
+            m = lease.num_chunks
+            memory = ssd_tokens = ssd_chunks = remote_tokens = 0
+            read: list[ChunkSpec] = []
+            remote: list[tuple[bytes, int]] = []
+            for c, tier in zip(plan[:m], lease.tiers[:m], strict=True):
+                if self.sys.device_cache or tier is Tier.DEVICE:
+                    continue
+                if tier is Tier.SSD:
+                    ssd_tokens += c.num_tokens
+                    ssd_chunks += 1
+                    read.append(c)
+                elif tier is Tier.REMOTE:
+                    remote_tokens += c.num_tokens
+                    remote.append((c.key, c.num_tokens * kb))
+                    read.append(c)
+                else:
+                    memory += c.num_tokens
+            position = min(plan[m - 1].end, n - 1) if m else 0
+            ssd_wait = 0.0
+            if ssd_tokens:
+                busy_until = max(self.ssd_demand_free, self.pf_current[1] if self.pf_current else 0.0)
+                ssd_wait = max(0.0, busy_until - now)
+            work = PrefillWork(cached_tokens=position, compute_steps=(n - position,), dram_tokens=memory + remote_tokens,
+                               ssd_tokens=ssd_tokens, ssd_chunks=ssd_chunks, ssd_wait_s=ssd_wait,
+                               promote_tokens=ssd_tokens, offload=not self.sys.device_cache)
+            cost = self.cm.prefill(work, overlap=self.sys.overlap)
+            seconds = cost.total_s - p.request_overhead_s
+            if remote_tokens and self.cfg.remote is not None:
+                seconds += self._remote_fetch_s(now, remote, remote_tokens * kb)
+            if ssd_tokens:
+                self.ssd_demand_free = now + ssd_wait + cost.ssd_read_s
+                self.counters["ssd_read_bytes"] += ssd_tokens * kb
+                self.counters["ssd_read_busy_s"] += cost.ssd_read_s
+            self.counters["compute_busy_s"] += cost.compute_s
+            self.counters["h2d_bytes"] += (memory + ssd_tokens) * kb
+            if work.offload:
+                self.counters["d2h_bytes"] += (n - position + ssd_tokens) * kb
+            self._insert_specs(plan[m:], now + seconds)
+            for c in read:  # kept in DRAM, as the isolated task's promotion (and remote load) does
+                fresh = self.remote_tracked and not self.engine.tiers_of(c.key)
+                if self.engine.insert(c, VirtualPayload(c.num_tokens * kb, self.num_layers)) and fresh:
+                    self._offered(c.key, c.num_tokens * kb)
+        finally:
+            lease.release()
+        return seconds, n - position
+
+    def _note_bytes(self, plan: Sequence[ChunkSpec]) -> None:
+        for c in plan:
+            if c.key not in self.key_bytes:
+                self.key_bytes[c.key] = c.num_tokens * self.kv_bytes_per_token
 
     def _on_prefill_done(self, run: _Prefill, now: float) -> None:
         self._prefilling = frozenset()
@@ -591,16 +820,28 @@ class Simulator:
                 if self.engine.insert(c, payload) and fresh:
                     self._offered(c.key, c.num_tokens * self.kv_bytes_per_token)
             run.lease.release()
+            for lease in run.blend_leases:
+                lease.release()
+            run.blend_leases = []
         self._refresh_prefetch(now)
 
     def _store_computed(self, run: _Prefill, position: int, now: float) -> None:
-        """Insert the computed plan chunks that end by ``position`` and are not stored yet (the SSD write-back of
-        their bytes is busy time on the write channel)."""
+        """Insert the computed plan chunks that end by ``position`` (and by ``run.exact_until``: blend mode inserts
+        nothing computed after a placed document) and are not stored yet."""
         plan = run.req.plan
+        limit = position if run.exact_until is None else min(position, run.exact_until)
+        upto = run.stored
+        while upto < len(plan) and plan[upto].end <= limit:
+            upto += 1
+        self._insert_specs(plan[run.stored:upto], now)
+        run.stored = upto
+
+    def _insert_specs(self, specs: Sequence[ChunkSpec], now: float) -> None:
+        """Insert computed chunks (metadata-only payloads); the SSD write-back of their bytes is busy time on the
+        write channel from ``now``; chunks new to this replica are offered to the remote tier."""
         kb = self.kv_bytes_per_token
         written = ops = 0
-        while run.stored < len(plan) and plan[run.stored].end <= position:
-            c = plan[run.stored]
+        for c in specs:
             fresh = self.remote_tracked and not self.engine.tiers_of(c.key)
             if self.engine.insert(c, VirtualPayload(c.num_tokens * kb, self.num_layers)):
                 written += c.num_tokens * kb
@@ -608,7 +849,6 @@ class Simulator:
                     self._offered(c.key, c.num_tokens * kb)
             else:
                 self.counters["inserts_rejected"] += 1
-            run.stored += 1
             ops += 1
         if self.sys.ssd and written:
             start = max(now, self.ssd_write_free)
@@ -714,7 +954,7 @@ class Simulator:
                 outlooks.append(self._outlook(row.req))
             else:
                 chunks = {} if self.engine is None else {c.key: c.num_tokens for c in row.req.plan[run.stored:]}
-                outlooks.append(PrefillOutlook(arrived, row.req.prompt_tokens - run.position, chunks, begun=True,
+                outlooks.append(PrefillOutlook(arrived, sum(run.steps), chunks, begun=True,
                                                began_s=run.began_s, served_s=run.served_s))
         candidates = prefill_candidates(self.sys.schedule, outlooks)
         runnable = [(row, c) for row, c in zip(prefilling, candidates, strict=True) if c is not None]
@@ -736,7 +976,7 @@ class Simulator:
         tokens, seconds = run.steps.pop(0), run.step_s.pop(0)
         self.budget.record_prefill(tokens, seconds)
         run.layers_done = 0
-        run.position += tokens
+        run.position = run.ends.pop(0)
         if run.steps:
             if self.engine is not None:
                 self._store_computed(run, run.position, t)
@@ -769,11 +1009,14 @@ class Simulator:
     def _refresh_prefetch(self, now: float) -> None:
         if not self._uses_window:
             return
-        # as the runtime's window (`PCREngine._window_keys`): admitted prefills that have not begun, oldest first,
-        # then the waiting queue in admission order
-        window = [r.req.keys for r in self.rows if r.prefill is None and r.decode is None][: self.sys.window]
-        if len(window) < self.sys.window:
-            window += [r.keys for r in self._admission_order(now)[: self.sys.window - len(window)]]
+        # as the runtime's window (`PCREngine._window_keys`): admitted prefills that have not begun, oldest first
+        # (`BatchExecutor.waiting_keys`: key chains, cut at the window's size), then the waiting queue in admission
+        # order (requests, each with all its chains); a blend request's documents' chains follow its own
+        limit = self.sys.window
+        window = [c for r in self.rows if r.prefill is None and r.decode is None for c in self._chains(r.req)][:limit]
+        if len(window) < limit:
+            for req in self._admission_order(now)[: limit - len(window)]:
+                window += self._chains(req)
         plan = plan_prefetch(window, self.engine)
         if self.sys.lookahead:
             self.engine.set_lookahead(plan.protect)
@@ -785,6 +1028,15 @@ class Simulator:
                 self.pf_queue.append(key)
         if self.pf_current is None:
             self._next_prefetch(now)
+
+    def _chains(self, req: SimRequest) -> list[tuple[bytes, ...]]:
+        """The key chains the prefetch window holds for ``req``: its plan's, then (blend mode) each document's
+        position-independent chain."""
+        if not self.sys.blend:
+            return [req.keys]
+        for d in req.documents:
+            self._note_bytes(d.plan)
+        return [req.keys, *(d.keys for d in req.documents)]
 
     def _next_prefetch(self, now: float) -> None:
         """Put the next queued prefetch read on the SSD (after any on-demand read). A chunk that reached memory

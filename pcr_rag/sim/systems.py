@@ -19,6 +19,15 @@ from pcr_rag.config import EngineConfig
 __all__ = ["DEFAULT_SYSTEMS", "SIM_ONLY_SYSTEMS", "SimSystem", "UnknownSystemError", "get_system", "parse_systems"]
 
 
+def _engine_defaults() -> dict[str, Any]:
+    return {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.default is not dataclasses.MISSING}
+
+
+def engine_default(name: str) -> Any:
+    """`EngineConfig`'s default for the field ``name`` (what a system without that override runs)."""
+    return _engine_defaults()[name]
+
+
 @dataclass(frozen=True)
 class SimSystem:
     """One serving system, as the simulator needs it.
@@ -36,6 +45,11 @@ class SimSystem:
       ``max_active`` / ``itl_budget_steps`` (``pcr-max-active-N``, ``pcr-whole-steps``: the ``engine-steps``
       executor uses them), and for the outside baselines (``transformers``, ``llama-cpp``: the bench serves them
       one request at a time with one-shot prefill) ``executor="serial"`` and ``prefill_steps="single"``.
+    - ``blend``: blend mode (``EngineConfig.reuse="blend"``, `pcr_rag.runtime.blend`): after the exact prefix
+      match, documents are placed from their position-independent KV (modelled by `pcr_rag.sim.simulator`);
+      ``blend_recompute`` is the fraction of each placed document's first tokens computed in context.
+      ``blend_fused`` is a what-if, not the engine: a blend prefill's compute spans run as one forward step (a
+      forward over scattered positions, as CacheBlend's); pcr-rag's forward computes one contiguous span per step.
     """
 
     name: str
@@ -49,6 +63,13 @@ class SimSystem:
     window: int = 6
     schedule: str = "fcfs"
     executor_overrides: tuple[tuple[str, Any], ...] = ()
+    blend: bool = False
+    blend_recompute: float = engine_default("blend_recompute")
+    blend_fused: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.blend_recompute <= 1.0:
+            raise ValueError(f"blend_recompute must be a fraction in [0, 1], got {self.blend_recompute}")
 
     @property
     def policy(self) -> str:
@@ -60,15 +81,6 @@ class SimSystem:
 
 
 EXECUTOR_FIELDS = ("max_active", "itl_budget_steps")  # engine settings the engine-steps executor models
-
-
-def _engine_defaults() -> dict[str, Any]:
-    return {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.default is not dataclasses.MISSING}
-
-
-def engine_default(name: str) -> Any:
-    """`EngineConfig`'s default for the field ``name`` (what a system without that override runs)."""
-    return _engine_defaults()[name]
 
 
 def from_bench(spec: bench_systems.SystemSpec) -> SimSystem:
@@ -86,6 +98,8 @@ def from_bench(spec: bench_systems.SystemSpec) -> SimSystem:
         window=int(cfg["prefetch_window"]),
         schedule=str(cfg["schedule"]),
         executor_overrides=tuple(_executor_overrides(spec).items()),
+        blend=bool(cfg["enable_cache"]) and cfg["reuse"] == "blend",
+        blend_recompute=float(cfg["blend_recompute"]),
     )
 
 
