@@ -21,8 +21,10 @@ class RequestMetrics:
     the rest, prefill_s - prefill_compute_s, is other requests' decode and prefill steps run between its own.
     load_wait_s: the part of prefill_compute_s spent waiting for its cached KV (layer loads, in-flight prefetches).
     itl_s: gaps between consecutive generated tokens.
-    computed_tokens + reused_tokens + blended_tokens == prompt_tokens (blended_tokens: blend mode's placed tokens,
-    approximate KV; reused_tokens: the exact prefix, "cached_tokens" in the API); reused_by_tier splits reused_tokens by the tier the KV
+    computed_tokens + reused_tokens + blended_tokens == prompt_tokens (blended_tokens: blend mode's placed tokens
+    whose position-independent KV was cached before the request, approximate KV - a document computed in isolation
+    by this request and placed counts as computed; reused_tokens: the exact prefix, "cached_tokens" in the API);
+    reused_by_tier splits reused_tokens by the tier the KV
     came from when the request ran. prefetch_hit_chunks: chunks on SSD when the request entered the queue (or
     was announced) and in memory when it ran. recomputed_after_error: times its prefill gave up cached KV because
     the cache or a store failed (a load raising, a checksum or MAC failing, a read timing out, the lease itself
@@ -44,7 +46,7 @@ class RequestMetrics:
     recomputed_after_error: int = 0
     announced: bool = False
     prefill_compute_s: float = 0.0  # last, so the fields before it keep their positions
-    blended_tokens: int = 0  # blend mode: prompt tokens whose KV was placed from documents' isolated KV
+    blended_tokens: int = 0  # blend mode: prompt tokens placed from documents' cached position-independent KV
     reuse: str = "exact"     # how the prompt was served: "exact", or "blend" (`pcr_rag.runtime.blend`)
 
     @property

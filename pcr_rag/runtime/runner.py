@@ -167,7 +167,8 @@ class PrefillTask:
         if not self.begun:
             match = None if cache is None else cache.match([c.key for c in self.plan])
             return PrefillOutlook.not_begun(arrived, self.total, self.plan, match)
-        chunks = {} if cache is None else {spec.key: spec.num_tokens for spec in self.plan[self._stored_upto:]}
+        chunks = {} if cache is None else {spec.key: spec.num_tokens for spec in self.plan[self._stored_upto:]
+                                           if spec.end <= self._exact_until}  # blend: none after a placed one
         return PrefillOutlook(arrived, self.remaining, chunks, begun=True, began_s=self.began_at,
                               served_s=self.step_seconds)
 
@@ -250,22 +251,26 @@ class PrefillTask:
         spans = blend_spans(self.total, exact_end, blend.documents, wanted, blend.recompute)
         pieces: list[PlacedPiece] = []
         kept: list[int] = []
+        from_cache = 0  # placed tokens whose isolated KV was cached before this request (the rest: computed now)
         for span in spans:
             if span.placed:
                 doc = blend.documents[span.document]
                 got = self._document_kv(blend, span.document, ids)
                 if got is None:
                     continue
+                found, cached_upto = got
                 iso_lo, iso_hi = anchor + span.start - doc.start, anchor + span.end - doc.start
-                for payload, lo, hi in got:
+                for payload, lo, hi in found:
                     a, b = max(lo, iso_lo), min(hi, iso_hi)
                     if a < b:
                         pieces.append(PlacedPiece(payload, a - lo, b - lo, a, a - anchor + doc.start))
+                from_cache += max(0, min(iso_hi, cached_upto) - iso_lo)
                 kept.append(span.document)
         spans = blend_spans(self.total, exact_end, blend.documents, kept, blend.recompute)
         placed = [s for s in spans if s.placed]
         computes = [s for s in spans if not s.placed]
-        self.blended_tokens = sum(s.end - s.start for s in placed)
+        # reused means cached before this request: a document computed in isolation now counts as computed
+        self.blended_tokens = from_cache
         self._exact_until = placed[0].start if placed else self.total
         self.position, self._span_end = computes[0].start, computes[0].end  # placed spans come first
         self._compute_spans = computes[1:]
@@ -276,9 +281,10 @@ class PrefillTask:
                                         [lw.rope for lw in self.ctx.forward.layers], pieces)
 
     def _document_kv(self, blend: BlendRequest, index: int, ids: Sequence[int]
-                     ) -> list[tuple[torch.Tensor, int, int]] | None:
+                     ) -> tuple[list[tuple[torch.Tensor, int, int]], int] | None:
         """Document ``index``'s isolated KV as pieces ``(payload, start, end)`` (positions of the isolated
-        ``[anchor][document]`` prompt), or None when it is better computed in place: the load-or-recompute planner
+        ``[anchor][document]`` prompt) and the isolated position below which that KV came from the cache (the rest
+        was computed by this request), or None when it is better computed in place: the load-or-recompute planner
         (`pcr_rag.cache.reuse_planner`) declines to load its cached chunks from a slow tier, or the cache fails.
         Cached in DRAM: the chunks' payloads, pinned until placed. Otherwise the isolated prompt is prefilled in
         this row (loading what a tier holds, computing the rest - a document seen for the first time is computed
@@ -294,7 +300,7 @@ class PrefillTask:
                 payloads = [cache.get_payload(s.key) for s in doc_chunks]
                 if all(isinstance(p, torch.Tensor) for p in payloads):
                     self._blend_leases.append(lease)
-                    return [(p, s.start, s.end) for p, s in zip(payloads, doc_chunks)]
+                    return [(p, s.start, s.end) for p, s in zip(payloads, doc_chunks)], n
             declined = lease.num_chunks < len(cache.match([s.key for s in plan]).keys)
             lease.release()
             if declined:
@@ -309,7 +315,8 @@ class PrefillTask:
             finally:
                 iso.release()
             self.retries += iso.retries
-            return [(self.row.chunk_payload(len(blend.anchor), n), len(blend.anchor), n)]
+            cached_upto = sum(iso.reused_by_tier.values())  # its lease covers a prefix of the isolated prompt
+            return [(self.row.chunk_payload(len(blend.anchor), n), len(blend.anchor), n)], cached_upto
         except Exception as exc:  # noqa: BLE001 - blending is an optimisation: the document is computed in place
             log.warning("blend: document at %d computed in place: %s: %s", doc.start, type(exc).__name__, exc)
             return None
