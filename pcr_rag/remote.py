@@ -13,8 +13,10 @@ Every `SamplingParams` field that differs from its default is sent, by its OpenA
 ``response_format``); a field this client cannot
 send raises `InvalidRequestError` before any call, so nothing is dropped silently. The server's extensions go in
 ``extra_body`` too: ``documents`` (each a string, or ``{"text", "scope"}`` when it has a sharing scope, see
-`pcr_rag.Doc`), ``return_token_ids``, ``chat_template``, ``system``, and a `ChatPrompt`'s
-``chat_template_kwargs``. The server's own routes (``/v1/pcr/announce``, its ``DELETE``, ``/tokenize``) go through
+`pcr_rag.Doc`), ``return_token_ids``, ``chat_template``, ``system``, a `ChatPrompt`'s
+``chat_template_kwargs``, and ``reuse`` when `RemoteEngine.submit` is given one (blend mode; the answer's
+``prompt_tokens_details.blended_tokens`` and ``pcr.reuse`` come back as the result's ``metrics.blended_tokens`` and
+``metrics.reuse``). The server's own routes (``/v1/pcr/announce``, its ``DELETE``, ``/tokenize``) go through
 the SDK client's raw ``post`` / ``delete``; the model card through ``client.models.list()``. A request with documents carries ``X-PCR-Route`` (`pcr_rag.routing`: a hash of its first
 document and the head before it), so a proxy hashing on it sends it to the replica that holds those documents.
 
@@ -71,6 +73,7 @@ from pcr_rag.remote_wire import (
     RemotePromptTooLongError,
     ResponseDecoder,
     remote_error,
+    reuse_argument,
     sampling_arguments,
     wire_documents,
 )
@@ -253,21 +256,28 @@ class RemoteEngine:
 
     # ------------------------------------------------------------------------------------------ requests
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *,
-               timeout: float | None = None) -> RemoteHandle:
+               timeout: float | None = None, reuse: str | None = None) -> RemoteHandle:
         """A handle for ``prompt``; the HTTP call starts when the handle is first iterated or awaited (so it runs
-        on the caller's thread or event loop). Raises `InvalidRequestError` for a prompt kind the server has no
-        endpoint for (`RagPrompt`), a sampling field this client cannot send, or a bad timeout."""
+        on the caller's thread or event loop). ``reuse``: "exact" or "blend" for this request, sent as the body's
+        ``reuse`` field (None: not sent, the server's default), as `PCREngine.submit`'s; the result's
+        ``metrics.reuse`` and ``metrics.blended_tokens`` are the server's report. Raises `InvalidRequestError` for
+        a prompt kind the server has no endpoint for (`RagPrompt`), a sampling field this client cannot send, an
+        unknown reuse mode, or a bad timeout."""
         self._check_open()
         params = SamplingParams() if params is None else params
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not timeout > 0):
             raise InvalidRequestError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
-        chat, arguments = self.request_arguments(prompt, params)
+        chat, arguments = self.request_arguments(prompt, params, reuse=reuse)
         return RemoteHandle(self, chat, arguments, timeout=timeout)
 
-    def request_arguments(self, prompt: Prompt, params: SamplingParams) -> tuple[bool, dict[str, Any]]:
-        """(chat endpoint?, the keyword arguments of ``create``) for ``prompt`` and ``params``."""
+    def request_arguments(self, prompt: Prompt, params: SamplingParams, *,
+                          reuse: str | None = None) -> tuple[bool, dict[str, Any]]:
+        """(chat endpoint?, the keyword arguments of ``create``) for ``prompt``, ``params`` and ``reuse`` (see
+        `submit`)."""
         extra: dict[str, Any] = {"return_token_ids": True}
+        if reuse_argument(reuse) is not None:
+            extra["reuse"] = reuse
         args: dict[str, Any]
         if isinstance(prompt, ChatPrompt):
             chat, args = True, {"messages": [dict(m) for m in prompt.messages]}

@@ -1,5 +1,5 @@
 """The wire side of `pcr_rag.remote`: what a `RemoteEngine` request sends (`wire_documents`,
-`sampling_arguments`), how an answer becomes `StreamChunk`s and a `GenerationResult` (`ResponseDecoder`), and which
+`sampling_arguments`, `reuse_argument`), how an answer becomes `StreamChunk`s and a `GenerationResult` (`ResponseDecoder`), and which
 project error a failed call raises (`remote_error`). Pure functions of dicts and exceptions, no I/O."""
 
 from __future__ import annotations
@@ -24,7 +24,10 @@ from pcr_rag.metrics import TIERS, RequestMetrics
 from pcr_rag.requests import GenerationResult, SamplingParams, StreamChunk, TokenLogprob, TopLogprob
 
 __all__ = ["DeadlinePassed", "RemoteAuthError", "RemoteEngineError", "RemotePromptTooLongError", "ResponseDecoder",
-           "remote_error", "sampling_arguments", "unreachable", "wire_documents"]
+           "remote_error", "reuse_argument", "sampling_arguments", "unreachable", "wire_documents"]
+
+# `pcr_rag.runtime.blend.REUSE_MODES`, spelled here: that module imports torch, and this client must not
+REUSE_MODES = ("exact", "blend")
 
 # SamplingParams fields sent under their own (OpenAI) name as SDK arguments, and vLLM's extensions (extra_body)
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "seed": "seed", "presence_penalty": "presence_penalty",
@@ -59,6 +62,18 @@ def wire_documents(texts: Sequence[str], scopes: Sequence[str | None] = ()) -> l
     """Documents as the server takes them: the text, or ``{"text", "scope"}`` for one with a sharing scope."""
     scopes = tuple(scopes) or (None,) * len(texts)
     return [text if scope is None else {"text": text, "scope": scope} for text, scope in zip(texts, scopes)]
+
+
+def reuse_argument(reuse: str | None) -> str | None:
+    """``reuse`` checked as `PCREngine.submit` checks it ("exact", "blend", or None: the server's default), so a bad
+    mode raises `InvalidRequestError` here, before any call, as it does locally.
+
+    Raises:
+        InvalidRequestError: any other value.
+    """
+    if reuse is not None and reuse not in REUSE_MODES:
+        raise InvalidRequestError(f"reuse must be one of {REUSE_MODES} or None, got {reuse!r}")
+    return reuse
 
 
 def sampling_arguments(params: SamplingParams, chat: bool, extra: dict[str, Any]) -> dict[str, Any]:
@@ -182,15 +197,19 @@ class ResponseDecoder:
         pcr = usage.get("pcr") or {}
         reused = dict.fromkeys(TIERS, 0)
         reused.update({k: int(v) for k, v in (pcr.get("reused_by_tier") or {}).items()})
-        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        details = usage.get("prompt_tokens_details") or {}
+        cached = int(details.get("cached_tokens") or 0)
+        blended = int(details.get("blended_tokens") or pcr.get("blended_tokens") or 0)
         prompt_tokens = int(usage.get("prompt_tokens") or 0)
         metrics = RequestMetrics(
             ttft_s=float(pcr.get("ttft_s", 0.0)), e2e_s=float(pcr.get("e2e_s", 0.0)),
             queue_s=float(pcr.get("queue_s", 0.0)), prefill_s=float(pcr.get("prefill_s", 0.0)),
             prefill_compute_s=float(pcr.get("prefill_compute_s", 0.0)),
             load_wait_s=float(pcr.get("load_wait_s", 0.0)),
-            prompt_tokens=prompt_tokens, computed_tokens=int(pcr.get("computed_tokens", prompt_tokens - cached)),
-            reused_tokens=cached, reused_by_tier=reused,
+            prompt_tokens=prompt_tokens,
+            computed_tokens=int(pcr.get("computed_tokens", prompt_tokens - cached - blended)),
+            reused_tokens=cached, reused_by_tier=reused, blended_tokens=blended,
+            reuse=str(pcr.get("reuse") or ("blend" if blended else "exact")),
             generated_tokens=int(usage.get("completion_tokens") or len(self.token_ids)),
             prefetch_hit_chunks=int(pcr.get("prefetch_hit_chunks", 0)),
             announced=bool(pcr.get("announcement_claimed", False)),

@@ -167,7 +167,8 @@ class ServerState:
         handles: list[RequestHandle] = []
         try:
             for index in range(req.n):
-                handles.append(self.engine.submit(req.prompt, req.choice_params(index), namespace=tenant.namespace))
+                handles.append(self.engine.submit(req.prompt, req.choice_params(index), namespace=tenant.namespace,
+                                                  reuse=req.reuse))
         except Exception as exc:  # noqa: BLE001 - every pre-compute rejection becomes an API error
             for handle in handles:
                 handle.close()
@@ -313,7 +314,7 @@ def create_app(engine: PCREngine, settings: ServerSettings | None = None, *, own
         card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "pcr-rag",
                 "root": engine.loaded.name, "max_model_len": engine.max_model_len,
                 "pcr": {"max_new_tokens": engine.config.max_new_tokens, "context_window": engine.context_window,
-                        "chunk_size": engine.config.chunk_size}}
+                        "chunk_size": engine.config.chunk_size, "reuse": engine.config.reuse}}
         return JSONResponse({"object": "list", "data": [card]})
 
     generation_errors = _errors(400, 401, 404, 408, 413, 429, 500, 503, 504)

@@ -15,7 +15,8 @@ Two sources, one registry per app (never the process-global one, so several apps
   ``pcr:cache_read_bytes_per_second{tier}`` (the load-or-recompute planner's read-speed estimates),
   ``pcr:announcements_pending``, ``pcr:remote_roots_of_other_identity`` (namespace roots of another model, plan or
   kernel identity whose manifests the shared store held at start); counters ``pcr:prompt_tokens_total``,
-  ``pcr:prompt_tokens_by_source_total{source=computed|device|dram|ssd|remote}``, ``pcr:prefix_cache_queries_total`` and
+  ``pcr:prompt_tokens_by_source_total{source=computed|blended|device|dram|ssd|remote}`` (the sources sum to the
+  prompt tokens), ``pcr:prefix_cache_queries_total`` and
   ``pcr:prefix_cache_hits_total`` (tokens, as vLLM counts them), ``pcr:cache_evictions_total{tier}``,
   ``pcr:chunks_recomputed_instead_of_loaded_total{tier}``,
   ``pcr:cache_load_failures_total``, ``pcr:cache_failures_recomputed_total``,
@@ -25,6 +26,16 @@ Two sources, one registry per app (never the process-global one, so several apps
   ``pcr:requests_cancelled_total``; the garbage collector's ``pcr:gc_collections_total{generation}``,
   ``pcr:gc_pause_seconds_total{generation}``, ``pcr:gc_max_pause_seconds{generation}`` and
   ``pcr:gc_frozen_objects`` (process-wide, `runtime.gc_pauses`).
+- **Blend mode** (`pcr_rag.runtime.blend`, opt-in and approximate): counters ``pcr:blended_tokens_total`` (prompt
+  tokens placed from documents' position-independent KV) and ``pcr:blended_requests_total`` (requests served in
+  blend mode); from the blend gate's snapshot (`pcr_rag.runtime.blend_gate`, ``EngineStats.blend``), counters
+  ``pcr:blend_verified_requests_total``, ``pcr:blend_greedy_verified_requests_total``,
+  ``pcr:blend_identical_answers_total``, ``pcr:blend_fallbacks_total``, ``pcr:blend_shadow_requests_total``,
+  ``pcr:blend_shadow_prompt_tokens_total``, ``pcr:blend_shadow_seconds_total``, and gauges
+  ``pcr:blend_verify_fraction``, ``pcr:blend_namespaces_exact`` (namespaces whose gate tripped, served exactly
+  now), ``pcr:blend_pending_shadows``, ``pcr:blend_token_agreement_mean`` and ``pcr:blend_first_token_kl_median``
+  (nats; these two are left out until a verification gives them a value). A gate key the engine does not report is
+  left out, never exported as a made-up zero.
 
 Every series carries a ``model_name`` label, as vLLM's do. The process collector adds
 ``process_resident_memory_bytes`` and friends (the load test reads the server's RSS there).
@@ -32,7 +43,9 @@ Every series carries a ``model_name`` label, as vLLM's do. The process collector
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client import generate_latest as _generate_latest
@@ -161,12 +174,18 @@ class _EngineCollector(Collector):
         yield counter("prompt_tokens", "Prompt tokens of finished requests.", req["prompt_tokens"])
         by_source = CounterMetricFamily(PREFIX + "prompt_tokens_by_source",
                                         "Prompt tokens of finished requests by where their KV came from: computed, "
-                                        "or reused from the device, dram or ssd tier.",
+                                        "blended (placed by blend mode, approximate), or reused exactly from the "
+                                        "device, dram, ssd or remote tier.",
                                         labels=["model_name", "source"])
         by_source.add_metric([m, "computed"], req["computed_tokens"])
+        by_source.add_metric([m, "blended"], req.get("blended_tokens", 0))
         for tier in TIERS:
             by_source.add_metric([m, tier], req["reused_by_tier"].get(tier, 0))
         yield by_source
+        yield counter("blended_tokens", "Prompt tokens of finished requests placed by blend mode from documents' "
+                      "position-independent KV (approximate).", req.get("blended_tokens", 0))
+        yield counter("blended_requests", "Finished requests served in blend mode.", req.get("blended_requests", 0))
+        yield from _blend_gate(getattr(s, "blend", None) or {}, gauge, counter)
         hits = sum(cache.hit_tokens.values())
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", hits + cache.miss_tokens)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)
@@ -228,3 +247,38 @@ class _EngineCollector(Collector):
         yield counter("requests_failed", "Requests that failed with an error.", req["requests_failed"])
         yield counter("requests_cancelled", "Requests cancelled (client gone, timeout, shutdown).",
                       req["requests_cancelled"])
+
+
+# The blend gate's snapshot keys (`pcr_rag.runtime.blend_gate.BlendGate.snapshot`) -> (metric name, help, counter?)
+_BLEND_GATE: tuple[tuple[str, str, str, bool], ...] = (
+    ("verify_fraction", "blend_verify_fraction", "Fraction of blended requests also run exactly as shadow requests "
+     "(EngineConfig.blend_verify).", False),
+    ("verified", "blend_verified_requests", "Blended requests compared with their exact shadow.", True),
+    ("greedy_verified", "blend_greedy_verified_requests", "Verified blended requests whose tokens are reproducible "
+     "(greedy or seeded), so their answers could be compared.", True),
+    ("identical", "blend_identical_answers", "Reproducible verified blended requests whose answer was identical to "
+     "the exact one.", True),
+    ("fallbacks", "blend_fallbacks", "Times a namespace's blend gate tripped and it fell back to exact reuse.", True),
+    ("namespaces_exact", "blend_namespaces_exact", "Namespaces whose blend gate tripped: their blend requests are "
+     "served exactly until the engine restarts.", False),
+    ("shadow_requests", "blend_shadow_requests", "Exact shadow requests run to verify blended ones.", True),
+    ("shadow_prompt_tokens", "blend_shadow_prompt_tokens", "Prompt tokens of the exact shadow requests.", True),
+    ("shadow_seconds", "blend_shadow_seconds", "Wall seconds the exact shadow requests took, submission to last "
+     "token.", True),
+    ("pending_shadows", "blend_pending_shadows", "Shadow requests waiting for an idle engine.", False),
+    ("token_agreement_mean", "blend_token_agreement_mean", "Mean share of the exact answer's tokens a verified "
+     "blended answer matched position by position (reproducible requests).", False),
+    ("first_token_kl_median", "blend_first_token_kl_median", "Median KL(exact || blend) of the first token's "
+     "distribution over verified blended requests, in nats.", False),
+)
+
+
+def _blend_gate(gate: Mapping[str, Any], gauge: Callable[[str, str, float], Metric],
+                counter: Callable[[str, str, float], Metric]) -> Iterator[Metric]:
+    """The blend gate's series from its snapshot ``gate``: a key it lacks, or whose value is None or not finite (a
+    mean or median before any verification), is left out, so no series ever carries a made-up value or NaN."""
+    for key, name, doc, monotonic in _BLEND_GATE:
+        value = gate.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            continue
+        yield (counter if monotonic else gauge)(name, doc, value)

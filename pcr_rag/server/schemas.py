@@ -51,11 +51,20 @@ Extensions (OpenAI clients send them through ``extra_body``):
 - chat only: ``chat_template_kwargs: {...}``: extra variables for the chat template (e.g. ``{"enable_thinking":
   false}``), over the server's ``--chat-template-kwargs`` (`ChatPrompt.chat_template_kwargs`; names the engine sets
   itself, such as ``messages``, are refused);
+- ``reuse: "exact" | "blend" | null``: how this request may reuse cached KV (`PCREngine.submit`'s ``reuse``;
+  null or absent: the engine's ``EngineConfig.reuse``, "exact" unless the server was started with ``--reuse
+  blend``). "blend" is opt-in and approximate: documents after the exact prefix are placed from their
+  position-independent KV (`pcr_rag.runtime.blend`), so the answer can differ from an uncached one; any other
+  value is a 400 naming ``reuse`` before anything is computed;
 - completions only: ``chat_template: bool`` (default False: the prompt is continued as raw text, as OpenAI's
   legacy endpoint does; True wraps it as one user turn of the model's chat template) and ``system: str``.
 
-Responses always carry ``usage.prompt_tokens_details.cached_tokens`` (the prompt tokens whose KV was reused, 0
-included) and ``usage.pcr``: the request's reuse by tier and its TTFT, queue and prefill times (seconds).
+Responses always carry ``usage.prompt_tokens_details.cached_tokens`` (the prompt tokens whose KV was reused
+exactly, 0 included) and ``usage.prompt_tokens_details.blended_tokens`` (the prompt tokens placed by blend mode,
+approximate KV; 0 for a request served exactly), and ``usage.pcr``: the request's reuse by tier, its blended tokens,
+``reuse`` (how it was served: "exact", or "blend"; a blend request whose namespace the blend gate turned exact says
+"exact") and its TTFT, queue and prefill times (seconds). ``computed_tokens + reused_tokens + blended_tokens ==
+prompt_tokens``.
 """
 
 from __future__ import annotations
@@ -84,6 +93,7 @@ from pcr_rag.requests import (
     chat_logprobs,
     completion_logprobs,
 )
+from pcr_rag.runtime.blend import REUSE_MODES
 from pcr_rag.runtime.grammar import ResponseFormat
 from pcr_rag.server.errors import APIError
 from pcr_rag.server.structured_outputs import LEGACY_FIELDS, structured_outputs_format
@@ -323,11 +333,23 @@ class _Generation(_Body):
     min_tokens: int | None = Field(None, ge=0, description="vLLM extension: no end of sequence or stop string "
                                                           "before this many tokens")
     ignore_eos: bool | None = Field(None, description="vLLM extension: go on past the end-of-sequence token")
+    reuse: Literal["exact", "blend"] | None = Field(
+        None, description="pcr extension: 'exact' (prefix reuse only; answers never depend on the cache) or 'blend' "
+                          "(opt-in, approximate: documents after the exact prefix are placed from their "
+                          "position-independent KV); null: the server's default (EngineConfig.reuse)")
 
     @field_validator("documents", mode="before")
     @classmethod
     def _document_texts(cls, value: Any) -> Any:
         return _documents(value)
+
+    @field_validator("reuse", mode="before")
+    @classmethod
+    def _reuse_mode(cls, value: Any) -> Any:
+        if value is not None and value not in REUSE_MODES:
+            raise ValueError(f"'reuse' must be one of {', '.join(repr(m) for m in REUSE_MODES)} or null (the "
+                             f"server's default), got {_short(value)}")
+        return value
 
     @field_validator("response_format", mode="before")
     @classmethod
@@ -460,6 +482,7 @@ class GenerationRequest:
     n: int = 1
     tools: tuple[ToolSpec, ...] = ()  # what an answer may call (empty: plain text, e.g. tool_choice "none")
     ignored: tuple[str, ...] = ()  # the body's fields this server does not know (`ignored_fields`)
+    reuse: str | None = None  # "exact", "blend", or None: the engine's default (`PCREngine.submit`'s ``reuse``)
 
     def choice_params(self, index: int) -> SamplingParams:
         """Choice ``index``'s sampling: the request's, with the seed ``seed + index`` wrapped into the signed
@@ -716,7 +739,7 @@ def _request(kind: Literal["chat", "completion"], body: _Generation, prompt: Cha
         raise APIError.bad_request(str(exc), param=_sampling_param(str(exc), kind)) from None
     return GenerationRequest(kind=kind, model=body.model, prompt=prompt, params=params, stream=stream,
                              include_usage=include_usage, return_token_ids=bool(body.return_token_ids),
-                             prompt_chars=chars, n=n, tools=tools, ignored=ignored_fields(body))
+                             prompt_chars=chars, n=n, tools=tools, ignored=ignored_fields(body), reuse=body.reuse)
 
 
 def _sampling_param(message: str, kind: Literal["chat", "completion"]) -> str | None:
@@ -862,9 +885,10 @@ def _json_type(value: Any) -> str:
 
 # ------------------------------------------------------------------------------------------------ responses
 def usage_body(results: Sequence[GenerationResult]) -> dict[str, Any]:
-    """OpenAI usage plus ``prompt_tokens_details.cached_tokens`` (reused prompt tokens) and the ``pcr`` object, of
-    a request's choices: the prompt counts once (the first choice's prompt and reuse figures, as OpenAI counts
-    it), the completion tokens of every choice are summed."""
+    """OpenAI usage plus ``prompt_tokens_details`` (``cached_tokens``: prompt tokens reused exactly;
+    ``blended_tokens``: prompt tokens placed by blend mode, approximate) and the ``pcr`` object, of a request's
+    choices: the prompt counts once (the first choice's prompt and reuse figures, as OpenAI counts it), the
+    completion tokens of every choice are summed. ``pcr.reuse`` is how the first choice was served."""
     first = results[0]
     m = first.metrics
     completion = sum(len(r.token_ids) for r in results)
@@ -872,10 +896,12 @@ def usage_body(results: Sequence[GenerationResult]) -> dict[str, Any]:
         "prompt_tokens": m.prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": m.prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": m.reused_tokens},
+        "prompt_tokens_details": {"cached_tokens": m.reused_tokens, "blended_tokens": m.blended_tokens},
         "pcr": {
             "reused_tokens": m.reused_tokens,
             "computed_tokens": m.computed_tokens,
+            "blended_tokens": m.blended_tokens,
+            "reuse": m.reuse,
             "reused_by_tier": dict(m.reused_by_tier),
             "ttft_s": m.ttft_s,
             "queue_s": m.queue_s,

@@ -95,6 +95,9 @@ class PCRModelParams(BaseModel):
     stop: list[str] | None = Field(default=None, alias="stop_sequences")
     timeout: float | None = Field(default=None, gt=0)
     chat_template_kwargs: dict[str, Any] | None = None  # extra chat-template variables (ChatPrompt's)
+    # "exact" or "blend" for every call (None: the engine's EngineConfig.reuse, or the server's with base_url);
+    # blend is opt-in and approximate (pcr_rag.runtime.blend)
+    reuse: Literal["exact", "blend"] | None = None
     # base_url mode (langchain_pcr._remote): a pcr-rag server instead of a local engine
     base_url: str | None = None
     api_key: SecretStr | None = Field(default=None, exclude=True)
@@ -149,6 +152,7 @@ class PCRModelParams(BaseModel):
             "top_p": self.top_p,
             "seed": self.seed,
             "stop": self.stop,
+            "reuse": self.reuse,
         }
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
@@ -168,11 +172,13 @@ class PCRModelParams(BaseModel):
     # ------------------------------------------------------------------------------------------ requests
     def _submit(self, make_prompt: Callable[[tuple[str, ...]], Prompt], text: str, stop: list[str] | None,
                 run_manager: Any, kwargs: dict[str, Any]) -> ModelCall:
-        """Validate the per-call ``kwargs`` (sampling keywords, ``documents``, ``timeout``), resolve the documents
-        found in ``text`` and submit ``make_prompt(documents)`` with this model's sampling defaults."""
+        """Validate the per-call ``kwargs`` (sampling keywords, ``documents``, ``timeout``, ``reuse``), resolve the
+        documents found in ``text`` and submit ``make_prompt(documents)`` with this model's sampling defaults. A
+        ``reuse`` of None falls back to this model's ``reuse`` (then to the engine's or server's default)."""
         kwargs = dict(kwargs)
         explicit = kwargs.pop("documents", None)
         timeout = kwargs.pop("timeout", None) or self.timeout
+        reuse = kwargs.pop("reuse", None) or self.reuse
         defaults = SamplingParams(self.max_tokens, self.temperature, self.top_p, tuple(self.stop or ()), self.seed)
         params = SamplingParams.from_kwargs(defaults, stop=stop, **kwargs)
         engine = self._holder.get()
@@ -182,7 +188,7 @@ class PCRModelParams(BaseModel):
         docs = resolve_documents(engine, text, run, explicit)
         run_id = getattr(run, "run_id", None)
         with run_span(run_id):  # an OpenInference trace: the request under its model
-            handle = engine.submit(make_prompt(docs.documents), params, timeout=timeout)
+            handle = engine.submit(make_prompt(docs.documents), params, timeout=timeout, reuse=reuse)
         return ModelCall(engine, handle, docs, run_id if isinstance(engine, RemoteEngine) else None)
 
     def _text_chunk(self, text: str) -> Any:

@@ -134,20 +134,26 @@ def model_display_name(model: Any, engine: PCREngine | None = None) -> str:
 
 
 def usage_metadata(result: GenerationResult) -> UsageMetadata:
-    """LangChain usage: prompt tokens in, generated tokens out; reused (cached) prompt tokens as ``cache_read``."""
+    """LangChain usage: prompt tokens in, generated tokens out; in ``input_token_details``, the prompt tokens
+    reused exactly (cached) as ``cache_read`` and those placed by blend mode (approximate KV,
+    `pcr_rag.runtime.blend`; 0 for a call served exactly) as ``blended``, a provider key `InputTokenDetails`
+    allows. The two never overlap: ``cache_read + blended <= input_tokens``."""
     m = result.metrics
     n_in = int(m.prompt_tokens)
     n_out = len(result.token_ids)
+    details = InputTokenDetails(cache_read=int(m.reused_tokens))
+    details["blended"] = int(m.blended_tokens)  # type: ignore[typeddict-unknown-key]
     return UsageMetadata(
         input_tokens=n_in,
         output_tokens=n_out,
         total_tokens=n_in + n_out,
-        input_token_details=InputTokenDetails(cache_read=int(m.reused_tokens)),
+        input_token_details=details,
     )
 
 
 def generation_info(result: GenerationResult, model_name: str, documents: RequestDocuments) -> dict[str, Any]:
-    """Response metadata: finish reason, model name and the PCR metrics of the request (seconds, tokens)."""
+    """Response metadata: finish reason, model name and the PCR metrics of the request (seconds, tokens), with
+    ``blended_tokens`` and ``reuse`` (how it was served: "exact" or "blend")."""
     m = result.metrics
     return {
         "model_name": model_name,
@@ -161,6 +167,8 @@ def generation_info(result: GenerationResult, model_name: str, documents: Reques
         "prompt_tokens": m.prompt_tokens,
         "computed_tokens": m.computed_tokens,
         "reused_tokens": m.reused_tokens,
+        "blended_tokens": m.blended_tokens,
+        "reuse": m.reuse,
         "reused_by_tier": dict(m.reused_by_tier),
         "documents": len(documents.documents),
         "documents_found": result.documents_found,

@@ -78,7 +78,14 @@ class ChatPCR(PCRModelParams, BaseChatModel):
         stop: stop strings (the answer ends before the first one).
         timeout: seconds a call may take (``invoke``, ``stream`` and their async forms); the request is then
             cancelled and `TimeoutError` raised.
-        Per call: ``documents=[...]``, ``timeout=``, ``stop=`` and the sampling keywords of
+        reuse: "exact" or "blend" for every call (None, the default: the engine's ``EngineConfig.reuse``, or the
+            server's with ``base_url``). "blend" is opt-in and approximate: documents after the exact prefix (a new
+            order, other documents before them) are placed from their position-independent KV
+            (`pcr_rag.runtime.blend`), so the answer can differ from an uncached one. ``usage_metadata`` reports
+            exactly reused prompt tokens as ``input_token_details["cache_read"]`` and blended ones as
+            ``input_token_details["blended"]``; ``response_metadata`` has ``blended_tokens`` and ``reuse`` (how
+            the call was served).
+        Per call: ``documents=[...]``, ``timeout=``, ``stop=``, ``reuse=`` and the sampling keywords of
         `pcr_rag.SamplingParams` (``max_tokens``/``max_new_tokens``, ``temperature``, ``top_p``, ``seed``,
         ``response_format``).
 

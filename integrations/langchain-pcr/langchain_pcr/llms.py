@@ -31,7 +31,8 @@ class PCRLLM(PCRModelParams, LLM):
     Key init args: as `ChatPCR` (model, engine, config, max_tokens, temperature, top_p, seed, stop, timeout), plus
     ``chat_template`` and ``system`` (a system turn when ``chat_template`` is on).
 
-    Usage per generation is in ``generation_info["usage_metadata"]`` and summed in ``llm_output["token_usage"]``.
+    Usage per generation is in ``generation_info["usage_metadata"]`` and summed in ``llm_output["token_usage"]``
+    (``cached_tokens``: reused exactly; ``blended_tokens``: placed by blend mode, see ``reuse``).
     """
 
     chat_template: bool = True
@@ -60,7 +61,8 @@ class PCRLLM(PCRModelParams, LLM):
         return Generation(text=result.text, generation_info=info)
 
     def _result(self, generations: list[Generation]) -> LLMResult:
-        usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "cached_tokens": 0}
+        usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "cached_tokens": 0,
+                 "blended_tokens": 0}
         for g in generations:  # each made by `_generation`, with its usage
             u = (g.generation_info or {}).get("usage_metadata")
             if u is None:
@@ -69,6 +71,7 @@ class PCRLLM(PCRModelParams, LLM):
             usage["completion_tokens"] += u["output_tokens"]
             usage["total_tokens"] += u["total_tokens"]
             usage["cached_tokens"] += u["input_token_details"]["cache_read"]
+            usage["blended_tokens"] += u["input_token_details"].get("blended", 0)
         return LLMResult(generations=[[g] for g in generations],
                          llm_output={"token_usage": usage, "model_name": self.model_name})
 

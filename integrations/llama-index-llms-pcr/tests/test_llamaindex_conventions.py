@@ -70,7 +70,7 @@ def test_raw_usage_has_the_openai_shape_and_token_counting_reads_it(engine) -> N
     usage = chat.raw["usage"]
     assert usage == {"prompt_tokens": len(want.prompt_token_ids), "completion_tokens": len(want.token_ids),
                      "total_tokens": len(want.prompt_token_ids) + len(want.token_ids),
-                     "prompt_tokens_details": {"cached_tokens": chat.raw["reused_tokens"]}}
+                     "prompt_tokens_details": {"cached_tokens": chat.raw["reused_tokens"], "blended_tokens": 0}}
     done = llm.complete("What is pathlib?")
     streamed = list(llm.stream_chat(messages))[-1]
     again = streamed.raw["usage"]

@@ -190,8 +190,14 @@ class PCRLLM(FunctionCallingLLM):
         reorder: "relevance" (default) keeps the retriever's document order; "cache-aware" announces and prompts
             the documents in the engine's cache-aware order (`llama_index.llms.pcr.reorder`; the answer can differ
             from the relevance-ordered one).
+        reuse: "exact" or "blend" for every call (None, the default: the engine's ``EngineConfig.reuse``, or the
+            server's with ``base_url``). "blend" is opt-in and approximate: documents after the exact prefix (a
+            new order, other documents before them) are placed from their position-independent KV
+            (`pcr_rag.runtime.blend`), so the answer can differ from an uncached one. A response's ``raw`` reports
+            ``blended_tokens`` (also ``raw["usage"]["prompt_tokens_details"]["blended_tokens"]``) and ``reuse``
+            (how the call was served).
 
-    Per call: ``documents=[...]``, ``timeout=`` and the sampling keywords of `pcr_rag.SamplingParams`
+    Per call: ``documents=[...]``, ``timeout=``, ``reuse=`` and the sampling keywords of `pcr_rag.SamplingParams`
     (``max_new_tokens``/``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``, ``response_format``).
 
     Structured output and tools run on grammar-constrained decoding (`pcr_rag.structured`), so the format is
@@ -222,6 +228,9 @@ class PCRLLM(FunctionCallingLLM):
     reorder: Literal["relevance", "cache-aware"] = Field(
         default="relevance", description="document order: the retriever's, or cache-aware (llama_index.llms.pcr."
                                          "reorder; the answer can differ from the relevance-ordered one)")
+    reuse: Literal["exact", "blend"] | None = Field(
+        default=None, description="'exact' or 'blend' for every call (None: the engine's or server's default); "
+                                  "blend is opt-in and approximate (pcr_rag.runtime.blend)")
     # base_url mode (llama_index.llms.pcr._remote): a pcr-rag server instead of a local engine
     scope_metadata_key: str = Field(default="pcr_scope",
                                     description="node metadata key holding a node's sharing scope ('shared' or "
@@ -321,17 +330,19 @@ class PCRLLM(FunctionCallingLLM):
     # ------------------------------------------------------------------------------------------ requests
     def _submit(self, make_prompt: Callable[[tuple[str, ...], list[str]], Prompt], units: list[str],
                 kwargs: dict[str, Any]) -> RequestHandle:
-        """Validate the per-call ``kwargs`` (sampling keywords, ``documents``, ``timeout``), find the documents in
-        the text ``units`` (the prompt, or each message's content) and submit ``make_prompt(documents, units)``
-        (units with the documents rearranged when ``reorder="cache-aware"``) with this LLM's sampling defaults."""
+        """Validate the per-call ``kwargs`` (sampling keywords, ``documents``, ``timeout``, ``reuse``), find the
+        documents in the text ``units`` (the prompt, or each message's content) and submit ``make_prompt(documents,
+        units)`` (units with the documents rearranged when ``reorder="cache-aware"``) with this LLM's sampling
+        defaults. A ``reuse`` of None falls back to this LLM's ``reuse`` (then to the engine's default)."""
         kwargs = dict(kwargs)
         explicit = kwargs.pop("documents", None)
         timeout = kwargs.pop("timeout", None) or self.timeout
+        reuse = kwargs.pop("reuse", None) or self.reuse
         defaults = SamplingParams(self.max_new_tokens, self.temperature, self.top_p, tuple(self.stop or ()),
                                   self.seed)
         params = SamplingParams.from_kwargs(defaults, **kwargs)
         documents, units = self._documents(units, explicit)
-        return self.engine.submit(make_prompt(documents, units), params, timeout=timeout)
+        return self.engine.submit(make_prompt(documents, units), params, timeout=timeout, reuse=reuse)
 
     def _documents(self, units: list[str], explicit: Sequence[Any] | None) -> tuple[tuple[Any, ...], list[str]]:
         """The documents to pass with a call whose text units are ``units``: explicit ones (str or `pcr_rag.Doc`),
@@ -407,8 +418,10 @@ class PCRLLM(FunctionCallingLLM):
     @staticmethod
     def _raw(result: GenerationResult) -> dict[str, Any]:
         """The request's metrics as a response's ``raw`` (and ``additional_kwargs["pcr"]``). ``usage`` has the
-        OpenAI shape (``prompt_tokens_details.cached_tokens``: prompt tokens whose KV was reused), where
-        LlamaIndex's `TokenCountingHandler` reads it; the metrics stay at the top level too."""
+        OpenAI shape (``prompt_tokens_details``: ``cached_tokens``, prompt tokens whose KV was reused exactly, and
+        ``blended_tokens``, prompt tokens placed by blend mode), as `pcr-rag serve` answers, where LlamaIndex's
+        `TokenCountingHandler` reads it; the metrics stay at the top level too, with ``reuse`` (how the call was
+        served: "exact" or "blend"). ``computed_tokens + reused_tokens + blended_tokens == prompt_tokens``."""
         m = result.metrics
         completion = len(result.token_ids)
         return {
@@ -416,13 +429,15 @@ class PCRLLM(FunctionCallingLLM):
                 "prompt_tokens": m.prompt_tokens,
                 "completion_tokens": completion,
                 "total_tokens": m.prompt_tokens + completion,
-                "prompt_tokens_details": {"cached_tokens": m.reused_tokens},
+                "prompt_tokens_details": {"cached_tokens": m.reused_tokens, "blended_tokens": m.blended_tokens},
             },
             "finish_reason": result.finish_reason,
             "prompt_tokens": m.prompt_tokens,
             "completion_tokens": completion,
             "computed_tokens": m.computed_tokens,
             "reused_tokens": m.reused_tokens,
+            "blended_tokens": m.blended_tokens,
+            "reuse": m.reuse,
             "reused_by_tier": dict(m.reused_by_tier),
             "ttft_s": m.ttft_s,
             "e2e_s": m.e2e_s,
