@@ -475,25 +475,42 @@ class FastForward:
 
     # ---------------------------------------------------------------------------------------------- prefill
     def prefill(self, row: RowKV, token_ids: torch.Tensor, start: int, *, hooks: LayerHooks | None = None,
-                want_logits: bool = True) -> torch.Tensor | None:
-        """Compute positions [start, start + n) of ``row`` (``token_ids``: n token ids). Positions < start must
-        be in the row (or arrive before each layer's attention, see `LayerHooks`). Returns the last position's
-        logits ``[vocab]`` when ``want_logits``."""
-        return run_layers(self.prefill_layers(row, token_ids, start, hooks=hooks, want_logits=want_logits))[1]
+                want_logits: bool = True, positions: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Compute positions [start, start + n) of ``row`` (``token_ids``: n token ids; ``positions``: a blend
+        step's scattered positions instead, see `prefill_layers`). Positions < start must be in the row (or arrive
+        before each layer's attention, see `LayerHooks`). Returns the last position's logits ``[vocab]`` when
+        ``want_logits``."""
+        return run_layers(self.prefill_layers(row, token_ids, start, hooks=hooks, want_logits=want_logits,
+                                              positions=positions))[1]
 
     @torch.inference_mode()
     def prefill_layers(self, row: RowKV, token_ids: torch.Tensor, start: int, *, hooks: LayerHooks | None = None,
-                       want_logits: bool = True) -> Generator[int, None, torch.Tensor | None]:
+                       want_logits: bool = True, positions: torch.Tensor | None = None
+                       ) -> Generator[int, None, torch.Tensor | None]:
         """`prefill` one layer at a time: a generator that computes one more layer per ``next()`` - it yields
         the layer's index after every layer but the last, and the last ``next()`` (the one that computes the
         last layer) returns `prefill`'s result through ``StopIteration.value`` (see `run_layers`). So a step
         can pause between layers (the engine's decode steps run in between: `step_budget`) without changing a
         number: the layers, tiles and attention blocks are the ones `prefill` computes. The row's positions
-        [start, end) are in flux until it ends; nothing else may write them."""
+        [start, end) are in flux until it ends; nothing else may write them.
+
+        ``positions`` (blend mode, `pcr_rag.runtime.blend`): token i sits at ``positions[i]`` (strictly increasing,
+        ``positions[0] == start``) instead of ``start + i``: one step computes several spans with KV placed
+        between them, which every query of a later span attends to as causal attention requires (each layer writes
+        all the step's keys before its attention). The positions between the spans must hold their KV (placed or
+        loaded) before each layer's attention; the step never zero-fills them (positions below the last written
+        high-water mark are left alone, and blend zero-fills the whole prompt before placing). Its numbers are not
+        those of the spans computed one by one (the tiles differ): blend mode is approximate anyway."""
         n = int(token_ids.shape[0])
-        end = start + n
         if n < 1:
             raise ValueError("prefill needs at least one token")
+        if positions is not None:
+            if (positions.shape[0] != n or int(positions[0]) != start
+                    or bool((positions[1:] <= positions[:-1]).any())):
+                raise ValueError("positions must be strictly increasing, one per token, starting at start")
+            if int(positions[-1]) - start + 1 == n:
+                positions = None  # contiguous after all: the plain step
+        end = start + n if positions is None else int(positions[-1]) + 1
         if end > min(row.arena.row_capacity, self.max_positions):
             raise ValueError(f"positions up to {end} exceed the row capacity {row.arena.row_capacity}")
         started = time.perf_counter()
@@ -505,11 +522,14 @@ class FastForward:
         ids = torch.zeros(padded, dtype=torch.long, device=self.device)
         ids[:n] = token_ids.to(self.device)
         pos = torch.full((padded,), end - 1, dtype=torch.long, device=self.device)
-        pos[:n] = torch.arange(start, end, device=self.device)
+        pos[:n] = torch.arange(start, end, device=self.device) if positions is None else positions.to(self.device)
         xs = list(self._embed(ids).split(sizes))  # one [rows, hidden] tensor per tile (no copies between layers)
         first = start // block
         blocks = (end - 1) // block + 1 - first
         offset = start - first * block  # row of position `start` in the block-aligned query buffer
+        # scattered steps: each token's row in the block-aligned buffer, and each block's rows to compute
+        rows = None if positions is None else pos[:n] - first * block
+        needed = (offset, offset + n) if rows is None else _rows_per_block(rows.tolist(), block)
         heads, d = self.num_heads, self.head_dim
         # queries in block-aligned layout: rows of positions this step does not compute stay zero
         qb = torch.zeros(blocks * block, heads, d, dtype=xs[0].dtype, device=self.device)
@@ -524,14 +544,18 @@ class FastForward:
                 t0 = spans[t][0]
                 real = min(sizes[t], n - t0)
                 q, k, v = self._qkv(lw, x, cos[t], sin[t])
-                row.write(li, start + t0, k[:real], v[:real])
-                qb[offset + t0: offset + t0 + real] = q[:real]
+                if rows is None:
+                    row.write(li, start + t0, k[:real], v[:real])
+                    qb[offset + t0: offset + t0 + real] = q[:real]
+                else:
+                    row.write_at(li, pos[t0: t0 + real], k[:real], v[:real])
+                    qb[rows[t0: t0 + real]] = q[:real]
             if hooks is not None:
                 hooks.before_attention(li)
-            self._prefill_attention(li, lw, row, qb, out, first, (offset, offset + n))
+            self._prefill_attention(li, lw, row, qb, out, first, needed)
             if hooks is not None:
                 hooks.after_layer(li, start, end)
-            attn_rows[:n] = out[offset: offset + n]
+            attn_rows[:n] = out[offset: offset + n] if rows is None else out[rows]
             xs = [self._mlp_block(lw, x, attn_rows[a:b]) for (a, b), x in zip(spans, xs)]
             if li < len(self.layers) - 1:
                 yield li
@@ -542,19 +566,26 @@ class FastForward:
         return self._logits(xs[-1][n - 1 - a: n - a])[0]
 
     def _prefill_attention(self, li: int, lw: LayerWeights, row: RowKV, qb: torch.Tensor, out: torch.Tensor,
-                           first: int, needed: tuple[int, int]) -> None:
+                           first: int, needed: tuple[int, int] | dict[int, tuple[int, int]]) -> None:
         """Attention in whole blocks aligned to absolute positions (see the module docstring): ``qb`` holds the
         queries of blocks first, first + 1, ... (``[blocks * A, heads, D]``); results go to ``out``
-        (``[blocks * A, heads * D]``). Of each block, the rows in ``needed`` (buffer rows the step computes) are
+        (``[blocks * A, heads * D]``). Of each block, the rows in ``needed`` (buffer rows the step computes; for a
+        scattered step, per block index the span of its rows to compute, blocks absent computing nothing) are
         computed: in exact sub-block slices where proven, else with the whole block."""
         block, sub = self.attention_block, self.attention_sub_block
         for j in range(qb.shape[0] // block):
+            if isinstance(needed, dict):
+                if j not in needed:
+                    continue
+                span = (needed[j][0] + j * block, needed[j][1] + j * block)
+            else:
+                span = needed
             bs = (first + j) * block
             be = bs + block
             ks = 0 if lw.window is None else max(0, bs - lw.window + 1)
             a, b = 0, block
             if sub is not None:
-                lo, hi = max(needed[0] - j * block, 0), min(needed[1] - j * block, block)
+                lo, hi = max(span[0] - j * block, 0), min(span[1] - j * block, block)
                 a, b = lo // sub * sub, min(block, -(-hi // sub) * sub)
             out[j * block + a: j * block + b] = self._attend(
                 qb[j * block: (j + 1) * block], (a, b), bs, row.keys(li, ks, be).unsqueeze(0),
@@ -744,6 +775,17 @@ def cheapest_short_tiles(sizes: Sequence[int], cost: Callable[[int], float], ful
 def _powers_of_two_below(n: int) -> tuple[int, ...]:
     """1, 2, 4, ... below ``n``."""
     return tuple(1 << i for i in range(max(n - 1, 0).bit_length()) if 1 << i < n)
+
+
+def _rows_per_block(rows: Sequence[int], block: int) -> dict[int, tuple[int, int]]:
+    """For a scattered step's buffer rows (ascending), per block index the span ``[lo, hi)`` of rows (relative to
+    the block) that holds all of that block's rows."""
+    spans: dict[int, tuple[int, int]] = {}
+    for r in rows:
+        j, within = divmod(r, block)
+        lo, hi = spans.get(j, (within, within + 1))
+        spans[j] = (min(lo, within), max(hi, within + 1))
+    return spans
 
 
 def _swap_halves(x: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,15 @@ class RowKV:
         self.arena.k[layer][self.row, :, start:end].copy_(k.transpose(0, 1))
         self.arena.v[layer][self.row, :, start:end].copy_(v.transpose(0, 1))
 
+    def write_at(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``/``v`` ``[n, kv_heads, head_dim]`` at ``positions`` (n ascending positions, a scattered
+        prefill step of blend mode)."""
+        if int(positions[-1]) >= self.arena.row_capacity:
+            raise KVCapacityError(f"a KV row holds {self.arena.row_capacity} tokens, asked to write at "
+                                  f"{int(positions[-1])}")
+        self.arena.k[layer][self.row, :, positions] = k.transpose(0, 1)
+        self.arena.v[layer][self.row, :, positions] = v.transpose(0, 1)
+
     def load_payload_layer(self, layer: int, start: int, end: int, data: torch.Tensor,
                            non_blocking: bool = False) -> None:
         """Copy one layer of a chunk payload (``data [2, kv_heads, end - start, head_dim]``) into the row."""

@@ -96,6 +96,9 @@ class _InflightStep:
     end: int
     layers: Generator[int, None, torch.Tensor | None]
     offload: ChunkOffload | None
+    tokens: int = 0  # positions it computes (``end - start`` unless a blend step spans placed KV)
+    scattered: bool = False  # a blend step over several compute spans
+    rest: tuple[Span, ...] = ()  # ... and the compute spans it leaves (the first one may be partly done)
     seconds: float = 0.0
     waited: float = 0.0
     started_at: float = field(default_factory=time.perf_counter)  # perf_counter seconds (a traced request's span)
@@ -382,14 +385,21 @@ class PrefillTask:
         step = self._inflight
         if step is None:
             start = self.position
-            end = min(self._span_end, _aligned_end(start, max(1, budget), self.ctx.forward.attention_block))
+            positions, rest = self._blend_step(max(1, budget))
+            if positions is None:
+                end = min(self._span_end, _aligned_end(start, max(1, budget), self.ctx.forward.attention_block))
+                ids = self._ids[start:end]
+            else:
+                end = int(positions[-1]) + 1
+                ids = self._ids[positions]
             offload = self._offload_for(end)
-            generator = self.ctx.forward.prefill_layers(self.row, self._ids[start:end], start,
+            generator = self.ctx.forward.prefill_layers(self.row, ids, start,
                                                         hooks=_StepHooks(self._load, offload, self._placement),
-                                                        want_logits=end == self.total)
-            step = self._inflight = _InflightStep(start, end, generator, offload)
+                                                        want_logits=end == self.total, positions=positions)
+            step = self._inflight = _InflightStep(start, end, generator, offload, len(ids), positions is not None,
+                                                  rest)
         waits_before, t0 = sum(self.ctx.copy.waits.seconds), time.perf_counter()
-        count = None if layers is None else max(1, layers(step.end - step.start))
+        count = None if layers is None else max(1, layers(step.tokens))
         done, logits = run_layers(step.layers, count)
         if done and self._load is not None:
             self._load.wait_all()  # the first layers waited for their KV; this only surfaces a late error
@@ -402,23 +412,47 @@ class PrefillTask:
         compute_s = step.seconds - step.waited
         if self._trace is not None:
             done_at = time.perf_counter()
-            self._trace.note_step(step.started_at, done_at, step.end - step.start)
+            self._trace.note_step(step.started_at, done_at, step.tokens)
             if self._load is not None:
                 self._trace.note_load_done(done_at)  # the step's layers waited for every layer of the prefix
         if self._load is not None:
             self.load_wait_s += step.waited
             self._load = None
             self._promote_ssd_chunks()
-        self.last_step = (step.end - step.start, compute_s, step.start)
+        self.last_step = (step.tokens, compute_s, step.start)
         self.position = step.end
-        if self._placement is not None and self._placement.done:
-            self._release_blend()  # placed: the documents' chunks need no pin any more
-        if self.position == self._span_end and self._compute_spans:
+        if step.scattered:  # a blend step that spanned placed KV: resume at the compute spans it left
+            first = step.rest[0] if step.rest else Span(step.end, step.end)
+            self.position, self._span_end = first.start, first.end
+            self._compute_spans = list(step.rest[1:])
+        elif self.position == self._span_end and self._compute_spans:
             span = self._compute_spans.pop(0)  # skip the placed span before it
             self.position, self._span_end = span.start, span.end
+        if self._placement is not None and self._placement.done:
+            self._release_blend()  # placed: the documents' chunks need no pin any more
         if step.offload is not None:
             self._insert_completed(step.offload)
         return logits
+
+    def _blend_step(self, budget: int) -> tuple[torch.Tensor | None, tuple[Span, ...]]:
+        """A blend step's positions when the current compute span has fewer than ``budget`` tokens left and more
+        compute spans follow: one forward computes the next ``budget`` tokens of them all, across the placed KV
+        between them (fewer forwards: each one pays a fixed cost per layer, which on a GPU outweighs a short
+        span's tokens). Returns (positions, the compute spans left after the step), or (None, ()) for a
+        contiguous step."""
+        if not self._compute_spans or self._span_end - self.position >= budget:
+            return None, ()
+        pieces = [Span(self.position, self._span_end)]
+        left = budget - (self._span_end - self.position)
+        rest = list(self._compute_spans)
+        while rest and left > 0:
+            span = rest.pop(0)
+            take = min(left, span.end - span.start)
+            pieces.append(Span(span.start, span.start + take))
+            left -= take
+            if take < span.end - span.start:
+                rest.insert(0, Span(span.start + take, span.end))
+        return torch.cat([torch.arange(p.start, p.end) for p in pieces]), tuple(rest)
 
     def _offload_for(self, end: int) -> ChunkOffload | None:
         """The offload of plan chunks this step completes (ending at or before ``end``, not cached yet)."""

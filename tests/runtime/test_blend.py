@@ -221,12 +221,13 @@ def test_placed_kv_survives_the_compute_steps_and_equals_exact_where_no_shift_is
     assert torch.equal(got.first_token_logits, want.first_token_logits)
 
 
-def test_a_later_compute_step_never_wipes_placed_kv(tiny, tmp_path):
+@pytest.mark.parametrize("step_tokens", [8, 512])
+def test_a_later_compute_step_never_wipes_placed_kv(tiny, tmp_path, step_tokens):
     """A document's recomputed head is a compute step that starts after earlier placed spans and before its
     own placed rest: the step's zero-fill of never-written positions (up to its attention block's end) must not
     wipe the placed KV ahead of it. Run on a row that was never written (NaN, high-water mark 0) and on a warm
     row: the same logits."""
-    with _engine(tiny, tmp_path / "c", reuse="blend", blend_recompute=0.25, prefill_chunk_tokens=512) as eng:
+    with _engine(tiny, tmp_path / "c", reuse="blend", blend_recompute=0.25, prefill_chunk_tokens=step_tokens) as eng:
         eng.generate(QUESTION, [DOC_A, DOC_B])  # both documents' isolated KV cached in DRAM
         warm = eng.generate(QUESTION, [DOC_B, DOC_A])
         arena = eng.arena
@@ -304,3 +305,38 @@ def test_a_slow_tier_the_planner_declines_computes_the_document_in_place(tiny, t
     assert declined and got.metrics.blended_tokens == 0
     assert got.metrics.computed_tokens == got.metrics.prompt_tokens
     assert "computed in place" not in caplog.text  # declined by the planner, not a cache failure
+
+
+def test_a_scattered_step_over_placed_exact_kv_reproduces_the_whole_prefill():
+    """The blend step's forward over several spans with KV in between (`prefill_layers(positions=...)`): when
+    the KV between the spans is the exact KV, one scattered step gives the logits and KV of a plain prefill of
+    the whole prompt (float32: to rounding; the tiles differ, so not bit for bit)."""
+    loaded = tiny_loaded_model("llama", dtype=torch.float32, num_layers=2)
+    fwd = FastForward(loaded, weights="bf16", batch_rows=2, max_positions=1024)
+    arena = fwd.new_arena(2, 1024)
+    ids = torch.randint(5, 200, (700,), generator=torch.Generator().manual_seed(1))
+    want = fwd.prefill(arena.row(0), ids, 0)
+    full, part = arena.row(0), arena.row(1)
+    fwd.prefill(part, ids[:100], 0)
+    arena.ensure_finite(1, 100, 768)
+    for li in range(len(fwd.layers)):  # "placed": the exact KV of [130, 400) and [420, 690)
+        for a, b in ((130, 400), (420, 690)):
+            part.keys(li, a, b).copy_(full.keys(li, a, b))
+            part.values(li, a, b).copy_(full.values(li, a, b))
+    positions = torch.cat([torch.arange(100, 130), torch.arange(400, 420), torch.arange(690, 700)])
+    got = fwd.prefill(part, ids[positions], 100, positions=positions)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    for li in range(len(fwd.layers)):
+        assert torch.allclose(part.keys(li, 0, 700), full.keys(li, 0, 700), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        fwd.prefill(part, ids[:3], 5, positions=torch.tensor([5, 9, 7]))
+
+
+def test_blend_steps_span_placed_kv_instead_of_one_forward_per_document(tiny, tmp_path):
+    """A document's recomputed head and the next document's are one forward when the step budget holds both."""
+    with _engine(tiny, tmp_path / "c", reuse="blend", blend_recompute=0.1, prefill_chunk_tokens=512) as eng:
+        eng.generate(QUESTION, [DOC_A, DOC_B, DOC_C])
+        counts = _count_computed(eng)
+        got = eng.generate(QUESTION, [DOC_C, DOC_A, DOC_B])
+    assert got.metrics.blended_tokens > 0
+    assert len(counts) == 1 and counts[0] == got.metrics.computed_tokens
