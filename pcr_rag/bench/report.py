@@ -89,8 +89,15 @@ ABLATIONS: tuple[tuple[str, str], ...] = (
 class RequestSample:
     """What one measured request cost. Seconds from its arrival (submission); tokens.
 
-    ``reused_by_tier`` maps ``"device"/"dram"/"ssd"`` to prompt tokens whose KV came from that tier;
-    ``computed_tokens + sum(reused_by_tier) == prompt_tokens``. ``itl_s``: gaps between generated tokens.
+    ``reused_by_tier`` maps ``"device"/"dram"/"ssd"`` to prompt tokens whose KV came from that tier (the exact
+    prefix); ``blended_tokens``: blend mode's placed tokens as the engine counts them (approximate KV);
+    ``computed_tokens + sum(reused_by_tier) + blended_tokens == prompt_tokens``. A blend request also carries
+    what the bench's `pcr_rag.bench.blend_ledger` made of it: ``blended_reused`` (placed tokens whose KV an earlier
+    request left: reuse) and ``blended_fresh`` (placed tokens whose KV was computed in isolation for this request:
+    not reuse), both None when the ledger could not replay its plan;
+    ``compute_context`` (sum of ``position + 1/2`` over every position it computed, fresh ones included: the
+    context term of a raw forward of exactly those tokens) and ``compute_spans`` (forward spans computed in
+    context); None for other requests. ``itl_s``: gaps between generated tokens.
     ``key``: ``(repeat, trace index)``, what pairs this request with the same request of another system (None:
     its position in the run). ``arrival_s``: its arrival time in the trace. ``output_hash``: a digest of the
     generated token ids (equal answers, equal hashes). ``answer_hit``: whether the answer names what the
@@ -115,6 +122,11 @@ class RequestSample:
     prefill_s: float = 0.0
     prefill_compute_s: float = 0.0
     load_wait_s: float = 0.0
+    blended_tokens: int = 0
+    blended_reused: int | None = None
+    blended_fresh: int | None = None
+    compute_context: float | None = None
+    compute_spans: int | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -143,6 +155,7 @@ class RequestSample:
             prefill_s=float(getattr(metrics, "prefill_s", 0.0)),
             prefill_compute_s=float(getattr(metrics, "prefill_compute_s", 0.0)),
             load_wait_s=float(getattr(metrics, "load_wait_s", 0.0)),
+            blended_tokens=int(getattr(metrics, "blended_tokens", 0) or 0),
             **fields,
         )
 
@@ -200,7 +213,7 @@ class RunRecord:
             "hit_ratio": {t: (by_tier[t] / prompt if prompt else 0.0) for t in TIERS},
             "reuse_ratio": reused / prompt if prompt else 0.0,
             "tokens": {"prompt": prompt, "computed": sum(x.computed_tokens for x in s), "reused": reused,
-                       "output": output},
+                       "output": output, **_blend_tokens(s)},
             "throughput_rps": len(s) / self.duration_s if self.duration_s > 0 else None,
             "output_tokens_per_s": output / self.duration_s if self.duration_s > 0 else None,
             "prefetch_hits": self.prefetch_hits,
@@ -208,6 +221,19 @@ class RunRecord:
             "extra": _jsonable(self.extra),
             "requests": _request_columns(s),
         }
+
+
+def _blend_tokens(samples: Sequence[RequestSample]) -> dict[str, Any]:
+    """A run's blend token counts (empty for a run no blend ledger saw): ``blended`` (the engine's count),
+    ``blended_reused`` (placed from KV an earlier request left) and ``blended_fresh`` (placed after an isolated
+    prefill for the request itself), each None when some request's plan could not be replayed."""
+    ledgered = [x for x in samples if x.compute_context is not None]
+    if not ledgered and not any(x.blended_tokens for x in samples):
+        return {}
+    known = all(x.blended_reused is not None and x.blended_fresh is not None for x in ledgered) and bool(ledgered)
+    return {"blended": sum(x.blended_tokens for x in samples),
+            "blended_reused": sum(x.blended_reused or 0 for x in ledgered) if known else None,
+            "blended_fresh": sum(x.blended_fresh or 0 for x in ledgered) if known else None}
 
 
 def _request_columns(samples: Sequence[RequestSample]) -> dict[str, list[Any]]:
@@ -228,6 +254,11 @@ def _request_columns(samples: Sequence[RequestSample]) -> dict[str, list[Any]]:
         "output_tokens": [x.output_tokens for x in samples],
         "output_hash": [x.output_hash for x in samples],
         "answer_hit": [x.answer_hit for x in samples],
+        "blended": [x.blended_tokens for x in samples],
+        "blended_reused": [x.blended_reused for x in samples],
+        "blended_fresh": [x.blended_fresh for x in samples],
+        "compute_context": [x.compute_context for x in samples],
+        "compute_spans": [x.compute_spans for x in samples],
     }
 
 

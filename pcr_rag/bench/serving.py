@@ -64,6 +64,7 @@ from pcr_rag.bench.baselines import (
     llama_cpp_unavailable,
     locate_gguf,
 )
+from pcr_rag.bench.blend_ledger import BlendLedger, BlendServed, context_sum
 from pcr_rag.bench.config import QUICK_CAVEAT, SYSTEM_PROMPT, BenchConfig, BenchError
 from pcr_rag.bench.disk import drop_page_cache
 from pcr_rag.bench.limit import measure_limit_ratio
@@ -80,6 +81,7 @@ from pcr_rag.cache.tiers.remote_client import COUNTERS as REMOTE_COUNTERS
 from pcr_rag.config import EngineConfig
 from pcr_rag.engine import GenerationResult, PCREngine
 from pcr_rag.metrics import TIERS
+from pcr_rag.prompt import PromptBuilder
 from pcr_rag.runtime import gc_pauses
 from pcr_rag.runtime.model import load_model
 
@@ -101,12 +103,20 @@ Server = PCREngine | SerialServer
 
 @dataclass(frozen=True)
 class _Outcome:
-    """The requests of one trace in request order (None where one failed), their completion times (clock
-    seconds), the makespan (first arrival -> last completion, seconds) and how many failed."""
+    """The requests of one trace in request order (None where one failed), the makespan (first arrival -> last
+    completion, seconds), how many failed, and each request's submission time (clock seconds; with its
+    ``queue_s``, when its prefill began: the order a blend engine placed and cached documents in)."""
 
     results: list[GenerationResult | None]
     duration_s: float
     failed: int
+    submitted_s: list[float] = dataclasses.field(default_factory=list)
+    documents: list[list[str]] = dataclasses.field(default_factory=list)  # as sent (after an online reorder)
+
+    def prefill_order(self) -> list[int]:
+        """Indices of the finished requests in the order their prefills began (submission + queue time)."""
+        done = [i for i, r in enumerate(self.results) if r is not None]
+        return sorted(done, key=lambda i: (self.submitted_s[i] + self.results[i].metrics.queue_s, i))  # type: ignore[union-attr]
 
 
 def _cache_stats(server: Server) -> CacheStats:
@@ -160,6 +170,7 @@ class BenchRunner:
         self._valkey: Any = None  # the shared store of ``remote`` systems, started on first use
         self._dead_url: str | None = None
         self._work = Path(tempfile.gettempdir())  # the run's working directory, set by run()
+        self._ledgers: dict[str, BlendLedger] = {}  # per blend system: what its engine holds (`blend_ledger`)
 
     # ------------------------------------------------------------------------------------------ entry
     def run(self) -> dict[str, Any]:
@@ -403,6 +414,7 @@ class BenchRunner:
                         writer.close()
                 continue
             outcome = self._run_trace(name, trace)
+            self._blend_served(name, trace, outcome)
             server.flush()
             service = [r.metrics.e2e_s - r.metrics.queue_s for r in outcome.results if r is not None]
             if name == "no-reuse" and service:
@@ -443,6 +455,7 @@ class BenchRunner:
             self.servers[name].close()
             config = EngineConfig(**self._engine_kwargs(spec, self.cache_dirs[name]))
             self.servers[name] = self._engine(spec, config, self._work)
+            self._ledgers.pop(name, None)  # its tiers are empty again
         server = self.servers[name]
         engine = server if isinstance(server, PCREngine) else None
         self._bar.set_description_str(f"{name} @ {rate:.3g} req/s")
@@ -462,16 +475,22 @@ class BenchRunner:
         io_after = storage.snapshot() if storage else (0, 0)
         cache_a = _cache_stats(server)
         gold = self.traces.gold
+        served = self._blend_served(name, trace, outcome)
         samples: list[RequestSample] = []
-        for req, res in zip(trace, outcome.results, strict=True):
+        for i, (req, res) in enumerate(zip(trace, outcome.results, strict=True)):
             if res is None:
                 continue
             hit = None
             if req.topic is not None and req.topic in gold:
                 hit = gold[req.topic].name.lower() in res.text.lower()
+            blend: dict[str, Any] = {}
+            if i in served:
+                b = served[i]
+                blend = {"blended_reused": b.blended_reused, "blended_fresh": b.fresh,
+                         "compute_context": context_sum(b.computed_spans), "compute_spans": len(b.compute_spans)}
             samples.append(RequestSample.from_metrics(
                 res.metrics, output_tokens=len(res.token_ids), key=(rep, req.request_id), arrival_s=req.arrival_s,
-                output_hash=_output_hash(res.token_ids), answer_hit=hit))
+                output_hash=_output_hash(res.token_ids), answer_hit=hit, **blend))
         ok = [r for r in outcome.results if r is not None]
         load_waits = [r.metrics.load_wait_s for r in ok]
         prefills = [r.metrics.prefill_s for r in ok]
@@ -519,7 +538,11 @@ class BenchRunner:
                 "dram_high_water_bytes": cache_a.bytes_high_water["dram"],
                 "dram_capacity_bytes": c.dram_capacity if engine.cache is not None else 0,
                 "max_queue_depth": engine.stats().max_queue_depth,
+                "ssd_evictions": cache_a.evictions["ssd"] - cache_b.evictions["ssd"],
             })
+            if name in self._ledgers:
+                extra["blend_recompute"] = c.blend_recompute
+                extra["blend_inconsistent"] = sum(1 for b in served.values() if not b.consistent)
             if cache_a.remote_io:  # the remote tier's counters over this run (hits, errors, breaker trips, ...)
                 extra["remote_io"] = {k: cache_a.remote_io.get(k, 0) - cache_b.remote_io.get(k, 0)
                                       for k in (*REMOTE_COUNTERS, "breaker_trips")}
@@ -537,6 +560,8 @@ class BenchRunner:
             order_kwargs["system"] = SYSTEM_PROMPT  # the requests' layout: the same head as generate's
         results: list[GenerationResult | None] = [None] * len(trace)
         done_at: list[float] = [0.0] * len(trace)
+        submitted: list[float] = [0.0] * len(trace)
+        sent: list[list[str]] = [[] for _ in trace]
         errors: list[BaseException] = []
         lock = threading.Lock()
         start = self.clock()
@@ -550,6 +575,7 @@ class BenchRunner:
                 if reorder:
                     docs = list(server.order_for_reuse(docs, **order_kwargs))  # type: ignore[union-attr]
                 out = req.max_new_tokens if req.max_new_tokens is not None else cfg.max_new_tokens
+                submitted[i], sent[i] = self.clock(), docs
                 results[i] = server.generate(req.question, documents=docs, system=SYSTEM_PROMPT,
                                              max_new_tokens=out, temperature=0.0)
             except Exception as exc:  # noqa: BLE001 - a failed request is counted and reported, not fatal
@@ -569,7 +595,29 @@ class BenchRunner:
             log.warning("%s: %d of %d requests failed; first error: %r", name, len(errors), len(trace), errors[0])
             if len(errors) == len(trace):
                 raise BenchError(f"{name}: every request failed; first error: {errors[0]!r}") from errors[0]
-        return _Outcome(results, (max(done_at) - start) if trace else 0.0, len(errors))
+        return _Outcome(results, (max(done_at) - start) if trace else 0.0, len(errors), submitted, sent)
+
+    def _blend_served(self, name: str, trace: Sequence[Request], outcome: _Outcome) -> dict[int, BlendServed]:
+        """A blend system's requests through its `BlendLedger`, in prefill order: index in ``trace`` -> what it
+        reused exactly, placed from earlier KV and computed (empty for any other system). A request the engine
+        served exactly (its gate tripped) places nothing and is left out."""
+        spec, server = self.specs[name], self.servers[name]
+        if not (spec.uses_cache and spec.overrides.get("reuse") == "blend" and isinstance(server, PCREngine)):
+            return {}
+        ledger = self._ledgers.get(name)
+        if ledger is None:
+            ledger = self._ledgers[name] = BlendLedger(PromptBuilder(self.loaded.tokenizer),
+                                                       float(server.config.blend_recompute), SYSTEM_PROMPT)
+        served: dict[int, BlendServed] = {}
+        for i in outcome.prefill_order():
+            res = outcome.results[i]
+            assert res is not None
+            m = res.metrics
+            if getattr(m, "reuse", "exact") != "blend":
+                continue
+            served[i] = ledger.serve(trace[i].question, outcome.documents[i], res.prompt_token_ids,
+                                     int(m.reused_tokens), int(m.blended_tokens))
+        return served
 
     # ------------------------------------------------------------------------------------------ limit ratio
     def _limit_ratio(self, traces: BenchTraces, work: Path) -> dict[str, Any] | None:

@@ -7,6 +7,8 @@ Every threshold is a named constant; the target lists below are built from them,
 - `RETRIEVAL_TARGETS`: ``pcr-rag bench --retrieval`` (real questions), cache-aware vs relevance document order.
 - `LIMIT_RATIO_TARGETS`: the limit ratio (`pcr_rag.bench.limit`): cached TTFT over a raw forward of the same
   suffix over an already-resident cache, prefix in DRAM and prefix on SSD.
+- ``BLEND_*``: blend mode (`pcr_rag.runtime.blend`) on a replayed trace (``pcr-rag bench --trace`` with
+  ``pcr-blend``; `pcr_rag.bench.trace_bounds.blend_section`) and its quality (``benchmarks/blend_quality.py``).
 - `PAPER_TARGETS`: ``pcr-rag simulate`` (the GPU regime): the PCR paper's claims for Llama2-7B.
 - ``SIM_VALIDATION_*``: ``pcr-rag simulate --validate``: how close the simulator must come to a measured run.
 
@@ -25,6 +27,10 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 __all__ = [
+    "BLEND_LIMIT_RATIO_MAX",
+    "BLEND_MIN_REUSE_OVER_POSITION_INDEPENDENT",
+    "BLEND_QUALITY_MIN_ROUGE_L",
+    "BLEND_VS_PCR_MEAN_TTFT_MAX",
     "LIMIT_RATIO_DRAM_MAX",
     "LIMIT_RATIO_SSD_MAX",
     "LIMIT_RATIO_TARGETS",
@@ -156,6 +162,20 @@ LIMIT_RATIO_SSD_MAX = 1.25
 #: `LimitRatioResult` field -> the largest value that passes.
 LIMIT_RATIO_TARGETS: Mapping[str, float] = MappingProxyType(
     {"ratio_dram": LIMIT_RATIO_DRAM_MAX, "ratio_ssd": LIMIT_RATIO_SSD_MAX})
+
+# ------------------------------------------------------------------------------------ blend mode
+
+#: pcr-blend's reused fraction (exact prefix + placed tokens an earlier request left) over the trace's
+#: position-independent bound (at least; judged on the point estimate: both are token counts of one run).
+BLEND_MIN_REUSE_OVER_POSITION_INDEPENDENT = 0.8
+#: pcr-blend's mean TTFT over a raw forward of exactly the tokens it computes against the same context (at most;
+#: upper end of the interval).
+BLEND_LIMIT_RATIO_MAX = 1.2
+#: pcr-blend's mean TTFT over exact pcr's on the same interleaved replay (at most; upper end of the interval).
+BLEND_VS_PCR_MEAN_TTFT_MAX = 0.95
+#: ROUGE-L F-measure of blend answers against the exact answers that the default recompute fraction must reach
+#: on every model of the quality table (at least).
+BLEND_QUALITY_MIN_ROUGE_L = 0.9
 
 # ------------------------------------------------------------------------------------ pcr-rag simulate
 

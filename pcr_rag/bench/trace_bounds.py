@@ -36,6 +36,12 @@ from typing import Any
 import numpy as np
 
 from pcr_rag.bench.reorder import PrefixSet, ReuseBound, order_trace
+from pcr_rag.bench.stats import RatioInterval, RequestTable, paired_ratio_interval
+from pcr_rag.bench.targets import (
+    BLEND_LIMIT_RATIO_MAX,
+    BLEND_MIN_REUSE_OVER_POSITION_INDEPENDENT,
+    BLEND_VS_PCR_MEAN_TTFT_MAX,
+)
 from pcr_rag.bench.trace_file import TraceRequest, TraceSegment
 from pcr_rag.cache import namespace_key, plan_chunks
 from pcr_rag.prompt import PromptBuilder
@@ -50,11 +56,15 @@ __all__ = [
     "RawForwardFit",
     "RequestLayout",
     "TraceBounds",
+    "blend_markdown",
+    "blend_section",
     "bounds_markdown",
     "bounds_section",
     "compute_bounds",
     "matched_prefix_tokens",
+    "raw_forward_seconds",
     "request_layout",
+    "reuse_split",
 ]
 
 #: The bounds, in the order they are reported (each at least the one before on real traffic).
@@ -359,6 +369,19 @@ class RawForwardFit:
     def seconds(self, new: int, prefix: int) -> float:
         return self.fixed_s + self.per_token_s * new + self.per_token_context_s * new * (prefix + new / 2)
 
+    def seconds_at(self, new: int, context: float) -> float:
+        """One raw forward of ``new`` tokens at any positions whose ``context`` is the sum of ``position + 1/2``
+        over them (`pcr_rag.bench.blend_ledger.context_sum`; ``new * (prefix + new / 2)`` for a suffix)."""
+        return self.fixed_s + self.per_token_s * new + self.per_token_context_s * context
+
+    def attention_share(self, tokens: int) -> float:
+        """The share of a full prefill of ``tokens`` (no cached prefix) that the context term (attention over
+        the context) takes; 0 for no tokens."""
+        if tokens <= 0:
+            return 0.0
+        total = self.seconds(tokens, 0)
+        return self.per_token_context_s * tokens * tokens / 2 / total if total > 0 else 0.0
+
     @classmethod
     def fit(cls, points: Sequence[tuple[int, int, float]]) -> RawForwardFit:
         if len(points) < 3:
@@ -403,21 +426,24 @@ def bounds_section(bounds: TraceBounds, runs: Sequence[Mapping[str, Any]], *, fi
             "prompt_tokens": sum(counts.prompt), "computed_tokens_mean": statistics.mean(computed) if computed else 0,
             "ttft_bound_s": _ttft_bound(fit, computed, counts.prompt) if fit is not None and computed else None,
         }
-    prefix = rows["prefix"]
+    prefix, pi = rows["prefix"], rows["position_independent"]
     reached = []
     for run in runs:
         req = run.get("requests") or {}
         p_tok = list(req.get("prompt_tokens") or [])
-        reused = [sum(v) for v in zip(*(req.get(f"reused_{t}") or [0] * len(p_tok)
-                                        for t in ("device", "dram", "ssd", "remote")), strict=True)]
-        computed = [max(1, p - r) for p, r in zip(p_tok, reused, strict=True)]
-        raw = _ttft_bound(fit, computed, p_tok) if fit is not None and p_tok else None
+        split = reuse_split(run)
+        raws = raw_forward_seconds(run, fit) if fit is not None and p_tok else None
+        raw = statistics.mean(raws) if raws else None
         mean_ttft = (run.get("ttft") or {}).get("mean")
+        total = split["reuse"]
         reached.append({
-            "system": run["system"], "reuse": run.get("reuse_ratio"), "prompt_tokens": sum(p_tok),
-            "prompt_tokens_as_laid_out": p_tok == list(served_prompt),
-            "reuse_over_prefix_bound": (run["reuse_ratio"] / prefix["fraction"]
-                                        if prefix["fraction"] and run.get("reuse_ratio") is not None else None),
+            "system": run["system"], "reuse": total, "exact_reuse": split["exact"], "blended": split["blended"],
+            "blended_reused": split["blended_reused"], "blended_fresh": split["blended_fresh"],
+            "prompt_tokens": sum(p_tok), "prompt_tokens_as_laid_out": p_tok == list(served_prompt),
+            "reuse_over_prefix_bound": (total / prefix["fraction"]
+                                        if prefix["fraction"] and total is not None else None),
+            "reuse_over_position_independent_bound": (total / pi["fraction"]
+                                                      if pi and pi["fraction"] and total is not None else None),
             "ttft_mean_s": mean_ttft, "raw_forward_of_computed_s": raw,
             "ttft_over_raw_forward": mean_ttft / raw if raw and mean_ttft is not None else None,
             "ttft_over_prefix_bound": (mean_ttft / prefix["ttft_bound_s"]
@@ -429,8 +455,142 @@ def bounds_section(bounds: TraceBounds, runs: Sequence[Mapping[str, Any]], *, fi
         "trace": dict(info), "bounds": rows, "reached": reached,
         "passage_bound": bounds.passages.as_dict() if bounds.passages is not None else None,
         "raw_forward": fit.as_dict() if fit is not None else None, "stored_tokens": bounds.stored_tokens,
+        "blend": blend_section(runs, rows, fit, served_prompt),
         "per_request": per_request, "notes": list(notes),
     }
+
+
+_TIER_NAMES = ("device", "dram", "ssd", "remote")
+
+
+def reuse_split(run: Mapping[str, Any]) -> dict[str, float | None]:
+    """A run's reuse as fractions of its prompt tokens: ``exact`` (the prefix), ``blended`` (placed tokens as the
+    engine counts them), ``blended_reused`` (placed from KV an earlier request left), ``blended_fresh`` (placed
+    after an isolated prefill for their own request: not reuse) and ``reuse`` = exact + blended_reused (None when
+    the bench could not replay some request's plan)."""
+    tokens = run.get("tokens") or {}
+    prompt = tokens.get("prompt") or 0
+    exact = run.get("reuse_ratio")
+    if "blended" not in tokens:  # nothing placed
+        return {"reuse": exact, "exact": exact, "blended": 0.0, "blended_reused": 0.0, "blended_fresh": 0.0}
+    if not prompt:
+        return {"reuse": None, "exact": exact, "blended": None, "blended_reused": None, "blended_fresh": None}
+    fresh, reused = tokens.get("blended_fresh"), tokens.get("blended_reused")
+    return {"reuse": None if reused is None or exact is None else exact + reused / prompt, "exact": exact,
+            "blended": tokens["blended"] / prompt, "blended_reused": None if reused is None else reused / prompt,
+            "blended_fresh": None if fresh is None else fresh / prompt}
+
+
+def raw_forward_seconds(run: Mapping[str, Any], fit: RawForwardFit) -> list[float]:
+    """Per request of ``run``: one raw forward (``fit``) of exactly the tokens it computed, against the same
+    context. An exact request computes the suffix after its reused prefix; a blend request the spans its ledger
+    replayed (`pcr_rag.bench.blend_ledger`: in context, and its fresh documents at their prompt positions), from
+    the ``compute_context`` column. At least one token: the first output token needs logits."""
+    req = run.get("requests") or {}
+    p_tok = list(req.get("prompt_tokens") or [])
+    n = len(p_tok)
+    reused = [sum(v) for v in zip(*(req.get(f"reused_{t}") or [0] * n for t in _TIER_NAMES), strict=True)]
+    blended = list(req.get("blended") or [0] * n)
+    placed_reuse = list(req.get("blended_reused") or [None] * n)
+    context = list(req.get("compute_context") or [None] * n)
+    out = []
+    for p, r, b, pr, c in zip(p_tok, reused, blended, placed_reuse, context, strict=True):
+        if c is not None and pr is not None:
+            out.append(fit.seconds_at(max(1, p - r - pr), c))
+        else:  # no replayed plan: the engine's placed tokens as reused, the rest as one suffix
+            computed = max(1, p - r - b)
+            out.append(fit.seconds(computed, p - computed))
+    return out
+
+
+def _table(run: Mapping[str, Any], column: str, values: Sequence[float] | None = None) -> RequestTable | None:
+    """``run``'s requests as a `RequestTable` whose ``ttft`` column is ``column`` (or ``values``, one per request),
+    for paired intervals of two columns of one run."""
+    req = run.get("requests") or {}
+    col = list(values) if values is not None else list(req.get(column) or [])
+    if not col or any(v is None for v in col):
+        return None
+    return RequestTable.from_run({"requests": {"ttft": col, "key": req.get("key") or [[0, i] for i in range(len(col))]}})
+
+
+def _interval(ci: RatioInterval | None) -> dict[str, Any] | None:
+    return None if ci is None else {"ratio": ci.ratio, "low": ci.low, "high": ci.high, "n": ci.n}
+
+
+def blend_section(runs: Sequence[Mapping[str, Any]], rows: Mapping[str, Any], fit: RawForwardFit | None,
+                  served_prompt: Sequence[int]) -> list[dict[str, Any]]:
+    """Per blend run (one whose tokens carry ``blended``) of a replay: its reuse against the position-independent
+    bound, its limit ratio (mean TTFT over a raw forward of exactly the tokens it computed, with a paired
+    interval; also with prefill time instead of TTFT, which leaves queueing out), its mean TTFT over exact pcr's
+    and no-reuse's (paired intervals over the same requests), each against its ``BLEND_*`` target, and what its
+    cost is made of: the attention share of a full prefill at the replay's mean prompt length (the raw-forward
+    fit's context term), forward spans per request and the fit's fixed cost per forward, queueing."""
+    by_name = {r["system"]: r for r in runs}
+    pi = (rows.get("position_independent") or {}).get("fraction")
+    out: list[dict[str, Any]] = []
+    for run in runs:
+        if "blended" not in (run.get("tokens") or {}):
+            continue
+        split = reuse_split(run)
+        req = run.get("requests") or {}
+        raws = raw_forward_seconds(run, fit) if fit is not None else None
+        limit = limit_prefill = None
+        if raws:
+            raw_table, ttft_table, prefill_table = (_table(run, "ttft", raws), _table(run, "ttft"),
+                                                    _table(run, "prefill"))
+            if raw_table is not None and ttft_table is not None:
+                limit = paired_ratio_interval(ttft_table, raw_table, "ttft.mean")
+            if raw_table is not None and prefill_table is not None:
+                limit_prefill = paired_ratio_interval(prefill_table, raw_table, "ttft.mean")
+        vs_pcr = _run_ratio(run, by_name.get("pcr"))
+        vs_none = _run_ratio(run, by_name.get("no-reuse"))
+        over_pi = split["reuse"] / pi if pi and split["reuse"] is not None else None
+        spans = [s for s in req.get("compute_spans") or [] if s is not None]
+        ttft = (run.get("ttft") or {}).get("mean")
+        queue = (run.get("queue") or {}).get("mean")
+        mean_prompt = statistics.mean(served_prompt) if served_prompt else 0
+        out.append({
+            "system": run["system"], "recompute": (run.get("extra") or {}).get("blend_recompute"),
+            "reuse": split, "position_independent_bound": pi, "reuse_over_position_independent": over_pi,
+            "limit_ratio": _interval(limit), "limit_ratio_prefill": _interval(limit_prefill),
+            "raw_forward_mean_s": statistics.mean(raws) if raws else None,
+            "ttft_vs_pcr": _interval(vs_pcr), "ttft_vs_no_reuse": _interval(vs_none),
+            "attention_share_full_prefill": fit.attention_share(round(mean_prompt)) if fit is not None else None,
+            "mean_prompt_tokens": mean_prompt,
+            "compute_spans_mean": statistics.mean(spans) if spans else None,
+            "fixed_s_per_forward": fit.fixed_s if fit is not None else None,
+            "queue_share_of_ttft": queue / ttft if ttft and queue is not None else None,
+            "inconsistent_requests": (run.get("extra") or {}).get("blend_inconsistent"),
+            "ssd_evictions": (run.get("extra") or {}).get("ssd_evictions"),
+            "targets": {
+                "reuse_over_position_independent": _verdict(over_pi, BLEND_MIN_REUSE_OVER_POSITION_INDEPENDENT,
+                                                            at_least=True),
+                "limit_ratio": _verdict(limit, BLEND_LIMIT_RATIO_MAX),
+                "ttft_vs_pcr": _verdict(vs_pcr, BLEND_VS_PCR_MEAN_TTFT_MAX),
+            },
+        })
+    return out
+
+
+def _run_ratio(run: Mapping[str, Any], baseline: Mapping[str, Any] | None) -> RatioInterval | None:
+    """Mean TTFT of ``run`` over ``baseline``'s on the same requests, with its paired interval."""
+    if baseline is None:
+        return None
+    a, b = RequestTable.from_run(run), RequestTable.from_run(baseline)
+    return None if a is None or b is None else paired_ratio_interval(a, b, "ttft.mean")
+
+
+def _verdict(value: float | RatioInterval | None, bound: float, *, at_least: bool = False) -> dict[str, Any]:
+    """A target's verdict: ``passed`` on the interval's unfavourable end (the upper one for an upper bound), or on
+    the value itself when it has no interval; None when not measured."""
+    if value is None:
+        return {"bound": bound, "at_least": at_least, "value": None, "passed": None}
+    if isinstance(value, RatioInterval):
+        judged, point = (value.low if at_least else value.high), value.ratio
+    else:
+        judged = point = value
+    return {"bound": bound, "at_least": at_least, "value": point,
+            "passed": bool(judged >= bound if at_least else judged <= bound)}
 
 
 def _pct(x: Any) -> str:
@@ -443,6 +603,54 @@ def _ms(x: Any) -> str:
 
 def _times(x: Any) -> str:
     return "n/a" if x is None else f"{x:.2f}x"
+
+
+def _ci(row: Mapping[str, Any] | None) -> str:
+    return "n/a" if row is None else f"{row['ratio']:.2f}x [{row['low']:.2f}, {row['high']:.2f}]"
+
+
+def _verdict_text(v: Mapping[str, Any]) -> str:
+    mark = {True: "PASS", False: "MISS", None: "NOT RUN"}[v.get("passed")]
+    return f"{mark} ({'>=' if v.get('at_least') else '<='} {v['bound']:g})"
+
+
+def blend_markdown(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Markdown lines of a replay's ``blend`` section (`blend_section`); none without a blend run."""
+    if not rows:
+        return []
+    lines = ["### Blend mode against its targets (95% paired bootstrap intervals)", "",
+             "| system | reused / position-independent bound | limit ratio (TTFT / raw forward of its computed tokens) "
+             "| same, prefill only | TTFT / pcr | TTFT / no-reuse |", "|---|---|---|---|---|---|"]
+    for b in rows:
+        t = b["targets"]
+        over = b.get("reuse_over_position_independent")
+        lines.append(f"| {b['system']} | {_times(over)} {_verdict_text(t['reuse_over_position_independent'])} "
+                     f"| {_ci(b['limit_ratio'])} {_verdict_text(t['limit_ratio'])} | {_ci(b['limit_ratio_prefill'])} "
+                     f"| {_ci(b['ttft_vs_pcr'])} {_verdict_text(t['ttft_vs_pcr'])} | {_ci(b['ttft_vs_no_reuse'])} |")
+    lines.append("")
+    for b in rows:
+        r = b["reuse"]
+        parts = [f"exact {_pct(r['exact'])}, placed from KV an earlier request left {_pct(r['blended_reused'])}, "
+                 f"placed after an isolated prefill for the request itself {_pct(r['blended_fresh'])} (the engine "
+                 f"counts {_pct(r['blended'])} as blended)"]
+        if b.get("attention_share_full_prefill") is not None:
+            parts.append(f"attention over the context is {_pct(b['attention_share_full_prefill'])} of a full prefill "
+                         f"of the mean prompt ({b['mean_prompt_tokens']:.0f} tokens; the raw-forward fit's context "
+                         "term)")
+        if b.get("compute_spans_mean") is not None and b.get("fixed_s_per_forward") is not None:
+            parts.append(f"{b['compute_spans_mean']:.1f} forward spans per request at a fixed "
+                         f"{_ms(b['fixed_s_per_forward'])} each (raw-forward fit)")
+        if b.get("queue_share_of_ttft") is not None:
+            parts.append(f"queueing {_pct(b['queue_share_of_ttft'])} of its TTFT")
+        if b.get("inconsistent_requests"):
+            parts.append(f"{b['inconsistent_requests']} requests whose blend plan the bench could not replay "
+                         "(their placed tokens count as reused)")
+        if b.get("ssd_evictions"):
+            parts.append(f"{b['ssd_evictions']} chunks left the SSD tier (a document's KV evicted and recomputed "
+                         "still counts as reused here)")
+        lines.append(f"- {b['system']}: " + "; ".join(parts) + ".")
+    lines.append("")
+    return lines
 
 
 def bounds_markdown(section: Mapping[str, Any]) -> list[str]:
@@ -461,13 +669,20 @@ def bounds_markdown(section: Mapping[str, Any]) -> list[str]:
             continue
         lines.append(f"| {row['label']} | {_pct(row['fraction'])} | {row['computed_tokens_mean']:.0f} "
                      f"| {_ms(row['ttft_bound_s'])} |")
-    lines += ["", "| system | reused | / prefix bound | TTFT mean | raw forward of what it computed | TTFT / raw "
-              "| TTFT / prefix TTFT bound |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "Reused: exact prefix + placed tokens whose KV an earlier request left (blend mode); placed tokens "
+              "computed in isolation for their own request (a document's first use) are not reuse.", "",
+              "| system | reused | exact | blended from earlier KV | blended, fresh | / prefix bound "
+              "| / position-independent bound | TTFT mean | raw forward of what it computed | TTFT / raw "
+              "| TTFT / prefix TTFT bound |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in section.get("reached") or []:
-        lines.append(f"| {r['system']} | {_pct(r['reuse'])} | {_times(r['reuse_over_prefix_bound'])} "
+        lines.append(f"| {r['system']} | {_pct(r['reuse'])} | {_pct(r.get('exact_reuse', r['reuse']))} "
+                     f"| {_pct(r.get('blended_reused'))} | {_pct(r.get('blended_fresh'))} "
+                     f"| {_times(r['reuse_over_prefix_bound'])} "
+                     f"| {_times(r.get('reuse_over_position_independent_bound'))} "
                      f"| {_ms(r['ttft_mean_s'])} | {_ms(r['raw_forward_of_computed_s'])} "
                      f"| {_times(r['ttft_over_raw_forward'])} | {_times(r['ttft_over_prefix_bound'])} |")
     lines.append("")
+    lines += blend_markdown(section.get("blend") or [])
     differ = [r["system"] for r in section.get("reached") or [] if r.get("prompt_tokens_as_laid_out") is False]
     if differ:
         lines += [f"Prompt tokens of {', '.join(differ)} differ from the layout the bounds were computed on "

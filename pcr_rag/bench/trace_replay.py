@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -30,6 +31,8 @@ from pcr_rag.bench.limit import _raw_suffix_forward
 from pcr_rag.bench.serving import BenchRunner
 from pcr_rag.bench.systems import parse_systems
 from pcr_rag.bench.trace_bounds import (
+    HEAD,
+    LaidOut,
     LayoutPlanner,
     RawForwardFit,
     RequestLayout,
@@ -173,13 +176,32 @@ def build_replay(trace: Trace, cfg: BenchConfig, tokenizer: Any, kv_bytes_per_to
         "synthetic_text": synthetic.as_dict(), "layout_checks": planner.checked,
         "unclean_layouts": bounds.unclean,
     }
-    ws_bytes = bounds.stored_tokens * kv_bytes_per_token
+    blend_tokens = _blend_store_tokens(bounds.served, tokenizer) if _has_blend(cfg) else 0
+    info["blend_store_tokens"] = blend_tokens
+    ws_bytes = (bounds.stored_tokens + blend_tokens) * kv_bytes_per_token
     ws_info = {"bytes": ws_bytes, "prefix_tokens": bounds.stored_tokens, "requests": len(kept) + len(warmup),
                "passages": len({s.identity for r in kept for s in r.segments if s.kind == "passage"}),
                "mean_prompt_tokens": info["prompt_tokens_mean"], "reuse_upper_bound": bounds.prefix.fraction,
                "trace": {k: v for k, v in info.items() if not isinstance(v, dict)}}
     traces = BenchTraces(passages, warmup, {(0, 0): requests}, doc_tokens, system_tokens, suffix, ws_bytes, ws_info)
     return TraceReplay(replayed, traces, bounds, rate, info)
+
+
+def _has_blend(cfg: BenchConfig) -> bool:
+    """True when a system of ``cfg`` serves in blend mode (it keeps documents' position-independent KV too)."""
+    return any(s.overrides.get("reuse") == "blend" for s in parse_systems(list(cfg.systems)))
+
+
+def _blend_store_tokens(served: Sequence[LaidOut], tokenizer: Any) -> int:
+    """Tokens a blend engine's position-independent store holds after ``served``: every distinct document segment
+    (the segments between the head and the question) behind the engine's anchor (its default RAG head), each
+    ``[anchor][document]`` counted whole (an upper bound: chunks of the anchor are shared)."""
+    seg = PromptBuilder(tokenizer).build_rag("?", ["Document."])
+    first = seg.document_segments[0] if seg.document_segments else 1
+    anchor = sum(len(s) for s in seg.segments[:first])
+    docs = {s for laid in served for s, ident in zip(laid.segments, laid.identities, strict=True)
+            if ident is not None and ident != HEAD and ident != laid.identities[-1]}
+    return sum(anchor + len(d) for d in docs)
 
 
 def _fit_points(prompt_len: int) -> list[tuple[int, int]]:
@@ -260,10 +282,16 @@ def _notes(replay: TraceReplay) -> list[str]:
         f"{info['prompt_tokens_mean']:.0f} prompt tokens on average against {info['trace_tokens_mean']:.0f} in the "
         "trace (the head, separators and the question's template; counted exactly from the engine's own layout)",
         f"arrivals: the trace's timestamps divided by {info['speed']} (mean rate {info['mean_rate_rps']} req/s over "
-        f"{info['span_s']:.1f} s); every request generates --max-new-tokens tokens"
-        + (f" (the trace's output lengths, mean {info['output_length_mean']:.0f}, are not replayed)"
-           if info.get("output_length_mean") is not None else ""),
+        f"{info['span_s']:.1f} s); "
+        + (f"each request generates its trace's output length at most (mean {info['output_length_mean']:.0f} "
+           "tokens; the model's end of sequence can stop it sooner)" if info.get("output_length_mean") is not None
+           else "every request generates --max-new-tokens tokens at most"),
     ]
+    if info.get("blend_store_tokens"):
+        notes.append(f"blend: the tiers are sized for the position-independent store too ({info['blend_store_tokens']} "
+                     "tokens: every distinct document segment behind the engine's anchor), the same for every "
+                     "system; pcr-blend's reuse counts placed tokens only when an earlier request left their KV "
+                     "(pcr_rag.bench.blend_ledger)")
     if info["dropped_too_long"]:
         notes.append(f"{info['dropped_too_long']} requests did not fit the model's context and were dropped")
     if replay.trace.format == "mooncake":

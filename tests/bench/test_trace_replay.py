@@ -153,3 +153,44 @@ def test_bench_trace_end_to_end(tmp_path, tiny_model_dir, capsys):
     md = (tmp_path / "res" / "trace.md").read_text()
     assert "| pcr |" in md and "position-independent (any segment seen before" in md
     assert read_trace(EXAMPLE).requests[0].line == 1
+
+
+def test_bench_trace_with_blend_counts_placed_reuse_end_to_end(tmp_path, tiny_model_dir, capsys):
+    out = tmp_path / "blend.json"
+    rc = main(["bench", "--trace", str(EXAMPLE), "--requests", "4", "--trace-speed", "50",
+               "--trace-length-scale", "0.2", "--model", str(tiny_model_dir), "--chunk-size", "16",
+               "--systems", "no-reuse,pcr,pcr-blend", "--max-new-tokens", "2", "--threads", "1", "--no-progress",
+               "--no-plots", "--json", str(out), "--work-dir", str(tmp_path / "work")])
+    assert rc == 0
+    assert "### Blend mode against its targets" in capsys.readouterr().out
+    report = load_report(out)
+    runs = {r["system"]: r for r in report["runs"]}
+    blend_run = runs["pcr-blend"]
+    tokens = blend_run["tokens"]
+    # every prompt token is computed, reused exactly or placed; the bench split every placed token
+    assert tokens["computed"] + tokens["reused"] + tokens["blended"] == tokens["prompt"]
+    assert blend_run["extra"]["blend_inconsistent"] == 0 and blend_run["extra"]["ssd_evictions"] == 0
+    # the engine counts as blended either every placed token or only those placed from earlier KV
+    assert tokens["blended"] in (tokens["blended_reused"], tokens["blended_reused"] + tokens["blended_fresh"])
+    # the example's second request repeats a passage of the first after a new per-request part: placed from KV
+    # the first left; every passage's first use was computed for its own request
+    assert tokens["blended_reused"] > 0 and tokens["blended_fresh"] > 0
+    section = report["bounds"]
+    reached = {r["system"]: r for r in section["reached"]}
+    b = reached["pcr-blend"]
+    assert b["reuse"] == pytest.approx(b["exact_reuse"] + b["blended_reused"])
+    assert b["blended_reused"] == pytest.approx(tokens["blended_reused"] / tokens["prompt"])
+    assert b["reuse"] > reached["pcr"]["reuse"] == reached["pcr"]["exact_reuse"]  # blend reuses beyond the prefix
+    pi = section["bounds"]["position_independent"]["fraction"]
+    assert b["reuse"] <= pi + 1e-9  # what it placed was seen before: never above the position-independent bound
+    assert b["reuse_over_position_independent_bound"] == pytest.approx(b["reuse"] / pi)
+    (row,) = section["blend"]
+    assert row["system"] == "pcr-blend" and row["recompute"] == pytest.approx(0.15)
+    for key in ("limit_ratio", "limit_ratio_prefill", "ttft_vs_pcr", "ttft_vs_no_reuse"):
+        assert row[key]["low"] <= row[key]["ratio"] <= row[key]["high"] and row[key]["n"] == 4
+    assert row["limit_ratio"]["ratio"] == pytest.approx(blend_run["ttft"]["mean"] / row["raw_forward_mean_s"])
+    assert row["ttft_vs_pcr"]["ratio"] == pytest.approx(blend_run["ttft"]["mean"] / runs["pcr"]["ttft"]["mean"])
+    assert 0 < row["attention_share_full_prefill"] < 1 and row["compute_spans_mean"] >= 1
+    assert set(row["targets"]) == {"reuse_over_position_independent", "limit_ratio", "ttft_vs_pcr"}
+    assert all(t["passed"] in (True, False) for t in row["targets"].values())
+    assert report["config"]["working_set"]["trace"]["blend_store_tokens"] > 0
