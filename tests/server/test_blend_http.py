@@ -80,9 +80,9 @@ def test_blend_requests_report_blended_tokens_exact_ones_report_zero(fresh, h) -
         exact = chat(ORDERS[2], reuse="exact")
         default = chat(ORDERS[1])                    # no field: the server's default (exact)
         null = chat(ORDERS[1], reuse=None)
-        prompt, _, blended, reuse = usage_of(again)
-        assert reuse == "blend" and usage_of(first)[3] == "blend"
-        assert blended > prompt / 2                  # most of the three documents placed, not computed
+        assert usage_of(first)[3] == "blend"         # first sight: its documents' KV is computed, whatever counts
+        _, _, blended, reuse = usage_of(again)
+        assert reuse == "blend" and blended > 0      # documents seen before, placed in their new positions
         assert usage_of(exact)[2:] == (0, "exact")
         for body in (default, null):
             assert usage_of(body)[2:] == (0, "exact")

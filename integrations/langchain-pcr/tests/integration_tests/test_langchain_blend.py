@@ -83,9 +83,8 @@ def test_chat_pcr_reuse_field_and_per_call_report_blended_tokens_locally_and_ove
         assert answers[0] == answers[1], (order, how)  # one behaviour, every path
         reports.append(answers[0][1])
     assert [r[0] for r in reports] == ["blend", "blend", "exact", "blend"]
-    assert reports[1][1] > reports[1][3] / 2      # a new order: most of the prompt placed
     assert reports[2][1] == 0                     # reuse="exact" per call overrides the field
-    assert all(r[1] > 0 for i, r in enumerate(reports) if i != 2)
+    assert all(r[1] > 0 for r in reports[1:] if r[0] == "blend")  # documents seen before: placed
     messages, docs = ask((1, 0, 2))
     default = ChatPCR(base_url=url, max_tokens=5).invoke(messages, documents=docs)  # None: the server's default
     assert report(default)[:2] == ("exact", 0)
