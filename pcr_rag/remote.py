@@ -300,31 +300,33 @@ class RemoteEngine:
     # ------------------------------------------------------------------------------------------ announcements
     def _announce_body(self, documents: Sequence[str | Doc], query: str | None, system: str | None,
                        prefix: str | None, separator: str | None, layout: str,
-                       scopes: Sequence[str | None] | None) -> tuple[tuple[str, ...], dict[str, Any]]:
+                       scopes: Sequence[str | None] | None,
+                       reuse: str | None = None) -> tuple[tuple[str, ...], dict[str, Any]]:
         self._check_open()
         texts, doc_scopes = split_documents(documents, scopes)
         if not texts:
             raise InvalidRequestError("announce needs at least one retrieved document")
         body = {"documents": wire_documents(texts, doc_scopes), "query": query, "system": system,
-                "prefix": prefix, "separator": separator, "layout": layout}
+                "prefix": prefix, "separator": separator, "layout": layout, "reuse": reuse_argument(reuse)}
         return texts, {k: v for k, v in body.items() if v is not None}
 
     def announce(self, documents: Sequence[str | Doc], query: str | None = None, *, system: str | None = None,
                  prefix: str | None = None, separator: str | None = None, layout: str = "auto",
-                 scopes: Sequence[str | None] | None = None) -> RemoteTicket:
-        """``POST /v1/pcr/announce``: the retrieval's request enters the server's prefetch window now. Documents
-        and scopes as for `PCREngine.announce`. Blocks its thread up to ``ANNOUNCE_TIMEOUT_S``: from a coroutine,
-        await `aannounce` instead."""
-        texts, body = self._announce_body(documents, query, system, prefix, separator, layout, scopes)
+                 scopes: Sequence[str | None] | None = None, reuse: str | None = None) -> RemoteTicket:
+        """``POST /v1/pcr/announce``: the retrieval's request enters the server's prefetch window now. Documents,
+        scopes and ``reuse`` as for `PCREngine.announce` (None: the server's default). Blocks its thread up to
+        ``ANNOUNCE_TIMEOUT_S``: from a coroutine, await `aannounce` instead."""
+        texts, body = self._announce_body(documents, query, system, prefix, separator, layout, scopes, reuse)
         with tracing.announcement_span(len(texts), client=True):
             data = self._raw("post", "/pcr/announce", body, timeout=ANNOUNCE_TIMEOUT_S, max_retries=0)
         return RemoteTicket(int(data["id"]), texts, int(data.get("chunks", 0)))
 
     async def aannounce(self, documents: Sequence[str | Doc], query: str | None = None, *,
                         system: str | None = None, prefix: str | None = None, separator: str | None = None,
-                        layout: str = "auto", scopes: Sequence[str | None] | None = None) -> RemoteTicket:
+                        layout: str = "auto", scopes: Sequence[str | None] | None = None,
+                        reuse: str | None = None) -> RemoteTicket:
         """`announce` for asyncio: the event loop runs on while the server answers."""
-        texts, body = self._announce_body(documents, query, system, prefix, separator, layout, scopes)
+        texts, body = self._announce_body(documents, query, system, prefix, separator, layout, scopes, reuse)
         ticket = RemoteTicket(None, texts, 0)
         await self._announce_into(ticket, body)
         return ticket
@@ -332,7 +334,7 @@ class RemoteEngine:
     def announce_task(self, documents: Sequence[str | Doc], query: str | None = None, *,
                       system: str | None = None, prefix: str | None = None, separator: str | None = None,
                       layout: str = "auto", scopes: Sequence[str | None] | None = None,
-                      withdraw_if: Callable[[], bool] | None = None) -> RemoteTicket:
+                      withdraw_if: Callable[[], bool] | None = None, reuse: str | None = None) -> RemoteTicket:
         """`aannounce` as a task of the running event loop, for synchronous code running on it (a framework's
         event handler): returns at once a ticket whose ``ticket_id`` and ``chunks`` are filled in when the server
         answers. One withdrawn before that (`cancel_announcement`), or whose ``withdraw_if()`` is true then (the
@@ -342,10 +344,10 @@ class RemoteEngine:
 
         Raises:
             RuntimeError: no event loop runs in this thread (call `announce`).
-            InvalidRequestError: bad documents (before anything is sent).
+            InvalidRequestError: bad documents or reuse mode (before anything is sent).
         """
         loop = asyncio.get_running_loop()
-        texts, body = self._announce_body(documents, query, system, prefix, separator, layout, scopes)
+        texts, body = self._announce_body(documents, query, system, prefix, separator, layout, scopes, reuse)
         ticket = RemoteTicket(None, texts, 0)
 
         async def run() -> None:

@@ -338,7 +338,8 @@ def create_app(engine: PCREngine, settings: ServerSettings | None = None, *, own
         state.check_chars(sum(len(t.strip()) for t in texts), "documents")
         try:
             ticket = engine.announce(docs, layout=body.layout, namespace=who.namespace, query=body.query,
-                                     system=body.system, prefix=body.prefix, separator=body.separator)
+                                     system=body.system, prefix=body.prefix, separator=body.separator,
+                                     reuse=body.reuse)
         except Exception as exc:  # noqa: BLE001
             raise from_engine_error(exc) from None
         return len(docs), ticket

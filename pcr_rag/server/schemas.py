@@ -55,7 +55,8 @@ Extensions (OpenAI clients send them through ``extra_body``):
   null or absent: the engine's ``EngineConfig.reuse``, "exact" unless the server was started with ``--reuse
   blend``). "blend" is opt-in and approximate: documents after the exact prefix are placed from their
   position-independent KV (`pcr_rag.runtime.blend`), so the answer can differ from an uncached one; any other
-  value is a 400 naming ``reuse`` before anything is computed;
+  value is a 400 naming ``reuse`` before anything is computed. ``/v1/pcr/announce`` takes it too (for a blend
+  request the documents' position-independent KV is prefetched as well);
 - completions only: ``chat_template: bool`` (default False: the prompt is continued as raw text, as OpenAI's
   legacy endpoint does; True wraps it as one user turn of the model's chat template) and ``system: str``.
 
@@ -178,6 +179,14 @@ def _documents(value: Any) -> Any:
         if not isinstance(doc, (str, dict)):
             raise ValueError(f"documents[{i}] is {_json_type(doc)}; send each document's text, or "
                              f"{{'text': ..., 'scope': 'shared' | 'private' | null}}")
+    return value
+
+
+def _reuse_mode(value: Any) -> Any:
+    """The ``reuse`` field: "exact", "blend" or null; anything else a 400 naming it (before any compute)."""
+    if value is not None and value not in REUSE_MODES:
+        raise ValueError(f"'reuse' must be one of {', '.join(repr(m) for m in REUSE_MODES)} or null (the server's "
+                         f"default), got {_short(value)}")
     return value
 
 
@@ -346,10 +355,7 @@ class _Generation(_Body):
     @field_validator("reuse", mode="before")
     @classmethod
     def _reuse_mode(cls, value: Any) -> Any:
-        if value is not None and value not in REUSE_MODES:
-            raise ValueError(f"'reuse' must be one of {', '.join(repr(m) for m in REUSE_MODES)} or null (the "
-                             f"server's default), got {_short(value)}")
-        return value
+        return _reuse_mode(value)
 
     @field_validator("response_format", mode="before")
     @classmethod
@@ -424,6 +430,9 @@ class AnnounceRequest(_Body):
     prefix: str | None = None
     separator: str | None = None
     layout: Literal["auto", "rag", "flat"] = "auto"
+    reuse: Literal["exact", "blend"] | None = Field(
+        None, description="pcr extension: the coming request's reuse mode ('blend' also prefetches the documents' "
+                          "position-independent KV); null: the server's default (EngineConfig.reuse)")
 
     @field_validator("documents", mode="before")
     @classmethod
@@ -432,6 +441,11 @@ class AnnounceRequest(_Body):
         if not value:
             raise ValueError("'documents' must list at least one retrieved document")
         return value
+
+    @field_validator("reuse", mode="before")
+    @classmethod
+    def _reuse_mode(cls, value: Any) -> Any:
+        return _reuse_mode(value)
 
 
 class TokenizeRequest(_Body):

@@ -221,3 +221,23 @@ def test_metrics_expose_blended_tokens_requests_and_the_gate(fresh) -> None:
         assert after[name] == pytest.approx(gate[key]), name
     assert after["pcr:blend_shadow_seconds_total"] > 0 and after["pcr:blend_shadow_prompt_tokens_total"] > 0
     assert after["pcr:blend_pending_shadows"] == 0
+
+
+
+def test_announce_takes_reuse_and_a_blend_announcement_prefetches_the_documents_chains(fresh) -> None:
+    """``POST /v1/pcr/announce`` with ``reuse: "blend"`` puts each document's position-independent chain into the
+    prefetch window besides the predicted prefix (`PCREngine.window_snapshot`); an exact one only the prefix; a bad
+    mode is a 400 naming the field, and `RemoteEngine` refuses it before sending."""
+    engine, url = fresh()
+    docs = docs_in(ORDERS[1])
+    with RemoteEngine(url) as remote:
+        remote.announce(docs, query="what do they say?")
+        assert len(engine.window_snapshot()) == 1
+        remote.announce(docs_in(ORDERS[2]), query="what do they say?", reuse="blend")
+        window = engine.window_snapshot()
+        assert len(window) == 1 + 1 + len(docs) and all(window)
+        with pytest.raises(InvalidRequestError, match="reuse"):
+            remote.announce(docs, reuse="fuzzy")
+    r = httpx.post(url + "/v1/pcr/announce", json={"documents": docs, "reuse": "approximate"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reuse"
+    assert engine.stats().prefetch["announced"] == 2
