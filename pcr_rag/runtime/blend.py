@@ -9,9 +9,10 @@ under the same sharing scopes, quotas, seals and eviction.
 
 A blend request's prefill (`pcr_rag.runtime.runner.PrefillTask`) is then a plan of spans (`blend_spans`):
 1. the exact prefix match, loaded as in exact mode;
-2. for each later document that has position-independent KV: its first ``ceil(recompute * n)`` tokens computed
-   in context, the rest *placed* - copied from its isolated KV with the keys rotated to their new positions
-   (`pcr_rag.runtime.rope_shift`);
+2. for each later document: its first ``ceil(recompute * n)`` tokens computed in context, the rest *placed* -
+   copied from its isolated KV with the keys rotated to their new positions (`pcr_rag.runtime.rope_shift`). A
+   document seen for the first time is computed once, in isolation, and placed; except the document right after
+   the exact match, which is then computed in context (exact, at the same cost, and it extends the exact tree);
 3. everything else computed: documents without such KV, the query and every token after the documents, and
    always the last token (its logits pick the first output token).
 

@@ -251,6 +251,11 @@ class PrefillTask:
         anchor = len(blend.anchor)
         limit = min(self.row.arena.row_capacity, self.ctx.forward.max_positions)
         wanted = [i for i, d in enumerate(blend.documents) if d.end > exact_end and anchor + d.num_tokens <= limit]
+        if wanted and blend.documents[wanted[0]].start >= exact_end and not self._has_document_kv(wanted[0]):
+            # the document right after the exact match, seen for the first time: computed in context, exactly,
+            # at the cost of computing it in isolation; its chunks extend the exact tree, so a document that keeps
+            # coming first behind the same head (a static system part, a popular first passage) is exact from now
+            wanted = wanted[1:]
         spans = blend_spans(self.total, exact_end, blend.documents, wanted, blend.recompute)
         pieces: list[PlacedPiece] = []
         kept: list[int] = []
@@ -282,6 +287,11 @@ class PrefillTask:
             self.row.ensure_finite(exact_end, -(-self.total // block) * block)
             self._placement = Placement(self.row, self.ctx.forward.rope_shift,
                                         [lw.rope for lw in self.ctx.forward.layers], pieces)
+
+    def _has_document_kv(self, index: int) -> bool:
+        """Whether document ``index``'s whole position-independent chain is cached (any tier)."""
+        chain = self._blend.chains[index] if self._blend.chains else ()
+        return bool(chain) and len(self.ctx.cache.match(chain).keys) == len(chain)
 
     def _document_kv(self, blend: BlendRequest, index: int, ids: Sequence[int]
                      ) -> tuple[list[tuple[torch.Tensor, int, int]], int] | None:
