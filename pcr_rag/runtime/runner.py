@@ -17,6 +17,13 @@ chunk is loaded. A chunk that fails to load (verification, a MAC, an I/O error o
 `PrefixLoadError`; the task then leases the prefix before that chunk and recomputes from there; a lease that cannot
 be taken at all (the cache or store raising) recomputes the whole prompt. Both count in ``retries``: a cache
 failure never fails the request.
+
+Blend mode (a request with a `BlendRequest`, `pcr_rag.runtime.blend`): after the exact prefix, `begin` plans the
+blend spans, gets each placed document's position-independent KV (from DRAM, or by an isolated prefill of
+``[anchor][document]`` in this row before the prefix load starts), and zero-fills the row to the end of the prompt;
+the first step places that KV layer by layer (`Placement`, from the step's hooks); steps then compute the compute
+spans, several at once across the placed KV (`_blend_step`); no plan chunk ending after the first placed position
+is inserted. An exact request never takes any of these paths.
 """
 
 from __future__ import annotations
