@@ -28,7 +28,7 @@ class PCRLLM(PCRModelParams, LLM):
     `PCRRetrievalCallback` announcement, or passed as ``invoke(prompt, documents=[...])``, are located in the prompt
     and cached as their own token runs.
 
-    Key init args: as `ChatPCR` (model, engine, config, max_tokens, temperature, top_p, seed, stop, timeout), plus
+    Key init args: as `ChatPCR` (model, engine, config, max_tokens, temperature, top_p, seed, stop, timeout, reuse), plus
     ``chat_template`` and ``system`` (a system turn when ``chat_template`` is on).
 
     Usage per generation is in ``generation_info["usage_metadata"]`` and summed in ``llm_output["token_usage"]``
