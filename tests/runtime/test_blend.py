@@ -8,6 +8,8 @@ zero-fill; that a document seen for the first time is computed once, in isolatio
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -16,7 +18,7 @@ from pcr_rag.cache import blend_root
 from pcr_rag.errors import ConfigError, InvalidRequestError
 from pcr_rag.runtime.blend import BlendDocument, Span, blend_spans
 from pcr_rag.runtime.forward import FastForward
-from pcr_rag.testing import TEST_DEVICE, tiny_loaded_model, tiny_model
+from pcr_rag.testing import tiny_loaded_model
 
 # stripped, as retrievers return them: a document's segment then starts with the same separator in every position
 DOC_A = ("Kafka stores ordered records in partitions that consumers read at their own pace. " * 3).strip()
@@ -101,18 +103,10 @@ def test_each_rotary_kind_of_gemma3_shifts_with_its_own_table():
 
 
 # ------------------------------------------------------------------------------------------------ engine
-@pytest.fixture(scope="module")
-def tiny():
-    return tiny_model("llama", num_layers=2, dtype=torch.float32)
-
-
-def _engine(tiny, path, **kw) -> PCREngine:
-    model, tok = tiny
-    cfg = dict(cache_dir=path, chunk_size=16, dram_capacity="64MiB", ssd_capacity="64MiB", max_new_tokens=6,
-               device=TEST_DEVICE, dtype="float32", prefetch=False, warmup=False, load_planner="always-load",
-               max_active=1)
-    cfg.update(kw)
-    return PCREngine(model=model, tokenizer=tok, config=EngineConfig(**cfg))
+@pytest.fixture
+def engine(tiny_engine):
+    """Engines with one KV row (the tests read row 0)."""
+    return functools.partial(tiny_engine, max_active=1)
 
 
 def _blend_chunks(eng: PCREngine) -> int:
@@ -136,19 +130,19 @@ def _count_computed(eng: PCREngine) -> list[int]:
     return counts
 
 
-def test_config_and_requests_validate_the_mode(tiny, tmp_path):
+def test_config_and_requests_validate_the_mode(engine, tmp_path):
     with pytest.raises(ConfigError, match="reuse"):
         EngineConfig(reuse="fuzzy")
     with pytest.raises(ConfigError, match="blend_recompute"):
         EngineConfig(blend_recompute=1.5)
-    with _engine(tiny, tmp_path / "c") as eng:
+    with engine(tmp_path / "c") as eng:
         with pytest.raises(InvalidRequestError, match="reuse"):
             eng.generate(QUESTION, [DOC_A], reuse="approximate")
         assert eng.stats().requests["requests_finished"] == 0
 
 
-def test_new_orders_reuse_documents_and_report_blended_tokens(tiny, tmp_path):
-    with _engine(tiny, tmp_path / "c", reuse="blend", blend_recompute=0.1) as eng:
+def test_new_orders_reuse_documents_and_report_blended_tokens(engine, tmp_path):
+    with engine(tmp_path / "c", reuse="blend", blend_recompute=0.1) as eng:
         first = eng.generate(QUESTION, [DOC_A, DOC_B, DOC_C])
         again = eng.generate(QUESTION, [DOC_C, DOC_A, DOC_B])
         exact = eng.generate(QUESTION, [DOC_B, DOC_C, DOC_A], reuse="exact")
@@ -166,22 +160,22 @@ def test_new_orders_reuse_documents_and_report_blended_tokens(tiny, tmp_path):
     assert m3.reuse == "exact" and m3.blended_tokens == 0
 
 
-def test_exact_requests_do_no_blend_work_and_stay_exact_after_blend_traffic(tiny, tmp_path):
+def test_exact_requests_do_no_blend_work_and_stay_exact_after_blend_traffic(engine, tmp_path):
     docs = [DOC_A, DOC_B, DOC_C]
-    with _engine(tiny, tmp_path / "off", enable_cache=False) as off:
+    with engine(tmp_path / "off", enable_cache=False) as off:
         want = [off.generate(QUESTION, docs[i:] + docs[:i]) for i in range(3)]
-    with _engine(tiny, tmp_path / "exact") as eng:
+    with engine(tmp_path / "exact") as eng:
         got = [eng.generate(QUESTION, docs[i:] + docs[:i]) for i in range(3)]
         assert _blend_chunks(eng) == 0  # exact mode never computes a position-independent chain
         assert all(g.metrics.reuse == "exact" and g.metrics.blended_tokens == 0 for g in got)
     shared = tmp_path / "shared"
-    with _engine(tiny, shared, reuse="blend") as eng:
+    with engine(shared, reuse="blend") as eng:
         for i in range(3):
             eng.generate(QUESTION, docs[i:] + docs[:i])
         assert _blend_chunks(eng) > 0
         after = [eng.generate(QUESTION, docs[i:] + docs[:i], reuse="exact") for i in range(3)]
         eng.cache.flush()
-    with _engine(tiny, shared) as eng:  # a restart on the blend traffic's cache directory
+    with engine(shared) as eng:  # a restart on the blend traffic's cache directory
         restarted = [eng.generate(QUESTION, docs[i:] + docs[:i]) for i in range(3)]
     for w, g, a, r in zip(want, got, after, restarted):
         assert g.token_ids == w.token_ids and a.token_ids == w.token_ids and r.token_ids == w.token_ids
@@ -189,8 +183,8 @@ def test_exact_requests_do_no_blend_work_and_stay_exact_after_blend_traffic(tiny
         assert torch.equal(r.first_token_logits, w.first_token_logits)
 
 
-def test_nothing_computed_after_a_placed_document_enters_the_exact_tree(tiny, tmp_path):
-    with _engine(tiny, tmp_path / "c", reuse="blend", blend_recompute=0.0) as eng:
+def test_nothing_computed_after_a_placed_document_enters_the_exact_tree(engine, tmp_path):
+    with engine(tmp_path / "c", reuse="blend", blend_recompute=0.0) as eng:
         eng.generate(QUESTION, [DOC_C, DOC_A])            # DOC_A's isolated KV (and the head) cached
         blended = eng.generate(QUESTION, [DOC_B, DOC_A])  # DOC_B computed in context, DOC_A placed after it
         assert blended.metrics.blended_tokens > 0
@@ -202,16 +196,16 @@ def test_nothing_computed_after_a_placed_document_enters_the_exact_tree(tiny, tm
         assert matched.num_tokens <= doc_a_start
 
 
-def test_placed_kv_survives_the_compute_steps_and_equals_exact_where_no_shift_is_needed(tiny, tmp_path):
+def test_placed_kv_survives_the_compute_steps_and_equals_exact_where_no_shift_is_needed(engine, tmp_path):
     """The default system prompt's head is the anchor, so the first document's isolated KV sits where the request
     needs it (a shift of 0): placed, it must be bit-identical to the exact computation - unless a later compute
     step's zero-fill wiped it (the high-water-mark invariant) or placement wrote the wrong positions."""
-    with _engine(tiny, tmp_path / "off", enable_cache=False) as off:
+    with engine(tmp_path / "off", enable_cache=False) as off:
         want = off.generate(QUESTION, [DOC_A])
         reference = off.arena.row(0)
         n = want.metrics.prompt_tokens
         ref_k = [reference.keys(li, 0, n).clone() for li in range(len(off.forward.layers))]
-    with _engine(tiny, tmp_path / "c", reuse="blend", blend_recompute=0.0, prefill_chunk_tokens=8) as eng:
+    with engine(tmp_path / "c", reuse="blend", blend_recompute=0.0, prefill_chunk_tokens=8) as eng:
         eng.generate(QUESTION, [DOC_B, DOC_A])  # computes DOC_A's isolated KV (DOC_B, first, in context)
         got = eng.generate(QUESTION, [DOC_A])  # places it from DRAM, at the anchor's position
         row = eng.arena.row(0)
@@ -223,12 +217,12 @@ def test_placed_kv_survives_the_compute_steps_and_equals_exact_where_no_shift_is
 
 
 @pytest.mark.parametrize("step_tokens", [8, 512])
-def test_a_later_compute_step_never_wipes_placed_kv(tiny, tmp_path, step_tokens):
+def test_a_later_compute_step_never_wipes_placed_kv(engine, tmp_path, step_tokens):
     """A document's recomputed head is a compute step that starts after earlier placed spans and before its
     own placed rest: the step's zero-fill of never-written positions (up to its attention block's end) must not
     wipe the placed KV ahead of it. Run on a row that was never written (NaN, high-water mark 0) and on a warm
     row: the same logits."""
-    with _engine(tiny, tmp_path / "c", reuse="blend", blend_recompute=0.25, prefill_chunk_tokens=step_tokens) as eng:
+    with engine(tmp_path / "c", reuse="blend", blend_recompute=0.25, prefill_chunk_tokens=step_tokens) as eng:
         eng.generate(QUESTION, [DOC_A, DOC_B])  # DOC_B's isolated KV cached (DOC_A, first, computed in context)
         eng.generate(QUESTION, [DOC_B, DOC_A])  # ... and DOC_A's
         warm = eng.generate(QUESTION, [DOC_B, DOC_A])
@@ -242,11 +236,11 @@ def test_a_later_compute_step_never_wipes_placed_kv(tiny, tmp_path, step_tokens)
     assert cold.token_ids == warm.token_ids
 
 
-def test_a_new_document_is_computed_once_in_isolation(tiny, tmp_path):
+def test_a_new_document_is_computed_once_in_isolation(engine, tmp_path):
     """First sight of two documents in blend mode: each is computed once, on its own behind the anchor, and
     placed - never also in context. So the prefill computes the prompt's tokens at most once, plus the anchor's
     (cached once, under the blend root) and the last token of each isolated prompt (its lease ends there)."""
-    with _engine(tiny, tmp_path / "c", reuse="blend", blend_recompute=0.0) as eng:
+    with engine(tmp_path / "c", reuse="blend", blend_recompute=0.0) as eng:
         counts = _count_computed(eng)
         got = eng.generate(QUESTION, [DOC_B, DOC_C])
         anchor = len(eng._blend_anchor())
@@ -254,17 +248,17 @@ def test_a_new_document_is_computed_once_in_isolation(tiny, tmp_path):
     assert sum(counts) <= got.metrics.prompt_tokens + anchor + 2
 
 
-def test_an_announcement_prefetches_the_documents_position_independent_kv(tiny, tmp_path, caplog):
+def test_an_announcement_prefetches_the_documents_position_independent_kv(engine, tmp_path, caplog):
     """Layer-wise overlap and prefetch apply to blended documents: after a restart their isolated KV is on SSD
     only; a blend announcement puts their chains in the prefetch window and the prefetcher loads them to DRAM,
     so the request places them from memory."""
     import time
 
     path = tmp_path / "c"
-    with _engine(tiny, path, reuse="blend") as eng:
+    with engine(path, reuse="blend") as eng:
         eng.generate(QUESTION, [DOC_C, DOC_A, DOC_B])  # DOC_C (first) computed in context, the others isolated
         eng.cache.flush()
-    with _engine(tiny, path, reuse="blend", prefetch=True) as eng:
+    with engine(path, reuse="blend", prefetch=True) as eng:
         # the blend root has its manifest: the restart finds no chunks "of unknown origin"
         assert "cannot use" not in caplog.text
         ticket = eng.announce([DOC_C, DOC_B, DOC_A], QUESTION)
@@ -281,20 +275,20 @@ def test_an_announcement_prefetches_the_documents_position_independent_kv(tiny, 
         got = eng.generate(QUESTION, [DOC_C, DOC_B, DOC_A])
         assert got.metrics.blended_tokens > 0
         assert eng.stats().prefetch["claimed"] == 1
-    with _engine(tiny, tmp_path / "exact", prefetch=True) as eng:
+    with engine(tmp_path / "exact", prefetch=True) as eng:
         assert eng.announce([DOC_A, DOC_B], QUESTION).chains == ()  # an exact announcement has none
 
 
-def test_a_slow_tier_the_planner_declines_computes_the_document_in_place(tiny, tmp_path, caplog):
+def test_a_slow_tier_the_planner_declines_computes_the_document_in_place(engine, tmp_path, caplog):
     """The load-or-recompute planner covers blended documents too: when loading a document's isolated KV from
     its tier is estimated slower than computing it, the document is computed in place (not placed)."""
     from pcr_rag.cache.reuse_planner import ReusePlan
 
     path = tmp_path / "c"
-    with _engine(tiny, path, reuse="blend") as eng:
+    with engine(path, reuse="blend") as eng:
         eng.generate(QUESTION, [DOC_A, DOC_B])
         eng.cache.flush()
-    with _engine(tiny, path, reuse="blend", load_planner="measured") as eng:
+    with engine(path, reuse="blend", load_planner="measured") as eng:
         planner = eng.cache.planner
         declined = []
 
@@ -334,9 +328,9 @@ def test_a_scattered_step_over_placed_exact_kv_reproduces_the_whole_prefill():
         fwd.prefill(part, ids[:3], 5, positions=torch.tensor([5, 9, 7]))
 
 
-def test_blend_steps_span_placed_kv_instead_of_one_forward_per_document(tiny, tmp_path):
+def test_blend_steps_span_placed_kv_instead_of_one_forward_per_document(engine, tmp_path):
     """A document's recomputed head and the next document's are one forward when the step budget holds both."""
-    with _engine(tiny, tmp_path / "c", reuse="blend", blend_recompute=0.1, prefill_chunk_tokens=512) as eng:
+    with engine(tmp_path / "c", reuse="blend", blend_recompute=0.1, prefill_chunk_tokens=512) as eng:
         eng.generate(QUESTION, [DOC_A, DOC_B, DOC_C])
         eng.generate(QUESTION, [DOC_C, DOC_A, DOC_B])  # now every document has its isolated KV
         counts = _count_computed(eng)
@@ -345,13 +339,13 @@ def test_blend_steps_span_placed_kv_instead_of_one_forward_per_document(tiny, tm
     assert len(counts) == 1 and counts[0] == got.metrics.computed_tokens
 
 
-def test_the_first_new_document_after_the_exact_match_is_computed_exactly_and_extends_the_exact_tree(tiny, tmp_path):
+def test_the_first_new_document_after_the_exact_match_is_computed_exactly_and_extends_the_exact_tree(engine, tmp_path):
     """A document that keeps coming first behind the same head (a static system part, a popular first passage)
     must not stay approximate: seen for the first time right after the exact match, it is computed in context,
     and the next request reuses it exactly."""
-    with _engine(tiny, tmp_path / "off", enable_cache=False) as off:
+    with engine(tmp_path / "off", enable_cache=False) as off:
         want = off.generate(QUESTION, [DOC_A, DOC_C])
-    with _engine(tiny, tmp_path / "c", reuse="blend", blend_recompute=0.1) as eng:
+    with engine(tmp_path / "c", reuse="blend", blend_recompute=0.1) as eng:
         first = eng.generate(QUESTION, [DOC_A, DOC_B])
         second = eng.generate(QUESTION, [DOC_A, DOC_C])
         plan = eng.plan_for(QUESTION, [DOC_A, DOC_C])

@@ -3,14 +3,14 @@ a namespace whose window breaches its bound falls back to exact, and its later r
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
 import torch
 
-from pcr_rag import EngineConfig, PCREngine
+from pcr_rag import PCREngine
 from pcr_rag.runtime.blend_gate import BlendGate, Verification, compare, first_token_kl
-from pcr_rag.testing import TEST_DEVICE, tiny_model
 
 DOCS = [
     "Kafka stores ordered records in partitions that consumers read at their own pace. " * 3,
@@ -72,18 +72,10 @@ def test_compare_measures_kl_identity_and_agreement():
     assert first_token_kl(p, q) == pytest.approx(float(want), rel=1e-9)
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return tiny_model("llama", num_layers=2, dtype=torch.float32)
-
-
-def _engine(tiny, path, **kw) -> PCREngine:
-    model, tok = tiny
-    cfg = dict(cache_dir=path, chunk_size=16, dram_capacity="64MiB", ssd_capacity="64MiB", max_new_tokens=6,
-               device=TEST_DEVICE, dtype="float32", prefetch=False, warmup=False, load_planner="always-load",
-               reuse="blend", blend_verify=1.0, blend_gate_window=2)
-    cfg.update(kw)
-    return PCREngine(model=model, tokenizer=tok, config=EngineConfig(**cfg))
+@pytest.fixture
+def engine(tiny_engine):
+    """Blend engines that verify every blended request, with a window of 2."""
+    return functools.partial(tiny_engine, reuse="blend", blend_verify=1.0, blend_gate_window=2)
 
 
 def _orders():
@@ -101,13 +93,13 @@ def _wait_verified(eng: PCREngine, n: int, timeout: float = 60.0) -> dict:
     raise AssertionError(f"only {eng.stats().blend['verified']} of {n} shadows verified in {timeout} s")
 
 
-def test_harmful_blending_trips_the_fallback_within_its_window_and_later_requests_are_exact(tiny, tmp_path):
+def test_harmful_blending_trips_the_fallback_within_its_window_and_later_requests_are_exact(engine, tmp_path):
     """Recompute 0 on a random model: placed KV moves the first token's distribution far from exact (KL well
     above the bound), so the gate trips after its window of 2 verified requests, and every later blend request
     of the namespace is served exactly - the tokens of a cache-off engine."""
-    with _engine(tiny, tmp_path / "off", enable_cache=False) as off:
+    with engine(tmp_path / "off", enable_cache=False) as off:
         want = [off.generate(QUESTION, docs) for docs in _orders()]
-    with _engine(tiny, tmp_path / "c", blend_recompute=0.0, blend_gate_max_kl=0.01) as eng:
+    with engine(tmp_path / "c", blend_recompute=0.0, blend_gate_max_kl=0.01) as eng:
         first = [eng.generate(QUESTION, docs) for docs in list(_orders())[:2]]
         assert all(r.metrics.reuse == "blend" for r in first) and first[1].metrics.blended_tokens > 0
         snap = _wait_verified(eng, 2)
@@ -124,9 +116,9 @@ def test_harmful_blending_trips_the_fallback_within_its_window_and_later_request
     assert snap["shadow_requests"] == 2 and snap["shadow_prompt_tokens"] > 0 and snap["shadow_seconds"] > 0
 
 
-def test_blending_that_places_nothing_never_trips(tiny, tmp_path):
+def test_blending_that_places_nothing_never_trips(engine, tmp_path):
     """Control: with every document token recomputed, blend requests equal exact ones (KL 0, same answers)."""
-    with _engine(tiny, tmp_path / "c", blend_recompute=1.0, blend_gate_max_kl=1e-9,
+    with engine(tmp_path / "c", blend_recompute=1.0, blend_gate_max_kl=1e-9,
                  blend_gate_min_identical=1.0) as eng:
         results = [eng.generate(QUESTION, docs) for docs in _orders()]
         snap = _wait_verified(eng, 3)

@@ -6,12 +6,9 @@ the tail is known is still claimed."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from pcr_rag import EngineConfig, PCREngine
 from pcr_rag.errors import InvalidRequestError
 from pcr_rag.requests import RagPrompt
-from pcr_rag.testing import TEST_DEVICE, tiny_model
 
 DOC_A = "Kafka stores ordered records in partitions that consumers read at their own pace. " * 5
 DOC_B = "Gradient descent follows the negative gradient to reduce the loss function step by step. " * 5
@@ -21,21 +18,8 @@ USERS = ("Today is 2026-12-06. The user is Ana, a data engineer in Lisbon.",
 QUESTION = "what do the documents say?"
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return tiny_model("llama", num_layers=2, dtype=torch.float32)
-
-
-def _engine(tiny, path, **kw) -> PCREngine:
-    model, tok = tiny
-    cfg = dict(cache_dir=path, chunk_size=16, dram_capacity="64MiB", ssd_capacity="64MiB", max_new_tokens=6,
-               device=TEST_DEVICE, dtype="float32", prefetch=False, warmup=False, load_planner="always-load")
-    cfg.update(kw)
-    return PCREngine(model=model, tokenizer=tok, config=EngineConfig(**cfg))
-
-
-def test_the_tail_sits_between_the_documents_and_the_question(tiny, tmp_path):
-    with _engine(tiny, tmp_path / "c") as eng:
+def test_the_tail_sits_between_the_documents_and_the_question(tiny_engine, tmp_path):
+    with tiny_engine(tmp_path / "c") as eng:
         text = eng.builder.rag_user_text(QUESTION, [DOC_A, DOC_B], USERS[0])
         assert text.index(DOC_B) < text.index(USERS[0]) < text.index(f"Question: {QUESTION}")
         assert eng.builder.rag_user_text(QUESTION, [DOC_A], "  ") == eng.builder.rag_user_text(QUESTION, [DOC_A])
@@ -45,14 +29,14 @@ def test_the_tail_sits_between_the_documents_and_the_question(tiny, tmp_path):
         assert eng.stats().requests["requests_finished"] == 0
 
 
-def test_documents_are_reused_across_tails_and_answers_equal_cache_off(tiny, tmp_path):
+def test_documents_are_reused_across_tails_and_answers_equal_cache_off(tiny_engine, tmp_path):
     docs = [DOC_A, DOC_B]
-    with _engine(tiny, tmp_path / "off", enable_cache=False) as off:
+    with tiny_engine(tmp_path / "off", enable_cache=False) as off:
         want = {u: off.generate(QUESTION, docs, system=BASE, system_tail=u) for u in USERS}
         want_head = {u: off.generate(QUESTION, docs, system=f"{BASE} {u}") for u in USERS}
-    with _engine(tiny, tmp_path / "head") as eng:  # the per-request part before the documents
+    with tiny_engine(tmp_path / "head") as eng:  # the per-request part before the documents
         head = {u: eng.generate(QUESTION, docs, system=f"{BASE} {u}") for u in USERS}
-    with _engine(tiny, tmp_path / "tail") as eng:  # ... and after them
+    with tiny_engine(tmp_path / "tail") as eng:  # ... and after them
         tail = {u: eng.generate(QUESTION, docs, system=BASE, system_tail=u) for u in USERS}
         doc_tokens = sum(len(eng.tokenizer(d, add_special_tokens=False)["input_ids"]) for d in docs)
     for u in USERS:
@@ -65,8 +49,8 @@ def test_documents_are_reused_across_tails_and_answers_equal_cache_off(tiny, tmp
     assert tail[second].metrics.reused_tokens > head[second].metrics.reused_tokens + doc_tokens // 2
 
 
-def test_an_announcement_without_the_tail_is_claimed_by_the_request_with_it(tiny, tmp_path):
-    with _engine(tiny, tmp_path / "c") as eng:
+def test_an_announcement_without_the_tail_is_claimed_by_the_request_with_it(tiny_engine, tmp_path):
+    with tiny_engine(tmp_path / "c") as eng:
         ticket = eng.announce([DOC_A, DOC_B], QUESTION, system=BASE)
         res = eng.generate(QUESTION, [DOC_A, DOC_B], system=BASE, system_tail=USERS[0])
         assert ticket.keys and res.metrics.announced
