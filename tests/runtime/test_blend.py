@@ -355,3 +355,26 @@ def test_the_first_new_document_after_the_exact_match_is_computed_exactly_and_ex
     # DOC_C is new right after the exact match: computed in context too, so the whole answer is exact
     assert second.metrics.blended_tokens == 0
     assert second.token_ids == want.token_ids and torch.equal(second.first_token_logits, want.first_token_logits)
+
+
+def test_position_independent_kv_follows_the_sharing_scopes(engine, tmp_path):
+    """A private document's position-independent KV is never found by another tenant (its blended_tokens would
+    tell that tenant the text was there); a shared document's is, across namespaces."""
+    from pcr_rag import Doc
+
+    secret = ("The merger with Initech closes on March 3 at a price of 41 dollars per share. " * 3).strip()
+    with engine(tmp_path / "c", reuse="blend", blend_recompute=0.0) as eng:
+        # tenant a: the secret (private) and DOC_C (shared) get their isolated KV (DOC_B first: in context)
+        eng.generate(QUESTION, [Doc(DOC_B, "shared"), Doc(DOC_C, "shared"), Doc(secret, "private")], namespace="a")
+        again = eng.generate(QUESTION, [Doc(DOC_A, "shared"), Doc(secret, "private")], namespace="a")
+        # tenant b, the same documents: the shared one is placed from a's KV, the private one is not found; tenant
+        # c guesses the secret wrong (each tenant's first sight of its guess)
+        guess = eng.generate(QUESTION, [Doc(DOC_A, "shared"), Doc(DOC_C, "shared"), Doc(secret, "private")],
+                             namespace="b")
+        wrong = eng.generate(QUESTION, [Doc(DOC_A, "shared"), Doc(DOC_C, "shared"),
+                                        Doc(secret.replace("41", "42"), "private")], namespace="c")
+    assert again.metrics.blended_tokens > 0  # the owner reuses its own private document
+    doc_c = len(eng.tokenizer(DOC_C, add_special_tokens=False)["input_ids"])
+    assert guess.metrics.blended_tokens >= 0.8 * doc_c  # DOC_C, shared, from tenant a's KV
+    # the right guess of the secret gets exactly what a wrong guess gets: DOC_C's shared KV, nothing more
+    assert guess.metrics.blended_tokens == wrong.metrics.blended_tokens
