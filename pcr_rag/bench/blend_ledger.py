@@ -12,9 +12,11 @@ plus what a raw-forward bound needs: the spans the request computed (in context,
 The ledger replays blend mode's plan from the outside, in the order the engine began the requests' prefills:
 the prompt is laid out with the engine's own `PromptBuilder.build_rag` (the same layout `PCREngine` uses; the
 token ids are checked against the engine's prompt), the exact prefix ends where the engine's exact reuse ends,
-and `blend_spans` (the engine's own planner) gives the placed span of each document. A placed document whose token
-run (its position-independent identity: the engine keys that KV by blend root + anchor + these tokens) no earlier
-blend request placed or computed in isolation is *fresh*: its placed tokens were computed for this request.
+a document right after it that has no position-independent KV yet is computed in context (as the engine's
+runner does, so that it extends the exact tree), and `blend_spans` (the engine's own planner) gives the placed
+span of every other document after the exact prefix. A placed document whose token run (its position-independent
+identity: the engine keys that KV by blend root + anchor + these tokens) no earlier blend request placed is
+*fresh*: its placed tokens were computed in isolation for this request.
 
 Invariants and limits:
 - ``blended_reused + fresh == placed``, and the request is ``consistent`` when the engine's ``blended_tokens`` is
@@ -105,6 +107,8 @@ class BlendLedger:
         docs = [BlendDocument(offsets[i], offsets[i + 1], _ROOT) for i in seg.document_segments]
         runs = [tuple(prompt_ids[d.start: d.end]) for d in docs]
         wanted = [i for i, d in enumerate(docs) if d.end > exact]
+        if wanted and docs[wanted[0]].start >= exact and runs[wanted[0]] not in self.seen:
+            wanted = wanted[1:]  # the engine computes a new document right after the exact match in context
         spans = blend_spans(total, exact, docs, wanted, self.recompute)
         placed = [s for s in spans if s.placed]
         computes = tuple((s.start, s.end) for s in spans if not s.placed)

@@ -524,7 +524,8 @@ def blend_section(runs: Sequence[Mapping[str, Any]], rows: Mapping[str, Any], fi
     interval; also with prefill time instead of TTFT, which leaves queueing out), its mean TTFT over exact pcr's
     and no-reuse's (paired intervals over the same requests), each against its ``BLEND_*`` target, and what its
     cost is made of: the attention share of a full prefill at the replay's mean prompt length (the raw-forward
-    fit's context term), forward spans per request and the fit's fixed cost per forward, queueing."""
+    fit's context term), compute spans per request (runs of computed positions between placed documents) and the
+    fit's fixed cost of one forward, queueing."""
     by_name = {r["system"]: r for r in runs}
     pi = (rows.get("position_independent") or {}).get("fraction")
     out: list[dict[str, Any]] = []
@@ -638,8 +639,9 @@ def blend_markdown(rows: Sequence[Mapping[str, Any]]) -> list[str]:
                          f"of the mean prompt ({b['mean_prompt_tokens']:.0f} tokens; the raw-forward fit's context "
                          "term)")
         if b.get("compute_spans_mean") is not None and b.get("fixed_s_per_forward") is not None:
-            parts.append(f"{b['compute_spans_mean']:.1f} forward spans per request at a fixed "
-                         f"{_ms(b['fixed_s_per_forward'])} each (raw-forward fit)")
+            parts.append(f"{b['compute_spans_mean']:.1f} compute spans per request (the runs of computed positions "
+                         f"between placed documents); a raw forward's fixed cost is {_ms(b['fixed_s_per_forward'])} "
+                         "(raw-forward fit)")
         if b.get("queue_share_of_ttft") is not None:
             parts.append(f"queueing {_pct(b['queue_share_of_ttft'])} of its TTFT")
         if b.get("inconsistent_requests"):

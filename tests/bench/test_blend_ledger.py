@@ -15,8 +15,8 @@ from pcr_rag.prompt import PromptBuilder
 from pcr_rag.runtime.blend import BlendDocument, blend_spans
 from pcr_rag.testing import tiny_tokenizer
 
-A, B, C, D = ("alpha beta gamma delta epsilon", "one two three four five six seven", "red green blue cyan",
-              "north south east west up down")
+A, B, C, D, E = ("alpha beta gamma delta epsilon", "one two three four five six seven", "red green blue cyan",
+                 "north south east west up down", "spring summer autumn winter")
 SYSTEM = "You answer."
 
 
@@ -25,17 +25,16 @@ def builder():
     return PromptBuilder(tiny_tokenizer())
 
 
-def _placed(builder, docs, exact, recompute):
-    """Placed tokens per document (prompt order) by blend mode's own planner: what the engine reports in all."""
+def _placed(builder, docs, exact, recompute, placeable):
+    """The prompt, its segment offsets and the placed tokens per document when the documents ``placeable`` are
+    placed after an exact prefix of ``exact`` tokens, by blend mode's own planner (`blend_spans`)."""
     seg = builder.build_rag("q?", docs, SYSTEM)
     offsets = [0]
     for s in seg.segments:
         offsets.append(offsets[-1] + len(s))
     documents = [BlendDocument(offsets[i], offsets[i + 1], b"") for i in seg.document_segments]
-    spans = blend_spans(seg.num_tokens, exact, documents, [i for i, d in enumerate(documents) if d.end > exact],
-                        recompute)
     per_doc = [0] * len(documents)
-    for s in spans:
+    for s in blend_spans(seg.num_tokens, exact, documents, placeable, recompute):
         if s.placed:
             per_doc[s.document] += s.end - s.start
     return seg, offsets, per_doc
@@ -44,47 +43,47 @@ def _placed(builder, docs, exact, recompute):
 @pytest.mark.parametrize("recompute", [0.0, 0.5])
 def test_first_use_is_fresh_and_later_uses_are_reuse(builder, recompute):
     ledger = BlendLedger(builder, recompute, SYSTEM)
-    # request 1: only the head is exact; every document is new, so everything placed was computed for it
-    _, offsets, _ = _placed(builder, [A, B, C], 0, recompute)
-    head = offsets[1]
-    seg, offsets, placed = _placed(builder, [A, B, C], head, recompute)
+    head = builder.build_rag("q?", [A], SYSTEM).segments[0]
+    head = len(head)
+    # request 1, only the head exact: A, new and right after the exact match, is computed in context (the engine
+    # extends the exact tree with it); B and C, new, are placed after an isolated prefill: fresh, not reuse
+    seg, offsets, placed = _placed(builder, [A, B, C], head, recompute, [1, 2])
     first = ledger.serve("q?", [A, B, C], seg.token_ids, head, sum(placed))  # an engine counting every placed token
-    assert first.consistent and first.fresh == first.placed == sum(placed) > 0 and first.blended_reused == 0
-    # request 2: same first document (exact through it), the other two swapped: both placed from earlier KV
-    seg2, _, placed2 = _placed(builder, [A, C, B], offsets[2], recompute)
+    assert first.consistent and placed[0] == 0 and first.fresh == first.placed == sum(placed) > 0
+    assert first.blended_reused == 0
+    # request 2, exact through A: C and B placed from the KV request 1 left
+    seg2, _, placed2 = _placed(builder, [A, C, B], offsets[2], recompute, [1, 2])
     second = ledger.serve("q?", [A, C, B], seg2.token_ids, offsets[2], sum(placed2))
     assert second.consistent and second.fresh == 0 and second.blended_reused == sum(placed2) > 0
-    # request 3: a new first document (nothing exact but the head): D is fresh, B and C are reused
-    seg3, _, placed3 = _placed(builder, [D, B, C], head, recompute)
-    # an engine counting only placed tokens an earlier request left
-    third = ledger.serve("q?", [D, B, C], seg3.token_ids, head, placed3[1] + placed3[2])
-    assert third.consistent and third.fresh == placed3[0] > 0 and third.blended_reused == placed3[1] + placed3[2] > 0
+    # request 3: a new first document D is computed in context, B and C are reused
+    seg3, _, placed3 = _placed(builder, [D, B, C], head, recompute, [1, 2])
+    third = ledger.serve("q?", [D, B, C], seg3.token_ids, head, sum(placed3))
+    assert third.consistent and third.fresh == 0 and third.blended_reused == sum(placed3) > 0
+    # request 4: B first (it has position-independent KV: placed), E new after it (fresh), C reused; an engine
+    # counting only placed tokens an earlier request left
+    seg4, _, placed4 = _placed(builder, [B, E, C], head, recompute, [0, 1, 2])
+    fourth = ledger.serve("q?", [B, E, C], seg4.token_ids, head, placed4[0] + placed4[2])
+    assert fourth.consistent and fourth.fresh == placed4[1] > 0 and fourth.blended_reused == placed4[0] + placed4[2]
     # computed in context: the rest of the prompt, and every computed position is either in context or fresh
-    computed = sum(e - s for s, e in third.compute_spans)
-    assert computed + third.placed + head == seg3.num_tokens
-    assert sum(e - s for s, e in third.computed_spans) == computed + third.fresh
-    assert third.compute_spans[-1][1] == seg3.num_tokens  # the last position is always computed
-    if recompute:  # each placed document's head is recomputed first: one more compute span per document
-        assert len(third.compute_spans) >= 3
+    computed = sum(e - s for s, e in fourth.compute_spans)
+    assert computed + fourth.placed + head == seg4.num_tokens
+    assert sum(e - s for s, e in fourth.computed_spans) == computed + fourth.fresh
+    assert fourth.compute_spans[-1][1] == seg4.num_tokens  # the last position is always computed
+    if recompute:  # each placed document's head is recomputed first: a compute span before each
+        assert len(fourth.compute_spans) >= 3
+    # request 5: A was never placed (computed in context, then inside the exact prefix): it has no
+    # position-independent KV, so placing it after B is fresh
+    seg5, _, placed5 = _placed(builder, [B, A], head, recompute, [0, 1])
+    fifth = ledger.serve("q?", [B, A], seg5.token_ids, head, placed5[0])
+    assert fifth.consistent and fifth.fresh == placed5[1] > 0
     assert ledger.inconsistent == 0
-
-
-def test_a_document_served_inside_the_exact_prefix_left_no_position_independent_kv(builder):
-    # blend mode keeps a document's position-independent KV only once it placed it (after the exact prefix)
-    ledger = BlendLedger(builder, 0.0, SYSTEM)
-    _, offsets, _ = _placed(builder, [A, B], 0, 0.0)
-    seg, _, placed = _placed(builder, [A, B], offsets[2], 0.0)  # A inside the exact prefix, B placed
-    first = ledger.serve("q?", [A, B], seg.token_ids, offsets[2], sum(placed))
-    assert first.consistent and placed[0] == 0 and first.fresh == placed[1] > 0
-    seg2, off2, placed2 = _placed(builder, [C, A], offsets[1], 0.0)
-    second = ledger.serve("q?", [C, A], seg2.token_ids, offsets[1], sum(placed2))
-    assert second.consistent and second.fresh == sum(placed2) == placed2[0] + placed2[1] and placed2[1] > 0
 
 
 def test_a_plan_the_ledger_cannot_replay_is_flagged(builder):
     ledger = BlendLedger(builder, 0.0, SYSTEM)
-    seg, offsets, placed = _placed(builder, [A, B], 0, 0.0)
-    off = ledger.serve("q?", [A, B], seg.token_ids, offsets[1], sum(placed) - 1)  # e.g. one document computed
+    seg, offsets, placed = _placed(builder, [A, B], 0, 0.0, [1])
+    # neither every placed token (B's) nor those from earlier KV (none): e.g. the engine computed B in place
+    off = ledger.serve("q?", [A, B], seg.token_ids, offsets[1], placed[1] - 1)
     assert not off.consistent and off.fresh is None and off.blended_reused is None
     other = ledger.serve("q?", [A, B], [*seg.token_ids, 7], offsets[1], 0)  # not the engine's layout
     assert not other.consistent and ledger.inconsistent == 2

@@ -26,9 +26,9 @@ def test_blend_quality_measures_every_system_and_compares_with_exact(tmp_path):
 
     model, tok = tiny_model("llama", num_layers=2, dtype=torch.float32)
     warmup = [("Warm-up: what meets the sea?", [DOCS[0], DOCS[1], DOCS[2]])]
-    requests = [("What meets the sea?", [DOCS[3], DOCS[2], DOCS[1]]),  # new first document, the rest seen
-                ("Which river?", [DOCS[3], DOCS[1], DOCS[4]]),
-                ("What meets the sea?", [DOCS[3], DOCS[2], DOCS[1]])]  # asked again
+    requests = [("What meets the sea?", [DOCS[2], DOCS[3], DOCS[1]]),  # seen, new, seen
+                ("Which river?", [DOCS[4], DOCS[1], DOCS[3]]),
+                ("What meets the sea?", [DOCS[2], DOCS[3], DOCS[1]])]  # asked again
     fractions = (0.0, 0.5)
     served = measure_model(model, tok, "tiny", warmup, requests, fractions, max_new_tokens=4, chunk_size=16,
                            work_dir=tmp_path)
@@ -41,6 +41,7 @@ def test_blend_quality_measures_every_system_and_compares_with_exact(tmp_path):
         # documents 2 and 1 were placed by the warm-up (after its first document): reused in new positions;
         # document 3 is new: placed after an isolated prefill for this request, not reuse
         assert first.blended_reused > 0 and first.blended_fresh > 0
+        assert first.blended == first.blended_reused  # the engine counts only placed KV an earlier request left
         again = by[(blend_name(f), 2)]
         # the same prompt again: nothing after a placed document entered the exact tree, so it is placed again,
         # now all from earlier KV
