@@ -116,7 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t = parser.add_argument_group("trace replay (the file `pcr-rag bench --trace` replays)")
     t.add_argument("--trace", default=None, metavar="FILE",
                    help="instead of the comparison: replay a RAG segment trace (or Mooncake block-hash trace) and "
-                        "print each system's mean TTFT and reused fraction (exact + blended) per profile; "
+                        "print each system's mean TTFT and its prompt tokens reused exactly, blended and computed per profile; "
                         "--profile may then name several, comma-separated; --requests takes the first N; "
                         f"systems default to {','.join(TRACE_SIM_SYSTEMS)}")
     t.add_argument("--trace-speed", type=parse_floats, default=None, metavar="X",
@@ -126,9 +126,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--blend-recompute", type=parse_floats, default=None, metavar="F[,F...]",
                    help="run each blend system (pcr-blend) once per recompute fraction, named NAME@r=F (default: "
                         "the engine's blend_recompute)")
-    t.add_argument("--blend-fused", action="store_true",
-                   help="also run each blend system as a what-if whose compute spans run as one forward step "
-                        "(NAME+fused; pcr-rag's forward runs one step per contiguous span)")
     add_fleet_arguments(parser)
 
 

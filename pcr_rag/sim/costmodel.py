@@ -100,6 +100,14 @@ def pipeline_uniform(
     return PipelineResult(max(comp_end + post_s, off_end), comp_end, off_end, comp_end - n * c)
 
 
+def attention_pairs(start: int, end: int) -> float:
+    """The (query, key) pairs of causal attention for the queries at positions ``[start, end)``: each attends to
+    every position up to its own (``n * start + n * (n + 1) / 2`` for ``n = end - start``), whatever sits before
+    ``start`` (an exact prefix, placed documents, earlier spans)."""
+    n = max(0, end - start)
+    return n * start + n * (n + 1) / 2.0
+
+
 @dataclass(frozen=True)
 class PrefillWork:
     """What one prefill has to do (tokens).
@@ -119,7 +127,8 @@ class PrefillWork:
     document); empty: every step's tokens when ``offload``. ``placed_tokens`` are placed from documents'
     position-independent KV in the first step, each layer's keys rotated (`CostModel.place_s`); their loads from
     the host are in ``dram_tokens`` / ``ssd_tokens`` like any cached chunk's. ``step_pairs`` (optional) gives each
-    step's attention (query, key) pairs where a step computes several spans at once (`CostModel.layer_compute_s`).
+    step's attention (query, key) pairs where a step computes several spans at once (blend mode's scattered steps:
+    the sum of `attention_pairs` over its spans; `CostModel.layer_compute_s`).
     """
 
     cached_tokens: int
@@ -190,7 +199,7 @@ class CostModel:
             return 0.0
         p = self.profile
         if pairs is None:
-            pairs = new_tokens * context_tokens + new_tokens * (new_tokens + 1) / 2.0
+            pairs = attention_pairs(context_tokens, context_tokens + new_tokens)
         return p.layer_s_fixed + p.layer_s_per_token * new_tokens + p.layer_s_per_token_ctx * pairs
 
     def compute_only_s(self, steps: Sequence[int], cached_tokens: int = 0) -> float:

@@ -39,21 +39,28 @@ round trip + bytes / bandwidth), then uses them like DRAM hits. Remote chunks ar
 Blend mode (a system with ``blend``, `pcr_rag.runtime.blend`), as the runtime's `PrefillTask._begin_blend` runs it:
 after the exact prefix match, the spans are `blend_spans` of the request's documents (`SimRequest.documents`):
 each later document is placed after its first ``ceil(blend_recompute * n)`` tokens, everything else is computed,
-the last token always. A document whose position-independent chain ``[anchor][document]`` is wholly in memory
-(DRAM, or the device) is leased and placed: its placed tokens load host -> device layer by layer in the first
-step, like the exact prefix's DRAM chunks. Any other document is first prefilled in isolation (its chain's cached
-chunks loaded from their tiers, SSD reads on the same channel as any on-demand read, the rest computed behind
-them; the computed chunks inserted and SSD/remote ones kept in DRAM, as the isolated `PrefillTask` does), one
-after the other before the request's own steps; its KV is then on the device. The anchor is thus computed once
-per cache (while it stays cached) and each new document once, in isolation. Placing rotates the placed keys in
-the first step (`CostModel.place_s`). Compute spans cost their true context (every earlier position, placed ones
-included); nothing computed after the first placed position is inserted into the exact index (`_Prefill
-.exact_until`) or offloaded. A document whose cached chunks the cache's load-or-recompute planner declines to load
-is computed in place instead, as in the runtime. The prefetch window holds a blend request's documents' chains
-after its own, as the runtime's does (`PCREngine._window_keys`). The blend gate is not modelled (it is off
-unless ``blend_verify`` > 0).
-A request's ``computed_tokens`` is the runtime's (prompt - exact reuse - blended); ``isolated_tokens`` counts
-what the isolated prefills computed.
+the last token always. The first document right after the exact match (starting at or after its end) whose
+position-independent chain is not wholly cached (any tier) is not placed: it is computed in context, exactly, and
+its chunks extend the exact index. A document whose chain ``[anchor][document]`` is wholly in memory (DRAM, or the
+device) is leased and placed: its placed tokens load host -> device layer by layer in the first step, like the
+exact prefix's DRAM chunks. Any other document is first prefilled in isolation (its chain's cached chunks loaded
+from their tiers, SSD reads on the same channel as any on-demand read, the rest computed behind them in the
+runtime's steps, whose budget is the request's prompt length; the computed chunks inserted and SSD/remote ones kept
+in DRAM, as the isolated `PrefillTask` does), one after the other before the request's own steps; its KV is then
+on the device. The anchor is thus computed once per cache (while it stays cached) and each new document once, in
+isolation. Placing rotates the placed keys in the first step (`CostModel.place_s`). The compute spans run as the
+runtime's steps (`blend_steps`): a step takes up to the step budget of tokens across the compute spans in one
+forward (a "scattered" step, `PrefillTask._blend_step`), and costs its tokens plus each span's attention over every
+earlier position, placed ones included. Nothing computed after the first placed position is inserted into the
+exact index (`_Prefill.exact_until`), offloaded, or named in the prefill's outlook. A document whose cached chunks
+the cache's load-or-recompute planner declines to load is computed in place instead, as in the runtime. The
+prefetch window holds a blend request's documents' chains after its own, as the runtime's does
+(`PCREngine._window_keys`). The blend gate is not modelled (it is off unless ``blend_verify`` > 0).
+A request's counts are the runtime's: ``blended_tokens`` are the placed tokens whose position-independent KV was
+cached before the request (a document computed in isolation by the request and placed counts as computed), and
+``computed_tokens`` is prompt - exact reuse - blended. ``placed_tokens`` counts every placed token and
+``isolated_tokens`` what the isolated prefills computed (anchor included), so a request's forwards computed
+``prompt - exact - placed + isolated`` tokens.
 """
 
 from __future__ import annotations
@@ -88,7 +95,7 @@ from pcr_rag.runtime.forward import ATTENTION_BLOCK
 from pcr_rag.runtime.prefetcher import plan_prefetch
 from pcr_rag.runtime.runner import prefill_step_sizes
 from pcr_rag.runtime.step_budget import StepBudget
-from pcr_rag.sim.costmodel import CostModel, PrefillWork
+from pcr_rag.sim.costmodel import CostModel, PrefillWork, attention_pairs
 from pcr_rag.sim.profiles import Profile
 from pcr_rag.sim.remote_link import RemoteLink
 from pcr_rag.sim.systems import SimSystem, engine_default
@@ -120,6 +127,43 @@ def default_max_batch(executor: str) -> int:
     """``SimConfig.max_batch`` when none is given: 1 for ``serial``, the engine's ``max_active`` rows for
     ``engine-steps``, `PREFILL_FIRST_DEFAULT_BATCH` for ``prefill-first``."""
     return {"serial": 1, "engine-steps": ENGINE_DEFAULT_MAX_ACTIVE}.get(executor, PREFILL_FIRST_DEFAULT_BATCH)
+
+
+def engine_steps(spans: Sequence[tuple[int, int]], budget: int, block: int) -> list[tuple[tuple[int, int], ...]]:
+    """The forward steps `PrefillTask` runs over a prefill's compute spans (``[start, end)``, ordered, non-empty,
+    disjoint), each as the pieces of spans it computes, when no error intervenes: while more spans follow the
+    current one and fewer than ``budget`` of its tokens are left, one scattered step takes the rest of it and the
+    next tokens of the following spans, ``budget`` tokens in all (`PrefillTask._blend_step`; the placed KV between
+    them is not computed); otherwise a contiguous step of at most ``budget`` tokens cut at a multiple of ``block``
+    (`prefill_step_sizes`). One span (exact mode): the runtime's contiguous steps. The pieces cover the spans
+    exactly, in order."""
+    budget = max(1, budget)
+    rest = list(spans)
+    if not rest:
+        return []
+    pos, span_end = rest.pop(0)
+    steps: list[tuple[tuple[int, int], ...]] = []
+    while True:
+        if rest and span_end - pos < budget:
+            pieces = [(pos, span_end)]
+            left = budget - (span_end - pos)
+            while rest and left > 0:
+                lo, hi = rest.pop(0)
+                take = min(left, hi - lo)
+                pieces.append((lo, lo + take))
+                left -= take
+                if take < hi - lo:
+                    rest.insert(0, (lo + take, hi))
+            steps.append(tuple(pieces))
+        else:
+            end = pos + prefill_step_sizes(pos, span_end, budget, block)[0]
+            steps.append(((pos, end),))
+            if end < span_end:
+                pos = end
+                continue
+        if not rest:
+            return steps
+        pos, span_end = rest.pop(0)
 
 
 class SimulationError(RuntimeError):
@@ -193,7 +237,8 @@ class RequestOutcome:
     prefetch_hit_chunks: int = 0
     prefill_s: float = 0.0
     stall_s: float = 0.0
-    blended_tokens: int = 0  # placed from documents' position-independent KV (blend mode)
+    blended_tokens: int = 0  # blend mode: placed from position-independent KV cached before the request
+    placed_tokens: int = 0  # blend mode: every placed token (blended, and those of documents computed in isolation)
     isolated_tokens: int = 0  # computed by blend mode's isolated prefills of documents (anchor included)
     forward_steps: int = 0  # forward steps of its prefill (blend mode's isolated prefills included)
 
@@ -261,12 +306,14 @@ class _Prefill:
 @dataclass
 class _BlendPrep:
     """Blend mode's part of one prefill (`Simulator._blend_prep`): the compute spans ``[start, end)`` after the
-    exact prefix, the placed tokens by where their KV comes from (``memory``: leased DRAM chains, loaded host ->
-    device; ``device``: already on the device), the isolated prefills' seconds and tokens, the position from which
-    nothing is inserted, and the leases of the placed chains."""
+    exact prefix, the placed tokens (``placed``: all of them; ``blended``: those whose position-independent KV was
+    cached before the request; by where their KV comes from, ``memory``: leased DRAM chains, loaded host -> device,
+    the rest already on the device), the isolated prefills' seconds, tokens and forward steps, the position from
+    which nothing is inserted, and the leases of the placed chains."""
 
     computes: list[tuple[int, int]]
     placed: int
+    blended: int
     memory: int
     exact_until: int
     prelude_s: float
@@ -560,16 +607,13 @@ class Simulator:
             out.computed_tokens = req.prompt_tokens - cached
         else:
             spans = blend.computes
-            out.blended_tokens = blend.placed
+            out.blended_tokens, out.placed_tokens = blend.blended, blend.placed
             out.isolated_tokens = blend.isolated_tokens
-            out.computed_tokens = req.prompt_tokens - cached - blend.placed
-        pairs: tuple[float, ...] = ()
-        if blend is not None and self.sys.blend_fused:  # what-if: every compute span in one forward step
-            spans = [(lo, hi) for lo, hi in spans if hi > lo]
-            steps, starts = (sum(hi - lo for lo, hi in spans),), [spans[0][0]]
-            pairs = (sum((hi - lo) * lo + (hi - lo) * (hi - lo + 1) / 2.0 for lo, hi in spans),)
-        else:
-            steps, starts = self._step_plan(plan, spans)
+            out.computed_tokens = req.prompt_tokens - cached - blend.blended
+        pieces = self._step_pieces(plan, spans) or [((cached, cached),)]  # an empty plan: one step of nothing
+        steps = tuple(sum(hi - lo for lo, hi in step) for step in pieces)
+        starts = [step[0][0] for step in pieces]
+        ends = [step[-1][1] for step in pieces]
         if self.engine is None:
             step_s = [self.cm.compute_only_s((n,), cached_tokens=starts[i])
                       - (self.cm.profile.request_overhead_s if i else 0.0) for i, n in enumerate(steps)]
@@ -595,10 +639,11 @@ class Simulator:
                 promote_tokens=ssd_tokens,
                 offload=not self.sys.device_cache,
                 step_context=tuple(starts) if blend is not None else (),
-                step_offload=self._offload_tokens(spans, steps, starts, exact_until, fused=bool(pairs))
+                step_offload=tuple(sum(max(0, min(hi, exact_until) - lo) for lo, hi in step) for step in pieces)
                 if blend is not None else (),
                 placed_tokens=blend.placed if blend is not None else 0,
-                step_pairs=pairs,
+                step_pairs=tuple(sum(attention_pairs(lo, hi) for lo, hi in step) for step in pieces)
+                if blend is not None else (),
             )
             cost = self.cm.prefill(work, overlap=self.sys.overlap)
             step_s, stall = list(cost.step_s), cost.stall_s
@@ -619,12 +664,8 @@ class Simulator:
             if work.offload:
                 self.counters["d2h_bytes"] += (sum(work.offload_of(i) for i in range(len(steps))) + ssd_tokens) * kb
         if len(step_s) != len(steps):  # a step of no tokens (an empty plan): one step of everything
-            steps, step_s = (sum(steps),), [sum(step_s)]
-            starts = [starts[0]] if starts else [cached]
-        ends = [st + n for st, n in zip(starts, steps, strict=True)]
+            steps, step_s, ends = (sum(steps),), [sum(step_s)], [ends[-1]]
         out.forward_steps = len(steps) + (blend.isolated_steps if blend is not None else 0)
-        if pairs:
-            ends = [req.prompt_tokens]
         out.prefill_s = sum(step_s)
         out.stall_s = stall
         if self.sys.device_cache:
@@ -634,41 +675,23 @@ class Simulator:
             run.exact_until, run.blend_leases = blend.exact_until, blend.leases
         return run
 
-    def _step_plan(self, plan: Sequence[ChunkSpec], spans: Sequence[tuple[int, int]]
-                   ) -> tuple[tuple[int, ...], list[int]]:
-        """The forward steps computing ``spans`` (``[start, end)``, in order) in the profile's step mode, and
-        the position each step starts at: ``engine``: the runtime's steps per span (`prefill_step_sizes`, as
-        `PrefillTask._step` cuts each compute span); ``per_chunk``: each span cut at the plan's chunk boundaries;
-        ``single``: one step per span."""
-        steps: list[int] = []
-        starts: list[int] = []
+    def _step_pieces(self, plan: Sequence[ChunkSpec], spans: Sequence[tuple[int, int]],
+                     budget: int | None = None) -> list[tuple[tuple[int, int], ...]]:
+        """The forward steps computing ``spans`` (``[start, end)``, in order; empty ones ignored) in the profile's
+        step mode, each as the spans' pieces it computes: ``engine``: the runtime's steps of ``budget`` tokens
+        (default ``prefill_chunk_tokens``; `engine_steps`: contiguous ones cut at attention blocks, and blend
+        mode's scattered ones across several spans); ``per_chunk``: each span cut at the plan's chunk boundaries,
+        one step per piece; ``single``: one forward over every span. No spans: no steps."""
+        spans = [(lo, hi) for lo, hi in spans if hi > lo]
+        if not spans:
+            return []
         mode = self.cfg.steps_mode
-        for lo, hi in spans:
-            if hi <= lo:
-                continue
-            if mode == "engine":
-                sizes = prefill_step_sizes(lo, hi, self._prefill_chunk_tokens, ATTENTION_BLOCK)
-            elif mode == "per_chunk":
-                sizes = [min(c.end, hi) - max(c.start, lo) for c in plan if c.end > lo and c.start < hi]
-            else:
-                sizes = [hi - lo]
-            pos = lo
-            for n in sizes:
-                steps.append(n)
-                starts.append(pos)
-                pos += n
-        if not steps:  # nothing to compute (an empty plan)
-            return (0,), [spans[0][0] if spans else 0]
-        return tuple(steps), starts
-
-    @staticmethod
-    def _offload_tokens(spans: Sequence[tuple[int, int]], steps: Sequence[int], starts: Sequence[int],
-                        exact_until: int, *, fused: bool) -> tuple[int, ...]:
-        """Tokens of each step copied to the host: those before ``exact_until`` (blend mode offloads and inserts
-        nothing computed after its first placed position); a fused step computes every span."""
-        if fused:
-            return (sum(max(0, min(hi, exact_until) - lo) for lo, hi in spans),)
-        return tuple(max(0, min(st + n, exact_until) - st) for st, n in zip(starts, steps, strict=True))
+        if mode == "engine":
+            return engine_steps(spans, budget or self._prefill_chunk_tokens, ATTENTION_BLOCK)
+        if mode == "per_chunk":
+            return [((max(c.start, lo), min(c.end, hi)),) for lo, hi in spans for c in plan
+                    if c.end > lo and c.start < hi]
+        return [tuple(spans)]
 
     def _remote_fetch_s(self, now: float, chunks: list[tuple[bytes, int]], nbytes: int) -> float:
         """Seconds to fetch ``chunks`` (key, bytes) whole from the remote tier (the link's model, or the fleet's
@@ -685,14 +708,22 @@ class Simulator:
         placed document's KV got as the runtime gets it (`PrefillTask._document_kv`): a chain wholly in memory is
         leased; one whose cached chunks the load-or-recompute planner declines to load is computed in place (not
         placed); any other is prefilled in isolation first (`_isolated_prefill`, its seconds summed into
-        ``prelude_s``)."""
+        ``prelude_s``). The first document after the exact match whose chain is not wholly cached is computed in
+        context (`PrefillTask._begin_blend`). Placed tokens count as blended where their isolated KV came from the
+        cache: all of a leased chain's, and of an isolated prefill's those below the prefix it loaded."""
         docs = req.documents
         bdocs = [BlendDocument(d.start, d.end, b"") for d in docs]
         total, frac = req.prompt_tokens, self.sys.blend_recompute
         wanted = [i for i, d in enumerate(docs) if d.end > exact_end]
+        if wanted and docs[wanted[0]].start >= exact_end:
+            first = docs[wanted[0]]
+            self._note_bytes(first.plan)
+            if len(self.engine.match(first.keys).keys) < len(first.plan):
+                wanted = wanted[1:]  # seen for the first time right after the exact match: computed in context
         kept: list[int] = []
         leases: list[Any] = []
         memory_docs: set[int] = set()
+        cached_upto: dict[int, int] = {}  # per placed document: isolated positions below this came from the cache
         prelude = 0.0
         isolated = steps = 0
         for span in blend_spans(total, exact_end, bdocs, wanted, frac):
@@ -700,28 +731,37 @@ class Simulator:
                 continue
             doc = docs[span.document]
             self._note_bytes(doc.plan)
-            lease = self.engine.acquire(doc.keys, prompt_tokens=doc.plan[-1].end)
+            n = doc.plan[-1].end
+            lease = self.engine.acquire(doc.keys, prompt_tokens=n)
             in_memory = lease.num_chunks == len(doc.plan) and all(
                 t in (Tier.DRAM, Tier.DEVICE) for t in lease.tiers[: lease.num_chunks])
             if in_memory:
                 leases.append(lease)
                 memory_docs.add(span.document)
+                cached_upto[span.document] = n
             else:
                 declined = lease.num_chunks < len(self.engine.match(doc.keys).keys)
                 lease.release()
                 if declined:  # the load-or-recompute planner would rather compute it: in place, not placed
                     continue
-                seconds, tokens = self._isolated_prefill(doc, now + prelude)
+                seconds, tokens, forwards, loaded = self._isolated_prefill(doc, now + prelude, total)
                 prelude += seconds
                 isolated += tokens
-                steps += 1
+                steps += forwards
+                cached_upto[span.document] = loaded
             kept.append(span.document)
         spans = blend_spans(total, exact_end, bdocs, kept, frac)
         placed = [sp for sp in spans if sp.placed]
+        blended = 0
+        for sp in placed:
+            doc = docs[sp.document]
+            lo = doc.anchor_tokens + sp.start - doc.start  # the span's positions in the isolated prompt
+            blended += max(0, min(doc.anchor_tokens + sp.end - doc.start, cached_upto[sp.document]) - lo)
         memory = 0 if self.sys.device_cache else sum(sp.end - sp.start for sp in placed if sp.document in memory_docs)
         return _BlendPrep(
             computes=[(sp.start, sp.end) for sp in spans if not sp.placed],
             placed=sum(sp.end - sp.start for sp in placed),
+            blended=blended,
             memory=memory,
             exact_until=placed[0].start if placed else total,
             prelude_s=prelude,
@@ -730,11 +770,12 @@ class Simulator:
             leases=leases,
         )
 
-    def _isolated_prefill(self, doc: SimDocument, now: float) -> tuple[float, int]:
+    def _isolated_prefill(self, doc: SimDocument, now: float, budget: int) -> tuple[float, int, int, int]:
         """Prefill ``doc``'s chain ``[anchor][document]`` on its own, starting at ``now`` (the runtime's isolated
-        `PrefillTask`: its cached chunks loaded from their tiers, the rest computed behind them, the last position
-        always; computed chunks inserted, SSD- and remote-read ones kept in DRAM). Returns (seconds, tokens
-        computed); the request overhead is the request's own, not counted here."""
+        `PrefillTask`, advanced with a budget of ``budget`` tokens, the request's prompt length: its cached chunks
+        loaded from their tiers, the rest computed behind them, the last position always; computed chunks inserted,
+        SSD- and remote-read ones kept in DRAM). Returns (seconds, tokens computed, forward steps, the position
+        below which its KV came from the cache); the request overhead is the request's own, not counted here."""
         plan, kb, p = doc.plan, self.kv_bytes_per_token, self.cm.profile
         n = plan[-1].end
         lease = self.engine.acquire(doc.keys, prompt_tokens=n)
@@ -761,7 +802,8 @@ class Simulator:
             if ssd_tokens:
                 busy_until = max(self.ssd_demand_free, self.pf_current[1] if self.pf_current else 0.0)
                 ssd_wait = max(0.0, busy_until - now)
-            work = PrefillWork(cached_tokens=position, compute_steps=(n - position,), dram_tokens=memory + remote_tokens,
+            steps = tuple(hi - lo for step in self._step_pieces(plan, [(position, n)], budget) for lo, hi in step)
+            work = PrefillWork(cached_tokens=position, compute_steps=steps, dram_tokens=memory + remote_tokens,
                                ssd_tokens=ssd_tokens, ssd_chunks=ssd_chunks, ssd_wait_s=ssd_wait,
                                promote_tokens=ssd_tokens, offload=not self.sys.device_cache)
             cost = self.cm.prefill(work, overlap=self.sys.overlap)
@@ -783,7 +825,7 @@ class Simulator:
                     self._offered(c.key, c.num_tokens * kb)
         finally:
             lease.release()
-        return seconds, n - position
+        return seconds, n - position, len(steps), position
 
     def _note_bytes(self, plan: Sequence[ChunkSpec]) -> None:
         for c in plan:
@@ -953,7 +995,9 @@ class Simulator:
             if run is None:
                 outlooks.append(self._outlook(row.req))
             else:
-                chunks = {} if self.engine is None else {c.key: c.num_tokens for c in row.req.plan[run.stored:]}
+                limit = row.req.prompt_tokens if run.exact_until is None else run.exact_until
+                chunks = {} if self.engine is None else {c.key: c.num_tokens for c in row.req.plan[run.stored:]
+                                                         if c.end <= limit}  # blend: none after a placed one
                 outlooks.append(PrefillOutlook(arrived, sum(run.steps), chunks, begun=True,
                                                began_s=run.began_s, served_s=run.served_s))
         candidates = prefill_candidates(self.sys.schedule, outlooks)

@@ -48,8 +48,6 @@ class SimSystem:
     - ``blend``: blend mode (``EngineConfig.reuse="blend"``, `pcr_rag.runtime.blend`): after the exact prefix
       match, documents are placed from their position-independent KV (modelled by `pcr_rag.sim.simulator`);
       ``blend_recompute`` is the fraction of each placed document's first tokens computed in context.
-      ``blend_fused`` is a what-if, not the engine: a blend prefill's compute spans run as one forward step (a
-      forward over scattered positions, as CacheBlend's); pcr-rag's forward computes one contiguous span per step.
     """
 
     name: str
@@ -65,7 +63,6 @@ class SimSystem:
     executor_overrides: tuple[tuple[str, Any], ...] = ()
     blend: bool = False
     blend_recompute: float = engine_default("blend_recompute")
-    blend_fused: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.blend_recompute <= 1.0:

@@ -9,10 +9,12 @@ fractions of the working set (the distinct exact chunks of the warm-up and the r
 trace order. Prompts are laid out as `pcr_rag.sim.trace.trace_requests` says (the engine's separators are not
 modelled).
 
-Reuse is reported as fractions of all replayed prompt tokens: ``exact`` (the prefix match), ``blended`` (placed
-from documents' position-independent KV, blend mode), their sum ``reused``, and the work done: ``computed`` (in
-context: the runtime's computed tokens) and ``isolated`` (blend mode's isolated prefills of documents not cached,
-anchor included: work a request pays for that the runtime's ``computed_tokens`` leaves out). Next to them, two
+Reuse is reported as fractions of all replayed prompt tokens, as the runtime counts them: ``exact`` (the prefix
+match), ``blended`` (blend mode: placed from documents' position-independent KV cached before the request),
+``computed`` (the rest, the runtime's ``computed_tokens``: a document computed in isolation by the request and
+placed counts as computed), and ``reused`` (exact + blended). The work the forwards did is reported next to them:
+``in context`` (the request's own forward steps: the prompt less the exact prefix and every placed token) and
+``in isolation`` (blend mode's isolated prefills of documents not cached, anchor included). Next to them, two
 bounds of the same prompts for a cache that never evicts, at chunk granularity: ``prefix`` (the longest prefix of
 the chunk chain served before) and ``position_independent`` (that prefix plus every later segment - document or
 question - whose identity an earlier request held in any position), each leaving the last token computed.
@@ -185,6 +187,7 @@ class ReplaySummary:
     computed_tokens: int
     isolated_tokens: int
     forward_steps: int
+    placed_tokens: int = 0
 
     def fraction(self, tokens: int) -> float:
         return tokens / self.prompt_tokens if self.prompt_tokens else 0.0
@@ -194,11 +197,18 @@ class ReplaySummary:
         """Exact + blended, over all prompt tokens."""
         return self.fraction(self.exact_tokens + self.blended_tokens)
 
+    @property
+    def context_tokens(self) -> int:
+        """Tokens the requests' own forward steps computed: the prompts less the exact prefixes and every placed
+        token (blend mode's isolated prefills not included)."""
+        return self.prompt_tokens - self.exact_tokens - self.placed_tokens
+
     def as_dict(self) -> dict[str, Any]:
         return {"profile": self.profile, "system": self.system, "requests": self.requests,
                 "mean_ttft_s": self.mean_ttft_s, "p50_ttft_s": self.p50_ttft_s, "prompt_tokens": self.prompt_tokens,
                 "exact_tokens": self.exact_tokens, "blended_tokens": self.blended_tokens,
-                "computed_tokens": self.computed_tokens, "isolated_tokens": self.isolated_tokens,
+                "computed_tokens": self.computed_tokens, "placed_tokens": self.placed_tokens,
+                "context_tokens": self.context_tokens, "isolated_tokens": self.isolated_tokens,
                 "forward_steps": self.forward_steps, "reused_fraction": self.reused_fraction}
 
 
@@ -215,6 +225,7 @@ def summarize(profile: str, system: str, result: SimResult) -> ReplaySummary:
         computed_tokens=sum(o.computed_tokens for o in outs),
         isolated_tokens=sum(o.isolated_tokens for o in outs),
         forward_steps=sum(o.forward_steps for o in outs),
+        placed_tokens=sum(o.placed_tokens for o in outs),
     )
 
 
@@ -235,30 +246,26 @@ def replay_trace(profile: Profile, ts: TraceScenario, systems: Sequence[SimSyste
     return out
 
 
-def blend_variants(systems: Sequence[SimSystem], fractions: Sequence[float], *, fused: bool = False
-                   ) -> list[SimSystem]:
+def blend_variants(systems: Sequence[SimSystem], fractions: Sequence[float]) -> list[SimSystem]:
     """``systems`` with each blend system replaced by one per recompute fraction (named ``NAME@r=F``; none: its
-    own fraction), each followed, with ``fused``, by its what-if twin whose compute spans run as one forward step
-    (``NAME+fused``, `SimSystem.blend_fused`); the other systems as given."""
+    own fraction); the other systems as given."""
     out: list[SimSystem] = []
     for s in systems:
         if not s.blend:
             out.append(s)
             continue
-        for v in ([replace(s, name=f"{s.name}@r={f:g}", blend_recompute=float(f)) for f in fractions] or [s]):
-            out.append(v)
-            if fused:
-                out.append(replace(v, name=f"{v.name}+fused", blend_fused=True))
+        out += [replace(s, name=f"{s.name}@r={f:g}", blend_recompute=float(f)) for f in fractions] or [s]
     return out
 
 
 def replay_table(summaries: Sequence[ReplaySummary], bounds: dict[str, ReplayBounds] | None = None, *,
                  baseline: str = "pcr", cold: str = "no-reuse") -> list[str]:
     """A Markdown table of ``summaries`` (grouped by profile, in order): mean TTFT and its ratio to ``baseline``
-    and to ``cold`` on the same profile (blank where that system did not run), then the token fractions; a line of
-    each profile's bounds below when given."""
+    and to ``cold`` on the same profile (blank where that system did not run), then the token fractions (exact +
+    blended + computed = 100%; the forwards' tokens in context and in isolation) and the forward steps per request;
+    a line of each profile's bounds below when given."""
     lines = ["| profile | system | mean TTFT | p50 TTFT | vs " + baseline + " | vs " + cold + " | exact | blended "
-             "| reused (exact + blended) | computed in context | computed in isolation | forward steps / request |",
+             "| computed | forward tokens: in context | forward tokens: in isolation | forward steps / request |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     by = {(s.profile, s.system): s for s in summaries}
     for s in summaries:
@@ -266,8 +273,9 @@ def replay_table(summaries: Sequence[ReplaySummary], bounds: dict[str, ReplayBou
         lines.append(
             f"| {s.profile} | {s.system} | {_ms(s.mean_ttft_s)} | {_ms(s.p50_ttft_s)} | "
             f"{_ratio(s.mean_ttft_s, base)} | {_ratio(s.mean_ttft_s, nr)} | {s.fraction(s.exact_tokens):.1%} | "
-            f"{s.fraction(s.blended_tokens):.1%} | {s.reused_fraction:.1%} | {s.fraction(s.computed_tokens):.1%} | "
-            f"{s.fraction(s.isolated_tokens):.1%} | {s.forward_steps / s.requests if s.requests else 0:.1f} |")
+            f"{s.fraction(s.blended_tokens):.1%} | {s.fraction(s.computed_tokens):.1%} | "
+            f"{s.fraction(s.context_tokens):.1%} | {s.fraction(s.isolated_tokens):.1%} | "
+            f"{s.forward_steps / s.requests if s.requests else 0:.1f} |")
     for name, b in (bounds or {}).items():
         lines.append("")
         lines.append(f"Bounds on {name} (fractions of prompt tokens, unbounded cache): prefix {b.prefix:.1%}, "
@@ -288,7 +296,7 @@ def _ratio(value: float, other: ReplaySummary | None) -> str:
 # ------------------------------------------------------------------------------------------------------------ CLI
 def run_trace_cli(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     """``pcr-rag simulate --trace FILE``: the replay on each ``--profile`` (comma-separated), one table. Uses
-    ``--systems`` (default `TRACE_SIM_SYSTEMS`), ``--blend-recompute``, ``--blend-fused``, ``--requests`` (the file's first N),
+    ``--systems`` (default `TRACE_SIM_SYSTEMS`), ``--blend-recompute``, ``--requests`` (the file's first N),
     ``--trace-speed``, ``--trace-length-scale``, ``--warmup``, ``--system-tokens`` (the head), ``--max-new-tokens``
     (outputs the trace does not give), ``--chunk-size``, ``--dram-fraction``, ``--ssd-fraction``, ``--seed``,
     ``--executor`` / ``--max-batch`` / ``--itl-budget`` / ``--prefill-steps``; writes ``--json`` / ``--markdown``.
@@ -304,7 +312,7 @@ def run_trace_cli(args: argparse.Namespace, say: Callable[[str], None]) -> int:
         if not profiles:
             raise ValueError("--profile names no profile")
         systems = blend_variants(parse_systems(args.systems or ",".join(TRACE_SIM_SYSTEMS)),
-                                 tuple(args.blend_recompute or ()), fused=args.blend_fused)
+                                 tuple(args.blend_recompute or ()))
         options = ReplayOptions(chunk_size=args.chunk_size, head_tokens=args.system_tokens, speed=speeds[0],
                                 warmup=TRACE_WARMUP if args.warmup is None else args.warmup,
                                 default_output=args.max_new_tokens, dram_fraction=args.dram_fraction,
@@ -342,8 +350,8 @@ def run_trace_cli(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"kind": "simulate-trace", "title": title, "runs": runs,
-                       "systems": [{"name": s.name, "blend": s.blend, "blend_recompute": s.blend_recompute,
-                                    "blend_fused": s.blend_fused} for s in systems],
+                       "systems": [{"name": s.name, "blend": s.blend, "blend_recompute": s.blend_recompute}
+                                   for s in systems],
                        "summaries": [x.as_dict() for x in summaries]}, f, indent=2)
     if args.markdown:
         with open(args.markdown, "w") as f:
