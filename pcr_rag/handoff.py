@@ -11,6 +11,13 @@ ticket is released explicitly (its prefetch has already happened; it must not li
 the ticket each engine returned. An engine here is anything with ``announce`` and ``cancel_announcement`` (a
 `PCREngine`, or a client of a remote one).
 
+Reuse mode: a hook announces with the reuse mode of the model that will answer (``PCRLLM(reuse="blend")``,
+``ChatPCR(reuse="blend")``), so a blend model's retrieval also prefetches the documents' position-independent
+chains (`PCREngine.announce`'s ``reuse``) on an engine whose default is exact. A mode of None sends no ``reuse``
+(the engine's or server's default, and what an engine or client that predates blend mode accepts). When the hook
+does not know which model answers, it announces to the engines of every live model, each with `announcement_reuse`
+of the models using that engine.
+
 Sharing scopes: a framework document's metadata may carry its scope under ``SCOPE_METADATA_KEY`` ("pcr_scope",
 configurable in both integrations): "shared" or "private" (`pcr_rag.Doc`). `scope_of` reads it; the
 announcement keeps the scopes (``Announcement.scopes``) and `Announcement.with_scopes` turns the documents passed to
@@ -34,10 +41,12 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "SCOPE_METADATA_KEY",
     "Announcement",
+    "announcement_reuse",
     "cache_aware_order",
     "documents_in_prompt",
     "release_ticket",
     "request_documents",
+    "reuse_argument",
     "scope_of",
 ]
 
@@ -91,6 +100,12 @@ def request_documents(prompt: str, announced: Sequence[str]) -> tuple[tuple[str,
     return present, present == announced
 
 
+def reuse_argument(mode: str | None) -> dict[str, str]:
+    """The keyword arguments that pass reuse ``mode`` to an engine's ``announce`` / ``announce_task``: none for
+    None (the engine's default), so engines and clients that predate blend mode keep working."""
+    return {} if mode is None else {"reuse": mode}
+
+
 def release_ticket(engine: Any, ticket: Any) -> None:
     """Withdraw an announcement nobody will claim (idempotent; a claimed or expired ticket is left alone)."""
     if ticket is None or getattr(ticket, "claimed", False) or getattr(ticket, "expired", False):
@@ -99,6 +114,23 @@ def release_ticket(engine: Any, ticket: Any) -> None:
         engine.cancel_announcement(ticket)
     except Exception:  # withdrawing is an optimisation; the ticket would expire anyway
         logger.exception("withdrawing an announcement failed")
+
+
+def announcement_reuse(modes: Iterable[str | None]) -> str | None:
+    """The reuse mode to announce with to an engine that the models with reuse ``modes`` use ("exact", "blend", or
+    None: the engine's default), when the hook cannot tell which of them answers.
+
+    Two models on one engine that differ get the widest prefetch: "blend" if any of them blends, else None (the
+    engine's default) if any leaves the mode to the engine, else "exact"; None too when ``modes`` is empty. An
+    announcement only moves KV between tiers ahead of the request and never changes an answer, so the wider mode
+    costs at most reads of position-independent chains that an exact call does not use, while a narrower one would
+    leave a blend call's chains unprefetched."""
+    seen = set(modes)
+    if "blend" in seen:
+        return "blend"
+    if not seen or None in seen:
+        return None
+    return "exact"
 
 
 def cache_aware_order(engine: Any, documents: Sequence[str], announcement: Announcement | None = None
@@ -126,6 +158,8 @@ class Announcement:
         tickets: ``id(engine) -> (engine, ticket)``; each ticket is claimed by the first model call on its engine.
         created_s: ``time.monotonic()`` when announced.
         scopes: document text -> "shared" / "private", for the documents whose metadata gave a scope (`scope_of`).
+        reuse_modes: ``id(engine) -> mode``: the reuse mode announced to each engine ("exact", "blend", or None:
+            the engine's default); `reannounce` announces again with the same mode.
     """
 
     documents: tuple[str, ...]
@@ -136,19 +170,32 @@ class Announcement:
     claimed: set[int] = field(default_factory=set)
     created_s: float = field(default_factory=time.monotonic)
     scopes: dict[str, str] = field(default_factory=dict)
+    reuse_modes: dict[int, str | None] = field(default_factory=dict)
 
     def with_scopes(self, documents: Sequence[str]) -> tuple[str | Doc, ...]:
         """``documents`` as an engine takes them: a `Doc` with its scope where ``scopes`` has one, else the str."""
         return tuple(Doc(d, self.scopes[d]) if d in self.scopes else d for d in documents)
 
-    def announce_to(self, engines: Iterable[Any]) -> None:
-        """Announce the documents to each engine and keep its ticket; a failed announce only costs the prefetch."""
+    def announce_to(self, engines: Iterable[Any], reuse: str | None | Mapping[int, str | None] = None) -> None:
+        """Announce the documents to each engine and keep its ticket; a failed announce only costs the prefetch.
+
+        ``reuse``: the reuse mode of the model that will answer ("exact", "blend"; None: the engine's default), one
+        for every engine or per engine keyed by ``id(engine)`` (an engine missing from the mapping gets None). A
+        mode of None sends no ``reuse`` argument, so an engine whose ``announce`` predates blend mode still works."""
         for engine in engines:
+            mode = self.reuse_mode(engine, reuse)
             try:
-                ticket = engine.announce(list(self.with_scopes(self.documents)), query=self.query or None)
+                ticket = engine.announce(list(self.with_scopes(self.documents)), query=self.query or None,
+                                         **reuse_argument(mode))
                 self.tickets[id(engine)] = (engine, ticket)
             except Exception:  # noqa: BLE001 - never fail the retrieval for a prefetch
                 logger.exception("announcing retrieved documents to the PCR engine failed")
+
+    def reuse_mode(self, engine: Any, reuse: str | None | Mapping[int, str | None]) -> str | None:
+        """The mode ``reuse`` (as `announce_to` takes it) gives ``engine``, remembered in ``reuse_modes``."""
+        mode = reuse.get(id(engine)) if isinstance(reuse, Mapping) else reuse
+        self.reuse_modes[id(engine)] = mode
+        return mode
 
     def ticket_of(self, engine: Any) -> Any:
         """The ticket ``engine`` returned for this retrieval (None if it has none), without taking it."""
@@ -174,7 +221,7 @@ class Announcement:
                 continue
             release_ticket(engine, ticket)
             del self.tickets[key]
-            self.announce_to([engine])
+            self.announce_to([engine], self.reuse_modes.get(key))
         return True
 
     @property

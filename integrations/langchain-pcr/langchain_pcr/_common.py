@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 
+from pcr_rag.handoff import announcement_reuse
 from pcr_rag.requests import GenerationResult
 
 if TYPE_CHECKING:
@@ -28,8 +29,10 @@ __all__ = [
     "DEFAULT_MODEL_NAME",
     "EngineHolder",
     "RequestDocuments",
+    "announce_plan",
     "announce_targets",
     "generation_info",
+    "live_models_reuse",
     "model_display_name",
     "usage_metadata",
 ]
@@ -88,24 +91,54 @@ def announce_targets(target: Any) -> list[PCREngine]:
     ``target``: a model wrapper (its engine, loaded if needed), an engine (anything with ``announce``), or None
     (the already-loaded engines of every live `ChatPCR` / `PCRLLM`).
     """
+    return announce_plan(target)[0]
+
+
+def announce_plan(target: Any) -> tuple[list[PCREngine], dict[int, str | None]]:
+    """(`announce_targets`, ``id(engine) ->`` the reuse mode to announce to it: "exact", "blend", or None for the
+    engine's or server's default).
+
+    A model wrapper target announces in its own ``reuse``. An engine target, or None (every live model's engine),
+    announces to each engine in the mode of the live models using it: `pcr_rag.handoff.announcement_reuse` of
+    their ``reuse``, so when two live models on one engine differ the wider prefetch wins ("blend" if either
+    blends, else the engine's default if either leaves the mode to it, else "exact"); an engine no live model
+    uses gets None. The mode is the model's field: a per-call ``reuse=`` comes after the retrieval.
+    """
     if target is not None:
         holder = getattr(target, "_holder", None)
         if isinstance(holder, EngineHolder):
-            return [holder.get()]
+            engine = holder.get()
+            return [engine], {id(engine): getattr(target, "reuse", None)}
         if hasattr(target, "announce"):
-            return [target]
+            return [target], {id(target): live_models_reuse().get(id(target))}
         raise TypeError(
             f"retrieval hook target must be a ChatPCR, a PCRLLM or a PCREngine, got {type(target).__name__}"
         )
+    engines: dict[int, PCREngine] = {}
+    for _, engine in _live_models():
+        engines.setdefault(id(engine), engine)
+    return list(engines.values()), live_models_reuse()
+
+
+def _live_models() -> list[tuple[Any, PCREngine]]:
+    """(model, its open engine) for every live `ChatPCR` / `PCRLLM` whose engine is loaded (never loads one)."""
     with _LIVE_LOCK:
         models = list(_LIVE_MODELS.values())
-    engines: dict[int, PCREngine] = {}
+    out: list[tuple[Any, PCREngine]] = []
     for model in models:
         holder = getattr(model, "_holder", None)
         engine = holder.loaded if isinstance(holder, EngineHolder) else None
         if engine is not None and not engine.closed:
-            engines.setdefault(id(engine), engine)
-    return list(engines.values())
+            out.append((model, engine))
+    return out
+
+
+def live_models_reuse() -> dict[int, str | None]:
+    """``id(engine) ->`` `announcement_reuse` of the ``reuse`` of the live models whose loaded engine it is."""
+    modes: dict[int, list[str | None]] = {}
+    for model, engine in _live_models():
+        modes.setdefault(id(engine), []).append(getattr(model, "reuse", None))
+    return {key: announcement_reuse(found) for key, found in modes.items()}
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,11 @@ Memory: only open runs are tracked (a run is dropped when it ends or errors), an
 root run ends, and both maps are bounded (oldest dropped first), so nothing accumulates across runs even when
 end events never come (an abandoned stream).
 
+Reuse mode: the announcement carries the reuse mode of the model that will answer (``ChatPCR(reuse="blend")``
+also prefetches the documents' position-independent chains on an engine whose default is exact); with an engine
+or no target, that of the live models using each engine (`langchain_pcr._common.announce_plan`, which says what
+happens when two of them differ).
+
 Sharing scopes: a retrieved `Document` whose ``metadata[scope_metadata_key]`` (default ``"pcr_scope"``) is
 "shared" or "private" is announced and passed to the engine as a `pcr_rag.Doc` with that scope
 (`pcr_rag.handoff.scope_of`; anything else counts as private).
@@ -32,7 +37,7 @@ from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
 from langchain_core.tracers.context import register_configure_hook
 
-from langchain_pcr._common import RequestDocuments, announce_targets
+from langchain_pcr._common import RequestDocuments, announce_plan
 from langchain_pcr._tracing import run_span
 from pcr_rag.handoff import SCOPE_METADATA_KEY, Announcement, scope_of
 from pcr_rag.prompt import Doc
@@ -52,8 +57,9 @@ class PCRRetrievalCallback(BaseCallbackHandler):
     """Announces retrieved documents to the PCR engine the moment a retriever finishes.
 
     Args:
-        target: where to announce: a `ChatPCR` / `PCRLLM` (its engine), a `PCREngine`, or None for the engines
-            of every `ChatPCR` / `PCRLLM` of this process whose engine is already loaded.
+        target: where to announce: a `ChatPCR` / `PCRLLM` (its engine, in its ``reuse`` mode), a `PCREngine`, or
+            None for the engines of every `ChatPCR` / `PCRLLM` of this process whose engine is already loaded (each
+            in the mode of the live models using it: `langchain_pcr._common.announce_plan`).
         max_open_runs: bound on tracked open runs (oldest dropped first).
         max_trees: bound on run trees holding announcements (oldest dropped first).
         scope_metadata_key: the `Document` metadata key holding a document's sharing scope ("shared" or
@@ -175,7 +181,8 @@ class PCRRetrievalCallback(BaseCallbackHandler):
     def _announce(self, texts: tuple[str, ...], query: str | None, run_id: UUID, ancestors: tuple[UUID, ...],
                   scopes: dict[str, str] | None = None) -> None:
         ann = Announcement(documents=texts, query=query, origin=run_id, ancestors=ancestors, scopes=scopes or {})
-        ann.announce_to(announce_targets(self.target))
+        engines, reuse = announce_plan(self.target)
+        ann.announce_to(engines, reuse)
         root = ancestors[-1] if ancestors else run_id
         evicted: list[Announcement] = []
         with self._lock:

@@ -8,7 +8,11 @@ Two handlers on the root dispatcher:
   (``node.get_content(metadata_mode=MetadataMode.LLM).strip()``: `PromptHelper.repack` strips chunks before
   joining them) and calls ``engine.announce(texts, query)`` on the engine of the `PCRLLM` found above the
   retrieval span (or, when none is found, of every live `PCRLLM`). The request enters the engine's waiting queue
-  and its SSD -> DRAM prefetch starts while LlamaIndex is still building the prompt.
+  and its SSD -> DRAM prefetch starts while LlamaIndex is still building the prompt. The announcement carries the
+  answering LLM's ``reuse`` (``PCRLLM(reuse="blend")`` also prefetches the documents' position-independent
+  chains); announced to every live LLM's engine, each engine gets `pcr_rag.handoff.announcement_reuse` of the LLMs
+  on it (`PCRRetrievalHook.live_engines_with_reuse`). A per-call ``reuse=`` comes after the retrieval and is not
+  seen here: set the mode on the LLM for the prefetch to match.
 
 `PCRLLM.complete` / `chat` then look up the announcement by walking up from the active span to the nearest
 ancestor that also contains the retrieval (the query span), and pass the documents with the prompt. A streaming
@@ -55,7 +59,14 @@ from llama_index.core.instrumentation.span_handlers import BaseSpanHandler
 from llama_index.core.schema import MetadataMode, QueryBundle
 from pydantic import Field, PrivateAttr
 
-from pcr_rag.handoff import SCOPE_METADATA_KEY, Announcement, documents_in_prompt, scope_of
+from pcr_rag.handoff import (
+    SCOPE_METADATA_KEY,
+    Announcement,
+    announcement_reuse,
+    documents_in_prompt,
+    reuse_argument,
+    scope_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -139,14 +150,22 @@ class PCRRetrievalHook:
 
     def live_engines(self) -> list[Any]:
         """The distinct open engines of every live registered LLM that has loaded one (none is loaded here)."""
+        return self.live_engines_with_reuse()[0]
+
+    def live_engines_with_reuse(self) -> tuple[list[Any], dict[int, str | None]]:
+        """(`live_engines`, ``id(engine) ->`` the reuse mode to announce to it): `pcr_rag.handoff.announcement_reuse`
+        of the ``reuse`` of the live LLMs on that engine. Two LLMs on one engine that differ get the widest
+        prefetch: "blend" if either blends, else the engine's default if either leaves the mode to it (None)."""
         with self._lock:
             llms = list(self._llms.values())
         engines: dict[int, Any] = {}
+        modes: dict[int, list[str | None]] = {}
         for llm in llms:
             engine = getattr(llm, "loaded_engine", None)
             if engine is not None and not engine.closed:
                 engines.setdefault(id(engine), engine)
-        return list(engines.values())
+                modes.setdefault(id(engine), []).append(getattr(llm, "reuse", None))
+        return list(engines.values()), {key: announcement_reuse(found) for key, found in modes.items()}
 
     def _llm_of(self, instance: Any) -> Any:
         """The registered LLM a span's instance will answer with, if it shows one (query/chat engines,
@@ -218,7 +237,11 @@ class PCRRetrievalHook:
         key = getattr(llm, "scope_metadata_key", None) or SCOPE_METADATA_KEY
         ann = Announcement(documents=texts, query=query_str, origin=str(event.span_id), ancestors=tuple(chain[1:]),
                            scopes=node_scopes(event.nodes, key))
-        self._announce(ann, [llm.engine] if llm is not None else self.live_engines())
+        if llm is not None:  # the LLM that answers: its engine, in its reuse mode
+            engines, reuse = [llm.engine], {id(llm.engine): getattr(llm, "reuse", None)}
+        else:
+            engines, reuse = self.live_engines_with_reuse()
+        self._announce(ann, engines, reuse)
         root = chain[-1] if chain else str(event.span_id)
         evicted: list[Announcement] = []
         with self._lock:
@@ -233,21 +256,25 @@ class PCRRetrievalHook:
             evicted.append(ann)
         self._orphan(evicted)
 
-    def _announce(self, ann: Announcement, engines: list[Any]) -> None:
-        """Announce ``ann`` to ``engines``. An async retriever emits its event on the event loop: there an engine
-        with ``announce_task`` (a `pcr_rag.remote.RemoteEngine`) announces from a task, so its HTTP call never
-        blocks the loop; the ticket it returns at once is filled in when the server answers, and withdrawn then if
-        the model call already took it (the server saw the call first and will not claim it)."""
+    def _announce(self, ann: Announcement, engines: list[Any], reuse: dict[int, str | None]) -> None:
+        """Announce ``ann`` to ``engines``, each in its reuse mode (``reuse``: ``id(engine) ->`` "exact", "blend" or
+        None, the engine's default; `Announcement.announce_to`). An async retriever emits its event on the event
+        loop: there an engine with ``announce_task`` (a `pcr_rag.remote.RemoteEngine`) announces from a task, so
+        its HTTP call never blocks the loop; the ticket it returns at once is filled in when the server answers,
+        and withdrawn then if the model call already took it (the server saw the call first and will not claim
+        it)."""
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            ann.announce_to(engines)
+            ann.announce_to(engines, reuse)
             return
-        ann.announce_to([e for e in engines if not hasattr(e, "announce_task")])
+        ann.announce_to([e for e in engines if not hasattr(e, "announce_task")], reuse)
         for engine in (e for e in engines if hasattr(e, "announce_task")):
             try:
+                mode = ann.reuse_mode(engine, reuse)
                 ticket = engine.announce_task(list(ann.with_scopes(ann.documents)), query=ann.query or None,
-                                              withdraw_if=lambda key=id(engine): key in ann.claimed)
+                                              withdraw_if=lambda key=id(engine): key in ann.claimed,
+                                              **reuse_argument(mode))
                 ann.tickets[id(engine)] = (engine, ticket)
             except Exception:  # noqa: BLE001 - never fail the retrieval for a prefetch
                 logger.exception("announcing retrieved documents to the PCR engine failed")
