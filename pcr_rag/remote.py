@@ -6,7 +6,10 @@ parts the integrations use.
     for piece in handle: ...            # or handle.result(), await handle, async for piece in handle
     ticket = engine.announce(documents, query="...")   # or: await engine.aannounce(...) on an event loop
 
-What travels: `ChatPrompt` -> ``client.chat.completions.create``, `FlatPrompt` -> ``client.completions.create``.
+What travels: `ChatPrompt` -> ``client.chat.completions.create``, `FlatPrompt` -> ``client.completions.create``,
+`RagPrompt` (a question over documents, laid out by the engine as `PCREngine.generate` lays it out) ->
+``client.completions.create`` with ``layout: "rag"`` and its ``system`` and ``system_tail`` (the per-request
+instructions placed after the documents), so the server builds the same prompt and gives the same tokens.
 Every `SamplingParams` field that differs from its default is sent, by its OpenAI name as an SDK argument
 (``max_tokens``, ``stop``, ``seed``, penalties, ``logprobs``) or in ``extra_body`` (vLLM's ``top_k``,
 ``repetition_penalty``, ``min_p``, ``min_tokens`` and ``ignore_eos``; the completions endpoint's
@@ -77,8 +80,16 @@ from pcr_rag.remote_wire import (
     sampling_arguments,
     wire_documents,
 )
-from pcr_rag.requests import ChatPrompt, FlatPrompt, GenerationResult, Prompt, SamplingParams, StreamChunk
-from pcr_rag.routing import prompt_route
+from pcr_rag.requests import (
+    ChatPrompt,
+    FlatPrompt,
+    GenerationResult,
+    Prompt,
+    RagPrompt,
+    SamplingParams,
+    StreamChunk,
+)
+from pcr_rag.routing import ROUTE_HEADER, prompt_route, routing_key
 
 log = logging.getLogger(__name__)
 
@@ -260,9 +271,10 @@ class RemoteEngine:
         """A handle for ``prompt``; the HTTP call starts when the handle is first iterated or awaited (so it runs
         on the caller's thread or event loop). ``reuse``: "exact" or "blend" for this request, sent as the body's
         ``reuse`` field (None: not sent, the server's default), as `PCREngine.submit`'s; the result's
-        ``metrics.reuse`` and ``metrics.blended_tokens`` are the server's report. Raises `InvalidRequestError` for
-        a prompt kind the server has no endpoint for (`RagPrompt`), a sampling field this client cannot send, an
-        unknown reuse mode, or a bad timeout."""
+        ``metrics.reuse`` and ``metrics.blended_tokens`` are the server's report. ``prompt``: a `ChatPrompt`, a
+        `FlatPrompt`, or a `RagPrompt` (the server's ``layout: "rag"``, ``system_tail`` included). Raises
+        `InvalidRequestError` for another prompt kind, a sampling field this client cannot send, an unknown reuse
+        mode, or a bad timeout."""
         self._check_open()
         params = SamplingParams() if params is None else params
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
@@ -288,14 +300,21 @@ class RemoteEngine:
             extra["chat_template"] = prompt.chat
             if prompt.system is not None:
                 extra["system"] = prompt.system
+        elif isinstance(prompt, RagPrompt):  # the server lays it out, as the local engine's `generate` does
+            chat, args = False, {"prompt": prompt.query}
+            extra["layout"] = "rag"
+            if prompt.system is not None:
+                extra["system"] = prompt.system
+            if prompt.system_tail is not None:
+                extra["system_tail"] = prompt.system_tail
         else:
-            raise InvalidRequestError(f"a remote engine takes a ChatPrompt or a FlatPrompt, got "
-                                      f"{type(prompt).__name__}; render the prompt first")
+            raise InvalidRequestError(f"a remote engine takes a ChatPrompt, a FlatPrompt or a RagPrompt, got "
+                                      f"{type(prompt).__name__}")
         if prompt.documents:
             extra["documents"] = wire_documents(prompt.documents, prompt.scopes)
         args.update(sampling_arguments(params, chat, extra))
         return chat, {"model": self.model or self.loaded.name, **args, "extra_body": extra,
-                      "extra_headers": {**self.headers, **prompt_route(prompt)}}
+                      "extra_headers": {**self.headers, **_route(prompt)}}
 
     # ------------------------------------------------------------------------------------------ announcements
     def _announce_body(self, documents: Sequence[str | Doc], query: str | None, system: str | None,
@@ -450,6 +469,17 @@ class RemoteEngine:
         return RemoteModelInfo(name=str(card["id"]), max_model_len=max_len,
                                context_window=int(pcr.get("context_window") or max_len),
                                max_new_tokens=int(pcr.get("max_new_tokens") or 128))
+
+
+def _route(prompt: Prompt) -> dict[str, str]:
+    """The ``X-PCR-Route`` header of ``prompt`` (`pcr_rag.routing`): a rendered prompt's `prompt_route`; a
+    `RagPrompt`'s first document after its ``system`` (the server's layout puts the documents in order right after
+    the system turn and the fixed instruction; the tail comes after them, so it never changes the route)."""
+    if not isinstance(prompt, RagPrompt):
+        return prompt_route(prompt)
+    if not prompt.documents:
+        return {}
+    return {ROUTE_HEADER: routing_key(prompt.docs[:1], system=prompt.system)}
 
 
 def _raw_call(client: OpenAI | AsyncOpenAI, method: str, path: str, body: dict[str, Any] | None,

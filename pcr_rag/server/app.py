@@ -497,7 +497,7 @@ def create_app(engine: PCREngine, settings: ServerSettings | None = None, *, own
             tail: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                                     "created": created, "model": model, "choices": [],
                                     "usage": usage_body(done)}
-            if req.return_token_ids and chat:
+            if req.return_token_ids:  # both endpoints: a client's streamed result has its prompt's ids too
                 tail["prompt_token_ids"] = list(done[0].prompt_token_ids)
             yield sse(tail)
         yield DONE

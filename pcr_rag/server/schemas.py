@@ -58,7 +58,18 @@ Extensions (OpenAI clients send them through ``extra_body``):
   value is a 400 naming ``reuse`` before anything is computed. ``/v1/pcr/announce`` takes it too (for a blend
   request the documents' position-independent KV is prefetched as well);
 - completions only: ``chat_template: bool`` (default False: the prompt is continued as raw text, as OpenAI's
-  legacy endpoint does; True wraps it as one user turn of the model's chat template) and ``system: str``.
+  legacy endpoint does; True wraps it as one user turn of the model's chat template) and ``system: str``;
+- completions only: ``layout: "flat" | "rag"`` (default "flat": the prompt is the rendered text, holding the
+  documents verbatim, `FlatPrompt`). "rag" is the engine's own layout (`RagPrompt`, as `PCREngine.generate`):
+  ``prompt`` is the question, and the server renders ``[system + instruction][doc 1]..[doc k][system_tail]
+  [question]`` as one user turn of the chat template (so ``chat_template`` must be left out or true);
+- ``system_tail: str``: the per-request part of the instructions (a date, a user profile), placed after the
+  documents and before the question, so the documents' cached KV is reused across requests whose tails differ
+  (`RagPrompt.system_tail`; it changes the prompt, the caller's choice). Only a ``layout: "rag"`` completion has a
+  place for it that the server chooses: a chat's messages and a flat prompt are laid out by the caller, who puts
+  the text after the documents there; sent with either it is a 400 naming ``system_tail`` (never dropped). Its
+  characters count in the prompt's character bound (`pcr_rag.server.prompt_bound`), as the documents', the
+  ``system``'s and the question's do.
 
 Responses always carry ``usage.prompt_tokens_details.cached_tokens`` (the prompt tokens whose KV was reused
 exactly, 0 included) and ``usage.prompt_tokens_details.blended_tokens`` (the prompt tokens placed by blend mode,
@@ -90,6 +101,7 @@ from pcr_rag.requests import (
     ChatPrompt,
     FlatPrompt,
     GenerationResult,
+    RagPrompt,
     SamplingParams,
     chat_logprobs,
     completion_logprobs,
@@ -346,6 +358,12 @@ class _Generation(_Body):
         None, description="pcr extension: 'exact' (prefix reuse only; answers never depend on the cache) or 'blend' "
                           "(opt-in, approximate: documents after the exact prefix are placed from their "
                           "position-independent KV); null: the server's default (EngineConfig.reuse)")
+    system_tail: str | None = Field(
+        None, description="pcr extension: per-request instructions (a date, a user profile) placed after the "
+                          "documents and before the question, so the documents stay reused across requests whose "
+                          "tails differ; it changes the prompt. Only with /v1/completions and layout 'rag' (the "
+                          "server's layout); a chat's messages or a flat prompt are laid out by the caller, so there "
+                          "it is a 400")
 
     @field_validator("documents", mode="before")
     @classmethod
@@ -400,7 +418,13 @@ class CompletionRequest(_Generation):
 
     prompt: str | list[str] = Field(description="one prompt string (or a list of exactly one)")
     chat_template: bool | None = Field(None, description="pcr extension: wrap the prompt as one user turn")
-    system: str | None = Field(None, description="pcr extension: the system turn (needs chat_template)")
+    system: str | None = Field(None, description="pcr extension: the system turn (needs chat_template, or layout "
+                                                  "'rag')")
+    layout: Literal["flat", "rag"] | None = Field(
+        None, description="pcr extension: 'flat' (default: the prompt is the rendered text, holding the documents "
+                          "verbatim) or 'rag' (the prompt is the question; the server lays out [system + "
+                          "instruction][documents][system_tail][question] in the chat template, as "
+                          "PCREngine.generate)")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
                                  description="legacy: return logprobs with this many alternatives per token")
     best_of: int | None = Field(None, ge=1)
@@ -487,7 +511,7 @@ class GenerationRequest:
 
     kind: Literal["chat", "completion"]
     model: str
-    prompt: ChatPrompt | FlatPrompt
+    prompt: ChatPrompt | FlatPrompt | RagPrompt
     params: SamplingParams
     stream: bool
     include_usage: bool
@@ -556,6 +580,11 @@ def parse_chat_request(raw: bytes, tokenizer: Any, limits: RequestLimits = DEFAU
         precheck(body.model)
     _check_unsupported(body, ChatCompletionRequest)
     _check_bounds(body, limits)
+    if body.system_tail is not None:
+        raise APIError.bad_request(
+            "'system_tail' needs a layout the server chooses, and a chat's messages are laid out by the caller: put "
+            "the per-request text into the messages after the documents yourself, or send the question to "
+            "/v1/completions with \"layout\": \"rag\" and this system_tail", param="system_tail")
     if body.tools:
         _bounded(limits.check_tools, _json_bytes([t.model_dump() for t in body.tools]), "tools")
     max_tokens = _max_tokens(body, "max_tokens", "max_completion_tokens")
@@ -589,23 +618,39 @@ def parse_chat_request(raw: bytes, tokenizer: Any, limits: RequestLimits = DEFAU
 def parse_completion_request(raw: bytes, limits: RequestLimits = DEFAULT_LIMITS,
                              precheck: Callable[[str], None] | None = None) -> GenerationRequest:
     """A `/v1/completions` body -> `GenerationRequest`; `APIError` (400) on anything invalid. ``limits`` and
-    ``precheck`` as for `parse_chat_request`."""
+    ``precheck`` as for `parse_chat_request`. The prompt is a `FlatPrompt` (the caller's text), or with ``layout:
+    "rag"`` a `RagPrompt` (the question, laid out by the engine with ``system`` and ``system_tail``)."""
     body = parse_body(raw, CompletionRequest)
     if precheck is not None:
         precheck(body.model)
     _check_unsupported(body, CompletionRequest)
     _check_bounds(body, limits)
     text = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+    rag = body.layout == "rag"
     chat = bool(body.chat_template)
-    if body.system is not None and not chat:
+    if rag and body.chat_template is False:
+        raise APIError.bad_request("layout 'rag' renders the model's chat template (as PCREngine.generate); leave "
+                                   "'chat_template' out or send true, or send layout 'flat' with the rendered text",
+                                   param="chat_template")
+    if body.system is not None and not (chat or rag):
         raise APIError.bad_request("'system' needs 'chat_template': true (a raw prompt has no system turn); "
                                    "put the system text into the prompt instead", param="system")
+    if body.system_tail is not None and not rag:
+        raise APIError.bad_request(
+            "'system_tail' needs \"layout\": \"rag\" (the prompt is then the question, and the server places the "
+            "tail after the documents); a flat prompt is laid out by the caller: put the per-request text after the "
+            "documents in it yourself", param="system_tail")
     max_tokens = _max_tokens(body, "max_tokens")
     response_format, _ = _output_format(body)
     docs = request_documents(body.documents, body.scopes)
     chars = len(text.strip()) + len((body.system or "").strip())
+    prompt: RagPrompt | FlatPrompt
     try:
-        prompt = FlatPrompt(text, docs, chat, body.system)
+        if rag:  # the documents and the tail are text of their own here, not part of the prompt's
+            chars += len((body.system_tail or "").strip()) + sum(len(d.text.strip()) for d in docs)
+            prompt = RagPrompt(text, docs, body.system, system_tail=body.system_tail)
+        else:
+            prompt = FlatPrompt(text, docs, chat, body.system)
     except InvalidRequestError as exc:
         raise APIError.bad_request(str(exc), param="prompt") from None
     # legacy semantics: logprobs=n returns the sampled token's logprob and the n most likely alternatives
@@ -723,7 +768,7 @@ def _tools(body: ChatCompletionRequest) -> tuple[tuple[ToolSpec, ...], str]:
         raise APIError.bad_request(str(exc), param="tool_choice") from None
 
 
-def _request(kind: Literal["chat", "completion"], body: _Generation, prompt: ChatPrompt | FlatPrompt,
+def _request(kind: Literal["chat", "completion"], body: _Generation, prompt: ChatPrompt | FlatPrompt | RagPrompt,
              max_tokens: int | None, chars: int, response_format: ResponseFormat | None = None,
              tools: tuple[ToolSpec, ...] = (), logprobs: dict[str, Any] | None = None) -> GenerationRequest:
     n = 1 if body.n is None else body.n

@@ -21,7 +21,7 @@ def test_public_names_import_with_langchain_base_types() -> None:
 
     assert sorted(langchain_pcr.__all__) == sorted(
         ["PCRLLM", "ChatPCR", "MiniLMEmbeddings", "PCRReorder", "PCRRetrievalCallback", "get_global_retrieval_hook",
-         "install_global_retrieval_hook", "uninstall_global_retrieval_hook"])
+         "install_global_retrieval_hook", "rag_prompt", "uninstall_global_retrieval_hook"])
     assert issubclass(langchain_pcr.ChatPCR, BaseChatModel)
     assert issubclass(langchain_pcr.PCRLLM, BaseLLM)
     assert issubclass(langchain_pcr.MiniLMEmbeddings, Embeddings)
