@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from contextlib import aclosing, closing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -63,7 +63,7 @@ class ModelCall:
                 return
             yield piece
 
-    async def apieces(self) -> AsyncIterator[StreamChunk]:
+    async def apieces(self) -> AsyncGenerator[StreamChunk, None]:
         """`pieces` for asyncio."""
         if self.trace_run is None:
             async for piece in self.handle:
