@@ -521,7 +521,8 @@ def blend_section(runs: Sequence[Mapping[str, Any]], rows: Mapping[str, Any], fi
                   served_prompt: Sequence[int]) -> list[dict[str, Any]]:
     """Per blend run (one whose tokens carry ``blended``) of a replay: its reuse against the position-independent
     bound, its limit ratio (mean TTFT over a raw forward of exactly the tokens it computed, with a paired
-    interval; also with prefill time instead of TTFT, which leaves queueing out), its mean TTFT over exact pcr's
+    interval; also with prefill time instead of TTFT, which leaves queueing out, and with the time of its own
+    prefill steps, which also leaves out other requests' steps run between them), its mean TTFT over exact pcr's
     and no-reuse's (paired intervals over the same requests), each against its ``BLEND_*`` target, and what its
     cost is made of: the attention share of a full prefill at the replay's mean prompt length (the raw-forward
     fit's context term), compute spans per request (runs of computed positions between placed documents) and the
@@ -535,14 +536,13 @@ def blend_section(runs: Sequence[Mapping[str, Any]], rows: Mapping[str, Any], fi
         split = reuse_split(run)
         req = run.get("requests") or {}
         raws = raw_forward_seconds(run, fit) if fit is not None else None
-        limit = limit_prefill = None
+        limit = limit_prefill = limit_own = None
         if raws:
-            raw_table, ttft_table, prefill_table = (_table(run, "ttft", raws), _table(run, "ttft"),
-                                                    _table(run, "prefill"))
-            if raw_table is not None and ttft_table is not None:
-                limit = paired_ratio_interval(ttft_table, raw_table, "ttft.mean")
-            if raw_table is not None and prefill_table is not None:
-                limit_prefill = paired_ratio_interval(prefill_table, raw_table, "ttft.mean")
+            raw_table = _table(run, "ttft", raws)
+            tables = [_table(run, col) for col in ("ttft", "prefill", "prefill_compute")]
+            if raw_table is not None:
+                limit, limit_prefill, limit_own = (None if t is None else
+                                                   paired_ratio_interval(t, raw_table, "ttft.mean") for t in tables)
         vs_pcr = _run_ratio(run, by_name.get("pcr"))
         vs_none = _run_ratio(run, by_name.get("no-reuse"))
         over_pi = split["reuse"] / pi if pi and split["reuse"] is not None else None
@@ -554,6 +554,7 @@ def blend_section(runs: Sequence[Mapping[str, Any]], rows: Mapping[str, Any], fi
             "system": run["system"], "recompute": (run.get("extra") or {}).get("blend_recompute"),
             "reuse": split, "position_independent_bound": pi, "reuse_over_position_independent": over_pi,
             "limit_ratio": _interval(limit), "limit_ratio_prefill": _interval(limit_prefill),
+            "limit_ratio_own_compute": _interval(limit_own),
             "raw_forward_mean_s": statistics.mean(raws) if raws else None,
             "ttft_vs_pcr": _interval(vs_pcr), "ttft_vs_no_reuse": _interval(vs_none),
             "attention_share_full_prefill": fit.attention_share(round(mean_prompt)) if fit is not None else None,
@@ -621,12 +622,14 @@ def blend_markdown(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         return []
     lines = ["### Blend mode against its targets (95% paired bootstrap intervals)", "",
              "| system | reused / position-independent bound | limit ratio (TTFT / raw forward of its computed tokens) "
-             "| same, prefill only | TTFT / pcr | TTFT / no-reuse |", "|---|---|---|---|---|---|"]
+             "| same, prefill only | same, its own prefill steps only | TTFT / pcr | TTFT / no-reuse |",
+             "|---|---|---|---|---|---|---|"]
     for b in rows:
         t = b["targets"]
         over = b.get("reuse_over_position_independent")
         lines.append(f"| {b['system']} | {_times(over)} {_verdict_text(t['reuse_over_position_independent'])} "
                      f"| {_ci(b['limit_ratio'])} {_verdict_text(t['limit_ratio'])} | {_ci(b['limit_ratio_prefill'])} "
+                     f"| {_ci(b.get('limit_ratio_own_compute'))} "
                      f"| {_ci(b['ttft_vs_pcr'])} {_verdict_text(t['ttft_vs_pcr'])} | {_ci(b['ttft_vs_no_reuse'])} |")
     lines.append("")
     for b in rows:

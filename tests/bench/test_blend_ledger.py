@@ -107,7 +107,8 @@ def _run(system, ttft, prompt, reused, placed=None, fresh=None, context=None, sp
         tokens.update(blended=sum(blended), blended_fresh=sum(fresh), blended_reused=sum(placed_reused))
     return {"system": system, "reuse_ratio": sum(reused) / sum(prompt), "tokens": tokens,
             "ttft": {"mean": sum(ttft) / n}, "queue": {"mean": 0.0}, "extra": {"blend_recompute": 0.15},
-            "requests": {"key": [[0, i] for i in range(n)], "ttft": ttft, "prefill": ttft, "prompt_tokens": prompt,
+            "requests": {"key": [[0, i] for i in range(n)], "ttft": ttft, "prefill": ttft,
+                         "prefill_compute": [t * 0.8 for t in ttft], "prompt_tokens": prompt,
                          "reused_dram": reused, "blended": blended or [0] * n,
                          "blended_reused": placed_reused or [None] * n, "blended_fresh": fresh or [None] * n,
                          "compute_context": context or [None] * n, "compute_spans": spans or [None] * n}}
@@ -138,6 +139,7 @@ def test_blend_section_counts_placed_reuse_and_judges_the_targets():
     limit = section["limit_ratio"]
     assert limit["ratio"] == pytest.approx(0.045 / (sum(raws) / 4)) and limit["low"] <= limit["ratio"] <= limit["high"]
     assert section["targets"]["limit_ratio"]["passed"] is (limit["high"] <= 1.2)
+    assert section["limit_ratio_own_compute"]["ratio"] == pytest.approx(0.8 * limit["ratio"])
     vs = section["ttft_vs_pcr"]
     assert vs["ratio"] == pytest.approx(0.045 / 0.1) and section["targets"]["ttft_vs_pcr"]["passed"] is True
     assert section["ttft_vs_no_reuse"] is None  # no no-reuse run: not measured, not a miss

@@ -186,7 +186,7 @@ def test_bench_trace_with_blend_counts_placed_reuse_end_to_end(tmp_path, tiny_mo
     assert b["reuse_over_position_independent_bound"] == pytest.approx(b["reuse"] / pi)
     (row,) = section["blend"]
     assert row["system"] == "pcr-blend" and row["recompute"] == pytest.approx(0.15)
-    for key in ("limit_ratio", "limit_ratio_prefill", "ttft_vs_pcr", "ttft_vs_no_reuse"):
+    for key in ("limit_ratio", "limit_ratio_prefill", "limit_ratio_own_compute", "ttft_vs_pcr", "ttft_vs_no_reuse"):
         assert row[key]["low"] <= row[key]["ratio"] <= row[key]["high"] and row[key]["n"] == 4
     assert row["limit_ratio"]["ratio"] == pytest.approx(blend_run["ttft"]["mean"] / row["raw_forward_mean_s"])
     assert row["ttft_vs_pcr"]["ratio"] == pytest.approx(blend_run["ttft"]["mean"] / runs["pcr"]["ttft"]["mean"])
