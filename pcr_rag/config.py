@@ -31,7 +31,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 
 
 _BOOL_FIELDS = ("layerwise", "prefetch", "enable_cache", "compile", "warmup", "freeze_gc", "remote_insecure",
-                "remote_encrypt", "ssd_encrypt", "allow_download")
+                "remote_encrypt", "ssd_encrypt", "allow_download", "blend_backfill")
 _STR_FIELDS = ("namespace", "remote_namespace", "schedule", "weights", "eviction", "load_planner", "reuse")
 
 
@@ -133,6 +133,11 @@ class EngineConfig(RemoteFields):  # type: ignore[misc,valid-type]
             in context before the rest is placed (docs/blend.md has the quality each fraction measured).
         blend_verify: in blend mode, the fraction of blended requests that are also run exactly, as shadow
             requests, and compared (`pcr_rag.runtime.blend_gate`); 0 = none.
+        blend_backfill: in blend mode, a blended prompt that the exact prefix tree does not hold is also prefilled
+            exactly once, on idle capacity (an exact twin of one output token, run when no request waits or runs),
+            so that the same prompt coming back is served by exact reuse rather than blended again
+            (`pcr_rag.runtime.blend_gate`). Off by default: it spends idle compute, and it makes what a blend
+            request reuses depend on whether the engine was idle in between.
         blend_gate_window / blend_gate_min_identical / blend_gate_max_kl: the gate over the last
             ``blend_gate_window`` verified requests of a namespace: when the share of greedy answers identical to
             exact falls below ``blend_gate_min_identical`` or the median first-token KL (nats) rises above
@@ -252,6 +257,7 @@ class EngineConfig(RemoteFields):  # type: ignore[misc,valid-type]
     reuse: str = "exact"
     blend_recompute: float = 0.15
     blend_verify: float = 0.0
+    blend_backfill: bool = False
     blend_gate_window: int = 16
     blend_gate_min_identical: float = 0.75
     blend_gate_max_kl: float = 0.5

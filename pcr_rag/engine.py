@@ -230,8 +230,9 @@ class PCREngine:
         self.blend_gate = BlendGate(verify=config.blend_verify, window=config.blend_gate_window,
                                     min_identical=config.blend_gate_min_identical, max_kl=config.blend_gate_max_kl)
         self._shadows: ShadowRunner | None = None
-        if config.blend_verify > 0 and self.cache is not None:
-            self._shadows = ShadowRunner(self.blend_gate, lambda: self.scheduler.depth == 0)
+        if (config.blend_verify > 0 or config.blend_backfill) and self.cache is not None:
+            self._shadows = ShadowRunner(self.blend_gate,
+                                         lambda: self.scheduler.depth == 0 and self.executor.active == 0)
         if self.cache is not None and (config.prefetch or config.eviction == "lookahead-lru"):
             self.prefetcher = Prefetcher(
                 self.cache, self._window_keys, window=config.prefetch_window, do_loads=config.prefetch,
@@ -341,8 +342,10 @@ class PCREngine:
             shadow=shadow,
         )
         req.metrics.reuse = "blend" if req.blend is not None else "exact"
-        if req.blend is not None and self._shadows is not None and self.blend_gate.sample():
-            req.future.add_done_callback(functools.partial(self._verify, prompt, params, namespace, root))
+        if req.blend is not None and self._shadows is not None:
+            verify = self.blend_gate.sample()
+            req.future.add_done_callback(functools.partial(self._after_blend, prompt, params, namespace, root,
+                                                           req.keys, verify))
         req.ssd_keys_at_entry = self._ssd_keys(req.keys) | (ticket.ssd_keys_at_entry if ticket else frozenset())
         req.metrics.announced = ticket is not None
         req.future.add_done_callback(channel.close)
@@ -585,7 +588,8 @@ class PCREngine:
                            layer_wait_s=list(self.copy_engine.waits.seconds), running=self.executor.active,
                            prefill_tokens_per_s=self.executor.ctx.speed.tokens_per_s,
                            step_budget=self.executor.budget.as_dict(), gc=gc_pauses.pauses.snapshot(),
-                           blend=self.blend_gate.snapshot(self._shadows.pending if self._shadows else 0))
+                           blend=self.blend_gate.snapshot(self._shadows.pending if self._shadows else 0,
+                                                          self._shadows.backfills if self._shadows else 0))
 
     def root_for(self, namespace: str | None = None) -> bytes:
         """The chunk keys' root for requests of ``namespace`` (None or "" = `root_key`, the engine's own).
@@ -611,18 +615,25 @@ class PCREngine:
         seg = RagPrompt(query, documents, system, scopes).segment(self.builder, PromptContext(namespace or ""))
         return self._plan(seg, root)
 
-    def _verify(self, prompt: Prompt, params: SamplingParams, namespace: str | None, root: bytes,
-                done: Future) -> None:
-        """A sampled blended request finished: queue its exact twin for the gate (`ShadowRunner`)."""
+    def _after_blend(self, prompt: Prompt, params: SamplingParams, namespace: str | None, root: bytes,
+                     keys: Sequence[bytes], verify: bool, done: Future) -> None:
+        """A blended request finished: queue its exact twin (`ShadowRunner`) - to verify (a sampled one, the whole
+        answer), or to backfill the exact prefix tree (one token) when the tree does not hold the prompt."""
         if done.cancelled() or done.exception() is not None or self._shadows is None:
             return
+        if not verify:
+            if not self.config.blend_backfill or self.cache is None or not keys:
+                return
+            if len(self.cache.match(keys).keys) == len(keys):
+                return  # the exact tree holds the prompt already
+            params = SamplingParams.from_kwargs(max_new_tokens=1)
 
         def run() -> GenerationResult:
             return self._submit(prompt, params, timeout=None, namespace=namespace, reuse="exact",
                                 shadow=True).result()
 
         reproducible = params.temperature < GREEDY_BELOW or params.seed is not None
-        self._shadows.add(ShadowJob(done.result(), root, reproducible, run))
+        self._shadows.add(ShadowJob(done.result(), root, reproducible, run, verify, keys[-1] if keys else b""))
 
     def _blend_root_for(self, namespace: str | None) -> bytes:
         """The blend root of ``namespace``'s root (`pcr_rag.cache.keys.blend_root`); its manifest is written to the

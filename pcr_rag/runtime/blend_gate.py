@@ -2,7 +2,7 @@
 
 With ``EngineConfig.blend_verify = f``, every ``1/f``-th blended request (a deterministic count, not a coin) is run
 again exactly, as a *shadow* request (`ShadowRunner`): the same prompt, namespace and sampling parameters with
-``reuse="exact"``, submitted only while no user request waits (so shadows take idle capacity, not a user's slot)
+``reuse="exact"``, submitted only while no user request waits or runs (so shadows take idle capacity)
 and counted apart from user requests. Each pair gives a `Verification`: the first token's KL divergence
 ``KL(exact || blend)`` in nats, and, when the request's tokens are reproducible (greedy, or sampled with a seed),
 whether the answers are identical and the share of the exact answer's tokens the blended one matches position by
@@ -13,6 +13,11 @@ trips when the share of identical answers (over the reproducible ones) falls bel
 median first-token KL rises above ``max_kl``: from then on that namespace's blend requests are served exactly
 (each response says ``reuse="exact"``), with one warning logged and the fallback counted. It does not re-arm
 while the engine runs: a restart does (the evidence was about this model and this traffic).
+
+*Backfill* (``EngineConfig.blend_backfill``, opt-in): KV computed after a placed document never enters the exact prefix
+tree, so a blended prompt that comes back again would be blended again. After a blended request whose prompt the
+exact tree does not hold, its exact twin is also prefilled on idle capacity (one output token; a verification
+twin does it too), so the same prompt coming back is served by exact reuse.
 """
 
 from __future__ import annotations
@@ -133,9 +138,10 @@ class BlendGate:
                 return f"identical answers {share:.0%} < {self.min_identical:.0%}"
         return None
 
-    def snapshot(self, pending: int = 0) -> dict[str, Any]:
+    def snapshot(self, pending: int = 0, backfills: int = 0) -> dict[str, Any]:
         with self._lock:
             return {
+                "backfills": backfills,
                 "verify_fraction": self.verify,
                 "verified": self._verified,
                 "greedy_verified": self._greedy,
@@ -153,18 +159,22 @@ class BlendGate:
 
 @dataclass(frozen=True)
 class ShadowJob:
-    """A blended request to verify: its result, namespace root, whether its tokens are reproducible, and
-    ``run()``, which submits its exact twin and waits for it (the engine's closure)."""
+    """An exact twin of a blended request, to run on idle capacity: the blended result, its namespace root,
+    whether its tokens are reproducible, ``run()`` (submits the twin and waits for it: the engine's closure),
+    ``verify`` (compare and record in the gate; False: a *backfill*, run only so that the exact prefix tree holds
+    the prompt when it comes back) and ``key`` (the prompt's last plan key: one job per prompt waits at a time)."""
 
     blend: Any
     root: bytes
     reproducible: bool
     run: Callable[[], Any]
+    verify: bool = True
+    key: bytes = b""
 
 
 class ShadowRunner:
     """Runs `ShadowJob`s one at a time on a daemon thread, each only once ``idle()`` says no user request waits,
-    and records their verifications in the gate. A shadow that fails is dropped (logged): the gate only ever
+    and records the verifications in the gate (backfills only count). A shadow that fails is dropped (logged): the gate only ever
     learns from completed pairs. At most ``max_pending`` jobs wait; more are dropped and counted."""
 
     def __init__(self, gate: BlendGate, idle: Callable[[], bool], *, max_pending: int = 64,
@@ -173,8 +183,10 @@ class ShadowRunner:
         self._idle = idle
         self._clock = clock
         self._jobs: deque[ShadowJob] = deque()
+        self._keys: set[bytes] = set()  # prompts with a job waiting
         self._max_pending = max_pending
         self.dropped = 0
+        self.backfills = 0  # backfill twins completed
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="pcr-blend-shadow", daemon=True)
@@ -189,10 +201,14 @@ class ShadowRunner:
         with self._cond:
             if self._closed:
                 return
+            if job.key and job.key in self._keys and not job.verify:
+                return  # the same prompt already waits for its twin
             if len(self._jobs) >= self._max_pending:
                 self.dropped += 1
                 return
             self._jobs.append(job)
+            if job.key:
+                self._keys.add(job.key)
             self._cond.notify()
 
     def close(self) -> None:
@@ -217,10 +233,14 @@ class ShadowRunner:
                 if self._closed:
                     return
                 self._jobs.popleft()
+                self._keys.discard(job.key)
             started = self._clock()
             try:
                 exact = job.run()
             except Exception as exc:  # noqa: BLE001 - a shadow is best effort; its request already succeeded
                 log.warning("blend gate: a shadow request failed: %s: %s", type(exc).__name__, exc)
                 continue
-            self.gate.record(job.root, compare(job.blend, exact, job.reproducible, self._clock() - started))
+            if job.verify:
+                self.gate.record(job.root, compare(job.blend, exact, job.reproducible, self._clock() - started))
+            else:
+                self.backfills += 1

@@ -106,7 +106,7 @@ def test_each_rotary_kind_of_gemma3_shifts_with_its_own_table():
 @pytest.fixture
 def engine(tiny_engine):
     """Engines with one KV row (the tests read row 0)."""
-    return functools.partial(tiny_engine, max_active=1)
+    return functools.partial(tiny_engine, max_active=1, blend_backfill=False)
 
 
 def _blend_chunks(eng: PCREngine) -> int:

@@ -124,3 +124,31 @@ def test_blending_that_places_nothing_never_trips(engine, tmp_path):
         snap = _wait_verified(eng, 3)
     assert all(r.metrics.reuse == "blend" and r.metrics.blended_tokens == 0 for r in results)
     assert snap["fallbacks"] == 0 and snap["identical"] == 3 and snap["first_token_kl_median"] == 0.0
+
+
+def test_backfill_makes_a_blended_prompt_that_comes_back_exact(engine, tmp_path):
+    """KV computed after a placed document never enters the exact tree, so without backfill a blended prompt that
+    comes back is blended again; with it, its exact twin is prefilled on idle capacity and the prompt is then
+    served by exact reuse - as much as exact PCR reuses for it."""
+    order = [DOCS[1], DOCS[2], DOCS[0]]
+    with engine(tmp_path / "pcr", reuse="exact", blend_verify=0.0) as eng:
+        eng.generate(QUESTION, DOCS)
+        eng.generate(QUESTION, order)
+        pcr = eng.generate(QUESTION, order).metrics
+    results = {}
+    for backfill in (False, True):
+        with engine(tmp_path / f"b{backfill}", blend_verify=0.0, blend_backfill=backfill) as eng:
+            eng.generate(QUESTION, DOCS)
+            first = eng.generate(QUESTION, order)
+            assert first.metrics.blended_tokens > 0
+            if backfill:
+                deadline = time.monotonic() + 30
+                while eng.stats().blend["backfills"] < 2 and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                assert eng.stats().blend["backfills"] == 2
+                assert eng.stats().requests["requests_finished"] == 2  # backfills are not user requests
+            results[backfill] = eng.generate(QUESTION, order).metrics
+    assert results[False].reuse == "blend" and results[False].blended_tokens > 0
+    assert results[False].reused_tokens < pcr.reused_tokens  # blended again
+    assert results[True].reused_tokens == pcr.reused_tokens > results[False].reused_tokens
+    assert results[True].blended_tokens == 0
