@@ -41,10 +41,9 @@ from pcr_rag.sim.simulator import (
     ENGINE_DEFAULT_MAX_ACTIVE,
     EXECUTORS,
     PREFILL_FIRST_DEFAULT_BATCH,
-    default_max_batch,
 )
 from pcr_rag.sim.systems import DEFAULT_SYSTEMS, UnknownSystemError, get_system, parse_systems
-from pcr_rag.sim.trace_replay import TRACE_SIM_SYSTEMS, TRACE_WARMUP, run_trace_cli
+from pcr_rag.sim.trace_replay import TRACE_SIM_SYSTEMS, TRACE_WARMUP, run_trace_cli, sim_settings
 from pcr_rag.sim.validate import run_validation
 
 log = logging.getLogger(__name__)
@@ -166,13 +165,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.validate:
         return run_validation(args, profile, say)
-    executor = args.executor or ("engine-steps" if profile.device_is_host else "prefill-first")
-    max_batch = args.max_batch if args.max_batch is not None else default_max_batch(executor)
-    if max_batch < 1 or (executor == "serial" and max_batch != 1):
-        print(f"error: --max-batch {max_batch} does not fit --executor {executor}", file=sys.stderr)
+    settings = sim_settings(args, profile)
+    if settings is None:
         return 2
-    settings = SimSettings(max_batch=max_batch, prefill_steps=args.prefill_steps, executor=executor,
-                           itl_budget_steps=args.itl_budget)
+    executor, max_batch = settings.executor, settings.max_batch
     if args.fleet:
         return run_fleet_cli(args, profile, settings, say)
     if profile.device_is_host and args.systems is None:

@@ -294,6 +294,19 @@ def _ratio(value: float, other: ReplaySummary | None) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------------ CLI
+def sim_settings(args: argparse.Namespace, profile: Profile) -> SimSettings | None:
+    """The run's `SimSettings` from the CLI's ``--executor``, ``--max-batch``, ``--prefill-steps`` and
+    ``--itl-budget`` for ``profile`` (the executor's default: engine steps on a host profile, prefill-first on a
+    device); None, after one stderr line, when the batch size does not fit the executor."""
+    executor = args.executor or ("engine-steps" if profile.device_is_host else "prefill-first")
+    max_batch = args.max_batch if args.max_batch is not None else default_max_batch(executor)
+    if max_batch < 1 or (executor == "serial" and max_batch != 1):
+        print(f"error: --max-batch {max_batch} does not fit --executor {executor}", file=sys.stderr)
+        return None
+    return SimSettings(max_batch=max_batch, prefill_steps=args.prefill_steps, executor=executor,
+                       itl_budget_steps=args.itl_budget)
+
+
 def run_trace_cli(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     """``pcr-rag simulate --trace FILE``: the replay on each ``--profile`` (comma-separated), one table. Uses
     ``--systems`` (default `TRACE_SIM_SYSTEMS`), ``--blend-recompute``, ``--requests`` (the file's first N),
@@ -325,13 +338,10 @@ def run_trace_cli(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     bounds: dict[str, ReplayBounds] = {}
     runs: list[dict[str, Any]] = []
     for profile in profiles:
-        executor = args.executor or ("engine-steps" if profile.device_is_host else "prefill-first")
-        max_batch = args.max_batch if args.max_batch is not None else default_max_batch(executor)
-        if max_batch < 1 or (executor == "serial" and max_batch != 1):
-            print(f"error: --max-batch {max_batch} does not fit --executor {executor}", file=sys.stderr)
+        settings = sim_settings(args, profile)
+        if settings is None:
             return 2
-        settings = SimSettings(max_batch=max_batch, prefill_steps=args.prefill_steps, executor=executor,
-                               itl_budget_steps=args.itl_budget)
+        executor, max_batch = settings.executor, settings.max_batch
         ts = build_trace_scenario(trace, profile, options)
         bounds[profile.name] = replay_bounds(ts)
         got = replay_trace(profile, ts, systems, settings, chunk_size=options.chunk_size)

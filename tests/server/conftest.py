@@ -86,6 +86,24 @@ def idle(engine: PCREngine) -> bool:
     return s.running == 0 and s.queue_depth == 0 and s.cache.pinned_chunks == 0
 
 
+@pytest.fixture
+def fresh(tiny, tmp_path, h) -> Iterator[Callable[..., tuple[PCREngine, str]]]:
+    """make(**EngineConfig overrides) -> (server engine, base URL), each on a fresh cache; stopped at the end."""
+    started: list[ServerThread] = []
+
+    def make(**overrides) -> tuple[PCREngine, str]:
+        model, tokenizer = tiny
+        engine = PCREngine(model, tokenizer, config=h.engine_config(tmp_path / uuid.uuid4().hex[:8], **overrides))
+        srv = ServerThread(engine, ServerSettings(port=0), owns_engine=True)
+        srv.start()
+        started.append(srv)
+        return engine, srv.base_url
+
+    yield make
+    for srv in started:
+        srv.stop()
+
+
 @pytest.fixture(scope="session")
 def h() -> SimpleNamespace:
     """Shared helpers (test modules cannot import conftest): DOCS, QUESTION, rag_messages, engine_config,

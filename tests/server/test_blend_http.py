@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 
 import httpx
 import pytest
@@ -17,7 +16,6 @@ from pcr_rag import PCREngine
 from pcr_rag.errors import InvalidRequestError
 from pcr_rag.remote import RemoteEngine
 from pcr_rag.requests import ChatPrompt, FlatPrompt, SamplingParams
-from pcr_rag.server import ServerSettings, ServerThread
 
 DOCS = (
     "Kafka stores ordered records in partitions that consumers read at their own pace. " * 3,
@@ -45,24 +43,6 @@ def usage_of(body: dict) -> tuple[int, int, int, str]:
     assert details["cached_tokens"] == pcr["reused_tokens"]
     assert pcr["computed_tokens"] + pcr["reused_tokens"] + pcr["blended_tokens"] == usage["prompt_tokens"]
     return usage["prompt_tokens"], details["cached_tokens"], details["blended_tokens"], pcr["reuse"]
-
-
-@pytest.fixture
-def fresh(tiny, tmp_path, h):
-    """make(**EngineConfig overrides) -> (server engine, base URL), each on a fresh cache; stopped at the end."""
-    started: list[ServerThread] = []
-
-    def make(**overrides) -> tuple[PCREngine, str]:
-        model, tokenizer = tiny
-        engine = PCREngine(model, tokenizer, config=h.engine_config(tmp_path / uuid.uuid4().hex[:8], **overrides))
-        srv = ServerThread(engine, ServerSettings(port=0), owns_engine=True)
-        srv.start()
-        started.append(srv)
-        return engine, srv.base_url
-
-    yield make
-    for srv in started:
-        srv.stop()
 
 
 def test_blend_requests_report_blended_tokens_exact_ones_report_zero(fresh, h) -> None:

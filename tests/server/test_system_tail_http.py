@@ -6,8 +6,6 @@ compute; `RemoteEngine` sends a `RagPrompt` there and gives the local engine's t
 
 from __future__ import annotations
 
-import uuid
-
 import httpx
 import pytest
 
@@ -15,7 +13,6 @@ from pcr_rag import PCREngine
 from pcr_rag.remote import RemoteEngine
 from pcr_rag.requests import RagPrompt, SamplingParams
 from pcr_rag.routing import ROUTE_HEADER, routing_key
-from pcr_rag.server import ServerSettings, ServerThread
 
 DOCS = (
     "Kafka stores ordered records in partitions that consumers read at their own pace. " * 3,
@@ -26,24 +23,6 @@ USERS = ("Today is 2026-12-06. The user is Ana, a data engineer in Lisbon.",
          "Today is 2026-12-07. The user is Bo, a student in Oslo who prefers short answers.")
 QUESTION = "what do the documents say?"
 CHUNK = 16  # the fixtures' chunk_size: a chunk the tail cuts into is computed again
-
-
-@pytest.fixture
-def fresh(tiny, tmp_path, h):
-    """make(**EngineConfig overrides) -> (server engine, base URL), each on a fresh cache; stopped at the end."""
-    started: list[ServerThread] = []
-
-    def make(**overrides) -> tuple[PCREngine, str]:
-        model, tokenizer = tiny
-        engine = PCREngine(model, tokenizer, config=h.engine_config(tmp_path / uuid.uuid4().hex[:8], **overrides))
-        srv = ServerThread(engine, ServerSettings(port=0), owns_engine=True)
-        srv.start()
-        started.append(srv)
-        return engine, srv.base_url
-
-    yield make
-    for srv in started:
-        srv.stop()
 
 
 def rag_body(model: str, tail: str | None, **extra) -> dict:
