@@ -9,7 +9,19 @@ texts for every model), these systems serve the same requests:
 - ``no-reuse``: the cache off (its TTFT is the baseline; it generates one token: only its TTFT is used, and its
   first token is checked against exact's);
 - ``pcr``: exact reuse (the prefix tree): the reference answer of every request;
-- ``blend-<f>`` for each recompute fraction ``f``: ``reuse="blend"`` with ``blend_recompute=f``.
+- ``blend-<f>`` for each recompute fraction ``f``: ``reuse="blend"`` with ``blend_recompute=f``;
+- with ``--backfill``, also ``blend-<f>+backfill`` for each ``f``: the same with ``blend_backfill=True``.
+
+Backfill (``EngineConfig.blend_backfill``, `pcr_rag.runtime.blend_gate`): after a blended request whose prompt the
+exact prefix tree does not hold, the engine prefills the prompt's exact twin (one output token) on idle capacity,
+i.e. once no request of that engine waits or runs, so the same prompt coming back is served by exact reuse. The
+idle gap this script gives it: after every request of a backfill system (warm-up requests too) it waits until
+that engine has nothing queued or running and its backfill, if the engine queued one, has finished (the engine's
+completed-backfill count rose; `wait_for_backfill`), before any system's next request starts. So no backfill runs inside a timed request of any engine (the engines share the process and the
+CPU), and every backfill is done before its prompt can come back: the measurement is what serving gives when the
+idle gap after each request lasts at least one exact prefill of the prompt's uncached part. Under back-to-back
+traffic backfills never run and a backfill system serves like plain blend. The waiting is not part of any TTFT;
+it is reported per system (seconds, and backfills completed), as is each engine's final blend snapshot.
 
 Every cached engine has its own cache directory, sized so nothing is evicted, and is warmed with the same warm-up
 requests (one output token each: only their KV matters). Measured requests run one at a time (no queueing: TTFT
@@ -24,12 +36,17 @@ answers identical to exact's; the median first-token KL divergence ``KL(exact ||
 prefill's last-position logits (`GenerationResult.first_token_logits`); ROUGE-L F-measure of the blend answer
 against the exact answer (``rouge-score``, the ``bench`` extra; identical token ids score 1). The quality columns
 are given over every request and over the requests that placed any token (the others were served like exact).
+A backfill system's rows are the same (a request its backfill made exact counts as served like exact), and its
+backfills and the wait for them are printed under the table (``backfill:`` lines) and kept in the JSON (per row
+``backfills``, ``backfill_wait_s``, ``backfill_wait_max_s``; per request ``backfills``, ``backfill_wait_s``; per
+model ``blend_stats``).
 
 The default fraction is the smallest whose mean ROUGE-L over blended requests reaches
-`BLEND_QUALITY_MIN_ROUGE_L` on every model (printed as ``default:``).
+`BLEND_QUALITY_MIN_ROUGE_L` on every model (printed as ``default:``), judged on the plain blend systems only.
 
 Run: ``python benchmarks/blend_quality.py --out results/blend-quality.json`` (both default models);
-``--quick`` for a smoke run (few requests, short answers). A model without a chat template (``gemma3-270m`` is a
+``--quick`` for a smoke run (few requests, short answers); ``--fractions 0.15 --backfill`` for blend at 15% with
+and without backfill. A model without a chat template (``gemma3-270m`` is a
 base model) is served with ``chat_template="plain"``.
 """
 
@@ -68,13 +85,20 @@ DEFAULT_FRACTIONS: tuple[float, ...] = (0.0, 0.05, 0.15, 0.30)
 #: requests and documents, with their position-independent copies).
 _DRAM = "4GiB"
 _SSD = "8GiB"
+#: How long one request's backfill may take before the script gives up on it (seconds): an exact prefill of a few
+#: hundred tokens takes seconds on a CPU; a backfill that fails is logged by the engine and never completes.
+BACKFILL_TIMEOUT_S = 600.0
+_POLL_S = 0.005  # how often the gap checks whether the engine's backfill is done (seconds)
 
 
 @dataclass(frozen=True)
 class Served:
     """One request served by one system: times in seconds, tokens. ``exact``: exact prefix reused; ``placed`` /
     ``blended_reused`` / ``blended_fresh``: blend mode's placed tokens and their split (`BlendLedger`; None for
-    the other systems or when the plan could not be replayed). ``logits``: first-token logits (not serialised)."""
+    the other systems or when the plan could not be replayed). ``backfills`` / ``backfill_wait_s``: backfill
+    systems only (None for the others): backfills the engine completed in the gap after this request, and the
+    seconds the script waited for that gap to end (`wait_for_backfill`). ``logits``: first-token logits (not
+    serialised)."""
 
     model: str
     system: str
@@ -88,6 +112,8 @@ class Served:
     token_ids: tuple[int, ...]
     text: str
     logits: Any = None
+    backfills: int | None = None
+    backfill_wait_s: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -101,6 +127,11 @@ def blend_name(fraction: float) -> str:
     return f"blend-{fraction:g}"
 
 
+def backfill_name(fraction: float) -> str:
+    """``blend-0.15+backfill`` for a recompute fraction of 0.15 with ``blend_backfill=True``."""
+    return f"{blend_name(fraction)}+backfill"
+
+
 def workload(cfg: BenchConfig, tokenizer: Any, kv_bytes_per_token: int) -> tuple[list[tuple[str, list[str]]],
                                                                                  list[tuple[str, list[str]]]]:
     """(warm-up, measured) requests of the bench's retrieval workload ``cfg`` (`build_traces`): (question,
@@ -112,7 +143,7 @@ def workload(cfg: BenchConfig, tokenizer: Any, kv_bytes_per_token: int) -> tuple
 
 
 def _engine_config(system: str, fraction: float | None, cache_dir: Path, *, chunk_size: int, plain: bool,
-                   max_new_tokens: int) -> EngineConfig:
+                   max_new_tokens: int, backfill: bool = False) -> EngineConfig:
     common: dict[str, Any] = {"cache_dir": cache_dir, "chunk_size": chunk_size, "device": "cpu",
                               "max_new_tokens": max_new_tokens, "dram_capacity": _DRAM, "ssd_capacity": _SSD}
     if plain:
@@ -121,53 +152,103 @@ def _engine_config(system: str, fraction: float | None, cache_dir: Path, *, chun
         return EngineConfig(enable_cache=False, **common)
     if fraction is None:
         return EngineConfig(**common)
-    return EngineConfig(reuse="blend", blend_recompute=fraction, **common)
+    return EngineConfig(reuse="blend", blend_recompute=fraction, blend_backfill=backfill, **common)
+
+
+def wait_for_backfill(engine: PCREngine, question: str, docs: Sequence[str], before: int, *,
+                      timeout_s: float = BACKFILL_TIMEOUT_S) -> tuple[float, int]:
+    """The idle gap after a request of a backfill engine (module docstring): wait until ``engine`` has no request
+    or backfill waiting or running and, when the exact tree did not hold the request's whole prompt as the gap
+    began, until its completed-backfill count rose above ``before`` (its count before the request). Returns
+    (seconds waited, backfills completed since ``before``).
+
+    Why the tree decides: the engine queues a backfill exactly when the tree does not hold the prompt once the
+    request finished, and only that backfill can make the tree hold it. So a prompt the tree lacks as the gap begins
+    has a backfill queued (its done-callback may run after the caller's ``generate`` returned, and a queued
+    backfill leaves the queue a moment before its twin enters the scheduler: in both moments the engine looks
+    idle) and the gap ends only when the count rises (the twin writes the prompt's chunks a moment before the
+    count rises). A prompt the tree holds as the gap begins has nothing queued: the gap ends when the engine is
+    idle. Raises `RuntimeError` after ``timeout_s`` (a backfill that failed: the engine logs it and drops it)."""
+    keys = [c.key for c in engine.plan_for(question, list(docs), system=SYSTEM_PROMPT)]
+    held = engine.cache is not None and len(engine.cache.match(keys).keys) == len(keys)
+    started = time.perf_counter()
+    while True:
+        s = engine.stats()
+        done = int(s.blend.get("backfills", 0)) - before
+        idle = s.queue_depth == 0 and s.running == 0 and not s.blend.get("pending_shadows", 0)
+        if idle and (held or done > 0):
+            return time.perf_counter() - started, done
+        if time.perf_counter() - started > timeout_s:
+            raise RuntimeError(f"a backfill did not finish within {timeout_s:g} s (the engine logs a failed one)")
+        time.sleep(_POLL_S)
 
 
 def measure_model(model: Any, tokenizer: Any, name: str, warmup: Sequence[tuple[str, Sequence[str]]],
                   requests: Sequence[tuple[str, Sequence[str]]], fractions: Sequence[float], *, max_new_tokens: int,
-                  chunk_size: int, work_dir: Path, plain: bool = False,
-                  progress: bool = False) -> list[Served]:
-    """Serve ``requests`` on no-reuse, pcr and one blend engine per fraction (see the module docstring) and return
-    every request of every system, in serving order."""
-    systems: dict[str, float | None] = {"no-reuse": None, "pcr": None, **{blend_name(f): f for f in fractions}}
+                  chunk_size: int, work_dir: Path, plain: bool = False, backfill: bool = False,
+                  blend_stats: dict[str, dict[str, Any]] | None = None, progress: bool = False) -> list[Served]:
+    """Serve ``requests`` on no-reuse, pcr and one blend engine per fraction, plus one blend engine with backfill
+    per fraction when ``backfill`` (see the module docstring), and return every request of every system, in
+    serving order. ``blend_stats``, when given, receives each blend engine's final ``stats().blend`` snapshot
+    (backfills completed over warm-up and measured requests, ...) by system name."""
+    systems: dict[str, tuple[float | None, bool]] = {"no-reuse": (None, False), "pcr": (None, False)}
+    for f in fractions:
+        systems[blend_name(f)] = (f, False)
+        if backfill:
+            systems[backfill_name(f)] = (f, True)
     engines: dict[str, PCREngine] = {}
     ledgers: dict[str, BlendLedger] = {}
     builder = PromptBuilder(tokenizer, plain_text=plain)
     served: list[Served] = []
     try:
-        for system, fraction in systems.items():
+        for system, (fraction, fills) in systems.items():
             config = _engine_config(system, fraction, work_dir / system, chunk_size=chunk_size, plain=plain,
-                                    max_new_tokens=max_new_tokens)
+                                    max_new_tokens=max_new_tokens, backfill=fills)
             engines[system] = PCREngine(model=model, tokenizer=tokenizer, config=config)
             if fraction is not None:
                 ledgers[system] = BlendLedger(builder, fraction, SYSTEM_PROMPT)
         for system, engine in engines.items():  # warm-up: the caches (and kernels), one output token each
             for question, docs in (warmup if system != "no-reuse" else warmup[:2]):
+                before = _backfills(engine)
                 res = _generate(engine, question, docs, 1)
                 if system in ledgers:
                     ledgers[system].serve(question, docs, res.prompt_token_ids, res.metrics.reused_tokens,
                                           res.metrics.blended_tokens)
+                if systems[system][1]:
+                    wait_for_backfill(engine, question, docs, before)
         names = list(engines)
         started = time.perf_counter()
         for k, (question, docs) in enumerate(requests):
             for system in names[k % len(names):] + names[:k % len(names)]:
-                res = _generate(engines[system], question, docs, 1 if system == "no-reuse" else max_new_tokens)
+                engine = engines[system]
+                before = _backfills(engine)
+                res = _generate(engine, question, docs, 1 if system == "no-reuse" else max_new_tokens)
                 m = res.metrics
                 split = (ledgers[system].serve(question, docs, res.prompt_token_ids, m.reused_tokens,
                                                m.blended_tokens) if system in ledgers else None)
+                waited, filled = (wait_for_backfill(engine, question, docs, before) if systems[system][1]
+                                  else (None, None))
                 served.append(Served(name, system, k, float(m.ttft_s), int(m.prompt_tokens), int(m.reused_tokens),
                                      int(getattr(m, "blended_tokens", 0)),
                                      None if split is None else split.blended_reused,
                                      None if split is None else split.fresh, tuple(res.token_ids), res.text,
-                                     res.first_token_logits))
+                                     res.first_token_logits, filled, waited))
             if progress:
                 log.info("%s: request %d/%d done (%.0f s)", name, k + 1, len(requests),
                          time.perf_counter() - started)
+        if blend_stats is not None:
+            for system, (fraction, _) in systems.items():
+                if fraction is not None:
+                    blend_stats[system] = dict(engines[system].stats().blend)
     finally:
         for engine in engines.values():
             engine.close()
     return served
+
+
+def _backfills(engine: PCREngine) -> int:
+    """The engine's completed backfills so far (0 without backfill)."""
+    return int(engine.stats().blend.get("backfills", 0))
 
 
 def _generate(engine: PCREngine, question: str, docs: Sequence[str], max_new_tokens: int) -> GenerationResult:
@@ -218,7 +299,7 @@ def summarize(served: Sequence[Served], fractions: Sequence[float]) -> list[dict
         exact = {r.index: r for r in by["pcr"]}
         none = {r.index: r for r in by["no-reuse"]}
         first_same = sum(none[i].token_ids[:1] == exact[i].token_ids[:1] for i in exact if i in none)
-        for system in ["no-reuse", "pcr", *(blend_name(f) for f in fractions)]:
+        for system in ["no-reuse", "pcr", *(n for f in fractions for n in (blend_name(f), backfill_name(f)))]:
             rs = by.get(system, [])
             if not rs:
                 continue
@@ -228,7 +309,8 @@ def summarize(served: Sequence[Served], fractions: Sequence[float]) -> list[dict
             fresh = sum(r.blended_fresh or 0 for r in rs)
             row: dict[str, Any] = {
                 "model": model, "system": system, "requests": len(rs),
-                "recompute": next((f for f in fractions if blend_name(f) == system), None),
+                "recompute": next((f for f in fractions if system in (blend_name(f), backfill_name(f))), None),
+                "backfill": system.endswith("+backfill"),
                 "reused": (sum(r.exact for r in rs) + placed_reused) / prompt if known else None,
                 "exact": sum(r.exact for r in rs) / prompt, "blended_reused": placed_reused / prompt,
                 "blended_fresh": fresh / prompt, "plan_replayed": known,
@@ -238,6 +320,10 @@ def summarize(served: Sequence[Served], fractions: Sequence[float]) -> list[dict
             }
             if system == "no-reuse":
                 row["first_token_same_as_exact"] = first_same
+            if row["backfill"]:
+                waits = [r.backfill_wait_s or 0.0 for r in rs]
+                row.update(backfills=sum(r.backfills or 0 for r in rs), backfill_wait_s=sum(waits),
+                           backfill_wait_max_s=max(waits))
             if system.startswith("blend"):
                 if scorer is None:
                     scorer = _scorer()
@@ -305,6 +391,14 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def backfill_lines(rows: Sequence[dict[str, Any]]) -> str:
+    """One line per backfill system: backfills completed in the gaps after its measured requests and the time the
+    script waited for those gaps (not part of any TTFT); empty without backfill systems."""
+    return "\n".join(f"backfill: {r['model']} {r['system']}: {r['backfills']} backfills after {r['requests']} "
+                     f"requests; waited {r['backfill_wait_s']:.1f} s for them in all, at most "
+                     f"{r['backfill_wait_max_s']:.2f} s after one request" for r in rows if r.get("backfill"))
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(DEFAULT_MODELS),
@@ -314,6 +408,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=24, help="measured requests per model")
     p.add_argument("--warmup", type=int, default=8, help="warm-up requests (the most popular topics)")
     p.add_argument("--max-new-tokens", type=int, default=24, help="answer length at most (greedy)")
+    p.add_argument("--backfill", action="store_true",
+                   help="also serve each fraction with blend_backfill=True (system blend-F+backfill)")
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--corpus", default=None, help="corpus file or directory (default: the stdlib corpus)")
     p.add_argument("--questions", default=None, help="a question per line (default: generated from titles)")
@@ -350,15 +446,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 requests = workload(cfg, loaded.tokenizer, loaded.kv.bytes_per_token)
             plain = not getattr(loaded.tokenizer, "chat_template", None)
             t0 = time.perf_counter()
+            blend_stats: dict[str, dict[str, Any]] = {}
             served += measure_model(loaded.model, loaded.tokenizer, loaded.name, requests[0], requests[1], fractions,
                                     max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size,
-                                    work_dir=work / Path(loaded.name).name, plain=plain, progress=True)
+                                    work_dir=work / Path(loaded.name).name, plain=plain, backfill=args.backfill,
+                                    blend_stats=blend_stats, progress=True)
             info[loaded.name] = {"dtype": str(loaded.dtype).replace("torch.", ""), "plain_template": plain,
-                                 "seconds": round(time.perf_counter() - t0, 1)}
+                                 "seconds": round(time.perf_counter() - t0, 1), "blend_stats": blend_stats}
             del loaded
     rows = summarize(served, fractions)
     default = default_fraction(rows, fractions)
     print(markdown(rows))
+    if args.backfill:
+        print(backfill_lines(rows))
     print(f"\ndefault: {'none reaches' if default is None else f'{default:g}'} (smallest fraction whose mean "
           f"ROUGE-L over blended requests is >= {BLEND_QUALITY_MIN_ROUGE_L:g} on every model)")
     if args.out:

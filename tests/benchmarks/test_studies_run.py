@@ -15,7 +15,7 @@ from pcr_rag import EngineConfig, PCREngine
 from pcr_rag.testing import tiny_model
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-STUDIES = ("grammar_cost", "hit_behind_cold", "itl_budget", "load_planner", "reorder_study", "server_overhead")
+STUDIES = ("blend_quality", "grammar_cost", "hit_behind_cold", "itl_budget", "load_planner", "reorder_study", "server_overhead")
 
 
 def test_every_study_is_listed_in_the_readme():
