@@ -310,7 +310,7 @@ shutdown_timeout_s = 12
 
 
 @pytest.mark.parametrize("text, message", [
-    ("[engine]\nchunk_sise = 16\n", "unknown key 'chunk_sise'; valid keys: allow_download, announce_ttl_s, cache_dir"),
+    ("[engine]\nchunk_sise = 16\n", "unknown key 'chunk_sise'; valid keys: allow_download, announce_ttl_s, blend_backfill"),
     ("[server]\nhots = 'x'\n", "unknown key 'hots'; valid keys: api_keys, body_timeout_s"),
     ("modle = 'x'\n", "unknown key 'modle'; valid keys: log_format, log_level, model"),
     ("port = 8000\n", "port belongs in the [server] table"),
