@@ -17,9 +17,9 @@ from pcr_rag.cache.seal import SECRET_MIN_CHARS
 from pcr_rag.errors import ConfigError
 from pcr_rag.home import cache_home
 from pcr_rag.limits import DEFAULT_LIMITS, RequestLimits
+from pcr_rag.metrics import REUSE_MODES
 from pcr_rag.runtime.admission import SCHEDULES
 from pcr_rag.runtime.announcements import DEFAULT_MAX_PENDING, DEFAULT_MAX_PER_NAMESPACE
-from pcr_rag.runtime.blend import REUSE_MODES
 from pcr_rag.runtime.step_budget import check_budget_steps
 from pcr_rag.runtime.weights import WEIGHT_FORMATS
 from pcr_rag.units import parse_bytes

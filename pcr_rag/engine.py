@@ -16,7 +16,6 @@ layer by layer and inserted -> batched decode with every other running request, 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import threading
@@ -35,7 +34,7 @@ from pcr_rag.cache.roots import RootIdentity, RootManifest, foreign_chunks_note
 from pcr_rag.cache.storage.private_dir import refuse_unsafe
 from pcr_rag.config import EngineConfig
 from pcr_rag.errors import EngineClosedError, InvalidRequestError, PromptTooLongError, RequestCancelledError
-from pcr_rag.metrics import MetricsRecorder, prometheus_text
+from pcr_rag.metrics import REUSE_MODES, MetricsRecorder, prometheus_text
 from pcr_rag.platform_support import check_engine_platform
 from pcr_rag.prompt import Doc, DocumentPieces, PromptBuilder, PromptContext, SegmentedPrompt, split_documents
 from pcr_rag.reorder import reuse_order
@@ -58,7 +57,7 @@ from pcr_rag.runtime import gc_pauses
 from pcr_rag.runtime.admission import PrefillOutlook
 from pcr_rag.runtime.announcements import AnnouncementBoard, Ticket
 from pcr_rag.runtime.batch import BatchExecutor
-from pcr_rag.runtime.blend import REUSE_MODES, BlendDocument, BlendRequest
+from pcr_rag.runtime.blend import BlendDocument, BlendRequest
 from pcr_rag.runtime.blend_gate import BlendGate, ShadowJob, ShadowRunner
 from pcr_rag.runtime.forward import WARM_UP_ROW, FastForward
 from pcr_rag.runtime.grammar import GrammarCompiler
@@ -303,9 +302,7 @@ class PCREngine:
             raise InvalidRequestError(f"prompt must be a RagPrompt, FlatPrompt or ChatPrompt, got "
                                       f"{type(prompt).__name__}")
         root = self.root_for(namespace)
-        mode = self.config.reuse if reuse is None else reuse
-        if mode not in REUSE_MODES:
-            raise InvalidRequestError(f"reuse must be one of {REUSE_MODES} or None, got {reuse!r}")
+        mode = self._reuse_mode(reuse)
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -338,7 +335,7 @@ class PCREngine:
             request_id=request_id, token_ids=seg.token_ids, plan=plan, params=params,
             submitted_at=time.perf_counter(), on_token=channel.put, documents_found=seg.documents_found,
             constraint=constraint, log_id=logs.request_id() or f"req-{request_id}", trace=trace, tenant=root,
-            blend=self._blend_request(seg, namespace) if mode == "blend" and self.blend_gate.allows(root) else None,
+            blend=self._blend_for(seg, namespace, root, mode),
             shadow=shadow,
         )
         req.metrics.reuse = "blend" if req.blend is not None else "exact"
@@ -444,9 +441,7 @@ class PCREngine:
         request the documents' position-independent chains are prefetched too."""
         self._check_open()
         root = self.root_for(namespace)
-        mode = self.config.reuse if reuse is None else reuse
-        if mode not in REUSE_MODES:
-            raise InvalidRequestError(f"reuse must be one of {REUSE_MODES} or None, got {reuse!r}")
+        mode = self._reuse_mode(reuse)
         docs, doc_scopes = split_documents(documents, scopes)
         if not docs:
             raise InvalidRequestError("announce() needs at least one document")
@@ -462,7 +457,7 @@ class PCREngine:
                                               context=context)
         with tracing.announcement_span(len(docs)) as span:
             keys = [c.key for c in self._plan(seg, root)]
-            blend = self._blend_request(seg, namespace) if mode == "blend" and self.blend_gate.allows(root) else None
+            blend = self._blend_for(seg, namespace, root, mode)
             chains = blend.chains if blend is not None else ()
             ssd = self._ssd_keys(keys).union(*(self._ssd_keys(c) for c in chains))
             ticket = self.board.add(docs, keys, ssd, namespace or "", chains)
@@ -648,11 +643,19 @@ class PCREngine:
                     tier.note_root(RootManifest.new(self.identity, self.config.namespace, ns, blend=True))
         return root
 
-    def _blend_request(self, seg: SegmentedPrompt, namespace: str | None) -> BlendRequest | None:
-        """Blend mode's view of ``seg`` in ``namespace``: its document segments, each keyed under the blend root of
-        the engine-wide root while every segment up to it is shared, else of the namespace's root. None without a
-        cache (nothing to reuse)."""
-        if self.cache is None:
+    def _reuse_mode(self, reuse: str | None) -> str:
+        """A request's reuse mode: ``reuse``, or ``EngineConfig.reuse`` for None; `InvalidRequestError` else."""
+        mode = self.config.reuse if reuse is None else reuse
+        if mode not in REUSE_MODES:
+            raise InvalidRequestError(f"reuse must be one of {REUSE_MODES} or None, got {reuse!r}")
+        return mode
+
+    def _blend_for(self, seg: SegmentedPrompt, namespace: str | None, root: bytes, mode: str) -> BlendRequest | None:
+        """Blend mode's view of ``seg`` in ``namespace`` (whose root is ``root``): its document segments, each keyed
+        under the blend root of the engine-wide root while every segment up to it is shared, else of the
+        namespace's root. None - the request is served exactly - in exact mode, without a cache (nothing to
+        reuse), or once the namespace's blend gate fell back to exact."""
+        if mode != "blend" or self.cache is None or not self.blend_gate.allows(root):
             return None
         shared, own = self._blend_root_for(None), self._blend_root_for(namespace)
         offsets = [0]
@@ -661,10 +664,8 @@ class PCREngine:
         private_from = len(seg.segments) if seg.private_from is None else seg.private_from
         docs = tuple(BlendDocument(offsets[i], offsets[i + 1], shared if i < private_from else own)
                      for i in seg.document_segments)
-        blend = BlendRequest(self._blend_anchor(), docs, float(self.config.blend_recompute), self.config.chunk_size)
-        ids = seg.token_ids
-        chains = tuple(tuple(c.key for c in blend.document_plan(d, ids)) for d in docs)
-        return dataclasses.replace(blend, chains=chains)
+        return BlendRequest.build(self._blend_anchor(), docs, float(self.config.blend_recompute),
+                                  self.config.chunk_size, seg.token_ids)
 
     def _blend_anchor(self) -> tuple[int, ...]:
         """The fixed head that documents' position-independent KV is computed behind: the tokens of the engine's

@@ -9,6 +9,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 TIERS = ("device", "dram", "ssd", "remote")
+#: How a prompt is served (`RequestMetrics.reuse`): exact prefix reuse only, or blend mode (`pcr_rag.runtime.blend`).
+REUSE_MODES = ("exact", "blend")
 
 
 @dataclass

@@ -20,14 +20,12 @@ from pcr_rag.errors import (
     QueueFullError,
     RequestCancelledError,
 )
-from pcr_rag.metrics import TIERS, RequestMetrics
+from pcr_rag.metrics import REUSE_MODES, TIERS, RequestMetrics
 from pcr_rag.requests import GenerationResult, SamplingParams, StreamChunk, TokenLogprob, TopLogprob
 
 __all__ = ["DeadlinePassed", "RemoteAuthError", "RemoteEngineError", "RemotePromptTooLongError", "ResponseDecoder",
            "remote_error", "reuse_argument", "sampling_arguments", "unreachable", "wire_documents"]
 
-# `pcr_rag.runtime.blend.REUSE_MODES`, spelled here: that module imports torch, and this client must not
-REUSE_MODES = ("exact", "blend")
 
 # SamplingParams fields sent under their own (OpenAI) name as SDK arguments, and vLLM's extensions (extra_body)
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "seed": "seed", "presence_penalty": "presence_penalty",

@@ -46,9 +46,6 @@ if TYPE_CHECKING:
     from pcr_rag.runtime.kv_arena import RowKV
     from pcr_rag.runtime.rope_shift import RopeShift
 
-REUSE_MODES = ("exact", "blend")
-
-
 @dataclass(frozen=True)
 class BlendDocument:
     """One document segment of a blend request: prompt token offsets ``[start, end)`` (its lead and separator
@@ -75,15 +72,24 @@ class BlendRequest:
     documents: tuple[BlendDocument, ...]
     recompute: float
     chunk_size: int
-    chains: tuple[tuple[bytes, ...], ...] = ()
+    chains: tuple[tuple[bytes, ...], ...]
+
+    @classmethod
+    def build(cls, anchor: Sequence[int], documents: Sequence[BlendDocument], recompute: float, chunk_size: int,
+              token_ids: Sequence[int]) -> BlendRequest:
+        """The request for a prompt of ``token_ids``, its documents' chain keys derived once."""
+        anchor, documents = tuple(anchor), tuple(documents)
+        chains = tuple(tuple(c.key for c in _chain(d, anchor, token_ids, chunk_size)) for d in documents)
+        return cls(anchor, documents, recompute, chunk_size, chains)
 
     def document_plan(self, doc: BlendDocument, token_ids: Sequence[int]) -> list[ChunkSpec]:
         """The chunk plan of ``doc``'s position-independent chain: ``[anchor][document]`` under its blend root."""
-        return plan_chunks(doc.root, [self.anchor, list(token_ids[doc.start: doc.end])], self.chunk_size)
+        return _chain(doc, self.anchor, token_ids, self.chunk_size)
 
-    def recomputed(self, doc: BlendDocument) -> int:
-        """Leading tokens of ``doc`` computed in context before the rest is placed."""
-        return min(doc.num_tokens, math.ceil(self.recompute * doc.num_tokens))
+
+def _chain(doc: BlendDocument, anchor: Sequence[int], token_ids: Sequence[int], chunk_size: int) -> list[ChunkSpec]:
+    """``[anchor][document]`` cut into chunks under the document's blend root (one segment each)."""
+    return plan_chunks(doc.root, [list(anchor), list(token_ids[doc.start: doc.end])], chunk_size)
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,11 @@ class Span:
         return self.document is not None
 
 
+def recomputed_head(doc: BlendDocument, recompute: float) -> int:
+    """Leading tokens of ``doc`` computed in context before the rest is placed: ``ceil(recompute * n)``."""
+    return min(doc.num_tokens, math.ceil(recompute * doc.num_tokens))
+
+
 def blend_spans(total: int, exact_end: int, documents: Sequence[BlendDocument], placeable: Sequence[int],
                 recompute: float) -> tuple[Span, ...]:
     """The spans of a prompt of ``total`` tokens whose positions ``[0, exact_end)`` are the exact prefix: each
@@ -112,7 +123,7 @@ def blend_spans(total: int, exact_end: int, documents: Sequence[BlendDocument], 
     for index in placeable:
         doc = documents[index]
         # its head is recomputed in context, unless the exact prefix already holds it (then it is exact)
-        first = max(pos, doc.start + min(doc.num_tokens, math.ceil(recompute * doc.num_tokens)))
+        first = max(pos, doc.start + recomputed_head(doc, recompute))
         last = min(doc.end, total - 1)
         if last <= first:
             continue

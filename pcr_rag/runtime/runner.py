@@ -297,8 +297,8 @@ class PrefillTask:
 
     def _has_document_kv(self, index: int) -> bool:
         """Whether document ``index``'s whole position-independent chain is cached (any tier)."""
-        chain = self._blend.chains[index] if self._blend.chains else ()
-        return bool(chain) and len(self.ctx.cache.match(chain).keys) == len(chain)
+        chain = self._blend.chains[index]
+        return len(self.ctx.cache.match(chain).keys) == len(chain)
 
     def _document_kv(self, blend: BlendRequest, index: int, ids: Sequence[int]
                      ) -> tuple[list[tuple[torch.Tensor, int, int]], int] | None:

@@ -92,6 +92,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pcr_rag.errors import InvalidRequestError
 from pcr_rag.limits import DEFAULT_LIMITS, RequestLimits
+from pcr_rag.metrics import REUSE_MODES
 from pcr_rag.prompt import Doc, check_template_kwargs, split_documents
 from pcr_rag.requests import (
     GREEDY_BELOW,
@@ -106,7 +107,6 @@ from pcr_rag.requests import (
     chat_logprobs,
     completion_logprobs,
 )
-from pcr_rag.runtime.blend import REUSE_MODES
 from pcr_rag.runtime.grammar import ResponseFormat
 from pcr_rag.server.errors import APIError
 from pcr_rag.server.structured_outputs import LEGACY_FIELDS, structured_outputs_format
