@@ -190,7 +190,9 @@ def test_bench_trace_with_blend_counts_placed_reuse_end_to_end(tmp_path, tiny_mo
         assert row[key]["low"] <= row[key]["ratio"] <= row[key]["high"] and row[key]["n"] == 4
     assert row["limit_ratio"]["ratio"] == pytest.approx(blend_run["ttft"]["mean"] / row["raw_forward_mean_s"])
     assert row["ttft_vs_pcr"]["ratio"] == pytest.approx(blend_run["ttft"]["mean"] / runs["pcr"]["ttft"]["mean"])
-    assert 0 < row["attention_share_full_prefill"] < 1 and row["compute_spans_mean"] >= 1
+    # on the tiny model at these lengths attention over the context is within timing noise, and the fit keeps its
+    # coefficients non-negative, so the share may be exactly 0 here (test_blend_ledger checks it on a known fit)
+    assert 0 <= row["attention_share_full_prefill"] < 1 and row["compute_spans_mean"] >= 1
     assert set(row["targets"]) == {"reuse_over_position_independent", "limit_ratio", "ttft_vs_pcr"}
     assert all(t["passed"] in (True, False) for t in row["targets"].values())
     assert report["config"]["working_set"]["trace"]["blend_store_tokens"] > 0
