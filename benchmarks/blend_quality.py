@@ -12,7 +12,7 @@ texts for every model), these systems serve the same requests:
 - ``blend-<f>`` for each recompute fraction ``f``: ``reuse="blend"`` with ``blend_recompute=f``;
 - with ``--backfill``, also ``blend-<f>+backfill`` for each ``f``: the same with ``blend_backfill=True``.
 
-Backfill (``EngineConfig.blend_backfill``, `pcr_rag.runtime.blend_gate`): after a blended request whose prompt the
+Backfill (``EngineConfig.blend_backfill``, `pcr_rag.sched.blend_gate`): after a blended request whose prompt the
 exact prefix tree does not hold, the engine prefills the prompt's exact twin (one output token) on idle capacity,
 i.e. once no request of that engine waits or runs, so the same prompt coming back is served by exact reuse. The
 idle gap this script gives it: after every request of a backfill system (warm-up requests too) it waits until
@@ -74,8 +74,8 @@ from pcr_rag.bench.targets import BLEND_QUALITY_MIN_ROUGE_L
 from pcr_rag.bench.traces import build_traces
 from pcr_rag.config import EngineConfig
 from pcr_rag.engine import GenerationResult, PCREngine
+from pcr_rag.model.model import load_model
 from pcr_rag.prompt import PromptBuilder
-from pcr_rag.runtime.model import load_model
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from typing import Any
 
 from pcr_rag.config import EngineConfig
 from pcr_rag.engine import PCREngine
+from pcr_rag.model.grammar import GrammarMatcher, ResponseFormat
 from pcr_rag.requests import RagPrompt, SamplingParams
-from pcr_rag.runtime.grammar import GrammarMatcher, ResponseFormat
 
 log = logging.getLogger(__name__)
 

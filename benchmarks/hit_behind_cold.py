@@ -5,7 +5,7 @@ One engine, cache on. First the hit's ``hit_documents`` passages are cached and 
 (``cold_s``, after an untimed one). Then each trial runs, for every arrival ``fraction`` and every schedule (rotated order per trial), a
 cold prompt of ``documents`` fresh passages and, ``fraction * cold_s`` seconds after it, a hit: a new question on
 the cached passages. Both TTFTs are recorded; each trial also times the hit alone. Under ``fcfs`` the hit waits for
-the whole cold prompt; under ``cache-aware`` it should not, wherever it arrives (`pcr_rag.runtime.admission`: a
+the whole cold prompt; under ``cache-aware`` it should not, wherever it arrives (`pcr_rag.sched.admission`: a
 prefill's own steps count as waiting only against requests that were already there). The schedule is switched on
 the running engine (its scheduler's and executor's), and restored after.
 
@@ -31,7 +31,7 @@ from pcr_rag.corpus import split_passages, stdlib_corpus
 from pcr_rag.engine import PCREngine
 from pcr_rag.errors import ConfigError
 from pcr_rag.requests import RagPrompt, SamplingParams
-from pcr_rag.runtime.admission import SCHEDULES
+from pcr_rag.sched.admission import SCHEDULES
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from pcr_rag.config import EngineConfig
 from pcr_rag.corpus import split_passages, stdlib_corpus
 from pcr_rag.engine import PCREngine
 from pcr_rag.requests import RagPrompt, SamplingParams
-from pcr_rag.runtime.step_budget import check_budget_steps
+from pcr_rag.sched.step_budget import check_budget_steps
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from pcr_rag.config import EngineConfig
 from pcr_rag.corpus import STDLIB_MODULES, CorpusDocument, split_passages, stdlib_corpus
 from pcr_rag.demo import CORPUS_CACHE_DIR, DEFAULT_QUESTIONS
 from pcr_rag.engine import PCREngine
-from pcr_rag.runtime.model import load_model
+from pcr_rag.model.model import load_model
 from pcr_rag.testing import default_tokenizer, tiny_model
 
 __all__ = ["GOLD_QUESTIONS", "AnswerStudy", "CostRow", "measure_answers", "measure_cost", "main"]

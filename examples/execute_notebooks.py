@@ -42,7 +42,7 @@ def inputs_sha256(nb, data: Path = DATA) -> str:
 
 _HOST_KIND = """
 import torch
-from pcr_rag.runtime.model import resolve_dtype
+from pcr_rag.model.model import resolve_dtype
 dtype = str(resolve_dtype("auto", torch.device("cpu"))).replace("torch.", "")
 print(f"{torch.backends.cpu.get_cpu_capability()}/{dtype}/threads={torch.get_num_threads()}")
 """

@@ -37,8 +37,8 @@ _EXPORTS = {
     "RequestHandle": "pcr_rag.requests",
     "SamplingParams": "pcr_rag.requests",
     "StreamChunk": "pcr_rag.requests",
-    "Ticket": "pcr_rag.runtime.announcements",
-    "UnknownModelError": "pcr_rag.runtime.model",
+    "Ticket": "pcr_rag.sched.announcements",
+    "UnknownModelError": "pcr_rag.model.model",
     "CacheDirLockedError": "pcr_rag.cache.errors",
 }
 
@@ -91,7 +91,7 @@ if TYPE_CHECKING:
         SamplingParams,
         StreamChunk,
     )
-    from pcr_rag.runtime.announcements import Ticket
+    from pcr_rag.sched.announcements import Ticket
 
 
 def __getattr__(name: str):

@@ -139,10 +139,10 @@ def engine_identity(args: argparse.Namespace) -> RootIdentity:
     included) and its kernel identity probed, as `PCREngine` does."""
     import torch
 
-    from pcr_rag.runtime.forward import FastForward
-    from pcr_rag.runtime.kernel_probe import kernel_identity
-    from pcr_rag.runtime.model import load_model
-    from pcr_rag.runtime.weights import resolve_weight_format
+    from pcr_rag.model.forward import FastForward
+    from pcr_rag.model.kernel_probe import kernel_identity
+    from pcr_rag.model.model import load_model
+    from pcr_rag.model.weights import resolve_weight_format
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)

@@ -18,10 +18,10 @@ from pcr_rag.errors import ConfigError
 from pcr_rag.home import cache_home
 from pcr_rag.limits import DEFAULT_LIMITS, RequestLimits
 from pcr_rag.metrics import REUSE_MODES
-from pcr_rag.runtime.admission import SCHEDULES
-from pcr_rag.runtime.announcements import DEFAULT_MAX_PENDING, DEFAULT_MAX_PER_NAMESPACE
-from pcr_rag.runtime.step_budget import check_budget_steps
-from pcr_rag.runtime.weights import WEIGHT_FORMATS
+from pcr_rag.model.weights import WEIGHT_FORMATS
+from pcr_rag.sched.admission import SCHEDULES
+from pcr_rag.sched.announcements import DEFAULT_MAX_PENDING, DEFAULT_MAX_PER_NAMESPACE
+from pcr_rag.sched.step_budget import check_budget_steps
 from pcr_rag.units import parse_bytes
 
 EvictionPolicyName = Literal["lookahead-lru", "lru"]
@@ -127,16 +127,16 @@ class EngineConfig(RemoteFields):  # type: ignore[misc,valid-type]
         enable_cache: False runs the same chunk-aligned prefill without any reuse (the no-reuse baseline).
         reuse: "exact" (the default: only the exact prefix is reused, answers never depend on the cache) or
             "blend" (opt-in, approximate: documents after the exact prefix also reuse their position-independent
-            KV wherever they appear, `pcr_rag.runtime.blend`; each response reports ``blended_tokens``). A
+            KV wherever they appear, `pcr_rag.sched.blend`; each response reports ``blended_tokens``). A
             request may ask for either (``reuse=``).
         blend_recompute: in blend mode, the fraction of each placed document's tokens (its first ones) computed
             in context before the rest is placed (docs/blend.md has the quality each fraction measured).
         blend_verify: in blend mode, the fraction of blended requests that are also run exactly, as shadow
-            requests, and compared (`pcr_rag.runtime.blend_gate`); 0 = none.
+            requests, and compared (`pcr_rag.sched.blend_gate`); 0 = none.
         blend_backfill: in blend mode, a blended prompt that the exact prefix tree does not hold is also prefilled
             exactly once, on idle capacity (an exact twin of one output token, run when no request waits or runs),
             so that the same prompt coming back is served by exact reuse rather than blended again
-            (`pcr_rag.runtime.blend_gate`). Off by default: it spends idle compute, and it makes what a blend
+            (`pcr_rag.sched.blend_gate`). Off by default: it spends idle compute, and it makes what a blend
             request reuses depend on whether the engine was idle in between.
         blend_gate_window / blend_gate_min_identical / blend_gate_max_kl: the gate over the last
             ``blend_gate_window`` verified requests of a namespace: when the share of greedy answers identical to
@@ -157,7 +157,7 @@ class EngineConfig(RemoteFields):  # type: ignore[misc,valid-type]
         itl_budget_steps: an engine step runs only the prefill layers predicted to take at most
             ``itl_budget_steps - 1`` decode steps (a prefill step then spans several engine steps, same numbers),
             so a streamed token waits about this many decode steps at most (the ITL P99/P50 the engine plans for;
-            `pcr_rag.runtime.step_budget`), and a request admitted during a cold prefill step is ranked against it
+            `pcr_rag.sched.step_budget`), and a request admitted during a cold prefill step is ranked against it
             within that time (under ``cache-aware`` a hit need not wait out the cold step). A cold prompt's prefill
             shares the time with the decode steps it lets through. None = prefill steps always run whole between
             two decode steps.
@@ -176,7 +176,7 @@ class EngineConfig(RemoteFields):  # type: ignore[misc,valid-type]
             its first request (without, a new engine's first prefill steps run whole). Changes no number.
         freeze_gc: when the engine has started, collect garbage once and `gc.freeze()` what is alive (the model,
             the tokenizer, modules), so Python's full collections stop scanning it: that scan is a pause that
-            otherwise stops every engine thread now and then (`pcr_rag.runtime.gc_pauses`; undone when
+            otherwise stops every engine thread now and then (`pcr_rag.sched.gc_pauses`; undone when
             the engine closes). The collector is the whole process's, so off by default; ``pcr-rag serve``,
             ``demo`` and ``bench`` turn it on.
         io_workers: threads for SSD reads (prefetch and on-demand loads).
@@ -378,8 +378,8 @@ class EngineConfig(RemoteFields):  # type: ignore[misc,valid-type]
     def _check_chat_template(self) -> None:
         """``chat_template`` names a template that compiles (or "plain"); ``chat_template_kwargs`` is a dict of
         JSON-like variables without the engine's own arguments."""
+        from pcr_rag.model.model import PLAIN_TEMPLATE, read_chat_template
         from pcr_rag.prompt import check_template_kwargs
-        from pcr_rag.runtime.model import PLAIN_TEMPLATE, read_chat_template
 
         if isinstance(self.chat_template, os.PathLike):
             self.chat_template = os.fspath(self.chat_template)
@@ -401,7 +401,7 @@ class EngineConfig(RemoteFields):  # type: ignore[misc,valid-type]
         if isinstance(self.dtype, torch.dtype):
             return self.dtype
         if self.dtype == "auto":
-            from pcr_rag.runtime.model import resolve_dtype
+            from pcr_rag.model.model import resolve_dtype
 
             return resolve_dtype("auto", self.torch_device)
         try:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from pcr_rag.errors import PCRError
-from pcr_rag.runtime import provenance
+from pcr_rag.model import provenance
 
 logger = logging.getLogger(__name__)
 

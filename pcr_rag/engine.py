@@ -35,6 +35,11 @@ from pcr_rag.cache.storage.private_dir import refuse_unsafe
 from pcr_rag.config import EngineConfig
 from pcr_rag.errors import EngineClosedError, InvalidRequestError, PromptTooLongError, RequestCancelledError
 from pcr_rag.metrics import REUSE_MODES, MetricsRecorder, prometheus_text
+from pcr_rag.model.forward import WARM_UP_ROW, FastForward
+from pcr_rag.model.grammar import GrammarCompiler
+from pcr_rag.model.kernel_probe import first_step_positions, kernel_identity
+from pcr_rag.model.model import PLAIN_TEMPLATE, LoadedModel, load_model
+from pcr_rag.model.weights import resolve_weight_format
 from pcr_rag.platform_support import check_engine_platform
 from pcr_rag.prompt import Doc, DocumentPieces, PromptBuilder, PromptContext, SegmentedPrompt, split_documents
 from pcr_rag.reorder import reuse_order
@@ -53,22 +58,17 @@ from pcr_rag.requests import (
     StreamChunk,
     TokenChannel,
 )
-from pcr_rag.runtime import gc_pauses
-from pcr_rag.runtime.admission import PrefillOutlook
-from pcr_rag.runtime.announcements import AnnouncementBoard, Ticket
-from pcr_rag.runtime.batch import BatchExecutor
-from pcr_rag.runtime.blend import BlendDocument, BlendRequest
-from pcr_rag.runtime.blend_gate import BlendGate, ShadowJob, ShadowRunner
-from pcr_rag.runtime.forward import WARM_UP_ROW, FastForward
-from pcr_rag.runtime.grammar import GrammarCompiler
-from pcr_rag.runtime.kernel_probe import first_step_positions, kernel_identity
-from pcr_rag.runtime.model import PLAIN_TEMPLATE, LoadedModel, load_model
-from pcr_rag.runtime.prefetcher import Prefetcher
-from pcr_rag.runtime.runner import PrefillContext
-from pcr_rag.runtime.scheduler import Scheduler
-from pcr_rag.runtime.step_budget import StepBudget
-from pcr_rag.runtime.transfer import CopyEngine
-from pcr_rag.runtime.weights import resolve_weight_format
+from pcr_rag.sched import gc_pauses
+from pcr_rag.sched.admission import PrefillOutlook
+from pcr_rag.sched.announcements import AnnouncementBoard, Ticket
+from pcr_rag.sched.batch import BatchExecutor
+from pcr_rag.sched.blend import BlendDocument, BlendRequest
+from pcr_rag.sched.blend_gate import BlendGate, ShadowJob, ShadowRunner
+from pcr_rag.sched.prefetcher import Prefetcher
+from pcr_rag.sched.runner import PrefillContext
+from pcr_rag.sched.scheduler import Scheduler
+from pcr_rag.sched.step_budget import StepBudget
+from pcr_rag.sched.transfer import CopyEngine
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class EngineStats:
     prefill cost line in ms, the last layers-per-step cap chosen while rows decoded; `StepBudget.as_dict`); ``gc``:
     the process's garbage collections per generation, their total and longest pause (seconds), and the objects
     frozen now (`gc_pauses.GCPauses.snapshot`: process-wide figures); ``blend``: blend mode's gate
-    (`pcr_rag.runtime.blend_gate.BlendGate.snapshot`: verified requests, greedy answers identical to exact, mean
+    (`pcr_rag.sched.blend_gate.BlendGate.snapshot`: verified requests, greedy answers identical to exact, mean
     token agreement, median first-token KL, fallbacks to exact, the shadow requests' cost)."""
 
     requests: Mapping[str, Any]
@@ -283,7 +283,7 @@ class PCREngine:
                 marked private). The prompt's token pieces and learned layout are kept per namespace.
             reuse: "exact" or "blend" for this request (None = ``EngineConfig.reuse``): blend also places the
                 documents after the exact prefix from their position-independent KV (approximate, opt-in;
-                `pcr_rag.runtime.blend`); the result's ``metrics.reuse`` says how it was served (a namespace whose
+                `pcr_rag.sched.blend`); the result's ``metrics.reuse`` says how it was served (a namespace whose
                 blend gate tripped is served exactly) and ``metrics.blended_tokens`` how many tokens were placed.
         Raises (before any compute): `InvalidRequestError` (bad prompt kind, params or timeout; a response format
             that does not compile), `PromptTooLongError` (a rendered prompt longer than

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 TIERS = ("device", "dram", "ssd", "remote")
-#: How a prompt is served (`RequestMetrics.reuse`): exact prefix reuse only, or blend mode (`pcr_rag.runtime.blend`).
+#: How a prompt is served (`RequestMetrics.reuse`): exact prefix reuse only, or blend mode (`pcr_rag.sched.blend`).
 REUSE_MODES = ("exact", "blend")
 
 
@@ -49,7 +49,7 @@ class RequestMetrics:
     announced: bool = False
     prefill_compute_s: float = 0.0  # last, so the fields before it keep their positions
     blended_tokens: int = 0  # blend mode: prompt tokens placed from documents' cached position-independent KV
-    reuse: str = "exact"     # how the prompt was served: "exact", or "blend" (`pcr_rag.runtime.blend`)
+    reuse: str = "exact"     # how the prompt was served: "exact", or "blend" (`pcr_rag.sched.blend`)
 
     @property
     def tpot_s(self) -> float:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from pcr_rag.errors import InvalidRequestError
 from pcr_rag.metrics import RequestMetrics
+from pcr_rag.model.grammar import ResponseFormat
 from pcr_rag.prompt import (
     Doc,
     PromptBuilder,
@@ -40,15 +41,14 @@ from pcr_rag.prompt import (
     check_template_kwargs,
     split_documents,
 )
-from pcr_rag.runtime.grammar import ResponseFormat
 from pcr_rag.tracing import RequestTrace
 
 if TYPE_CHECKING:
     from collections.abc import Generator
 
     from pcr_rag.cache import ChunkSpec
-    from pcr_rag.runtime.blend import BlendRequest
-    from pcr_rag.runtime.sampling import TokenConstraint
+    from pcr_rag.model.sampling import TokenConstraint
+    from pcr_rag.sched.blend import BlendRequest
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ class SamplingParams:
     stop: strings that end generation (not included in the text); a single str or any sequence is accepted.
     seed: the sampling seed when temperature > 0 (None = a fresh one per request): a signed 64-bit int,
         ``-2**63 <= seed < 2**63`` (vLLM's bound; every seed in it seeds the sampler's generator).
-    response_format: what the output must match (grammar-constrained decoding, `pcr_rag.runtime.grammar`): a
+    response_format: what the output must match (grammar-constrained decoding, `pcr_rag.model.grammar`): a
         `ResponseFormat`, a JSON-schema dict or Pydantic model class, ``"json"`` (any JSON object), or the dicts
         ``{"type": "json_schema", "json_schema": {"schema": ...}}``, ``{"type": "json_object"}``,
         ``{"type": "regex", "regex": ...}``, ``{"type": "grammar", "grammar": <Lark>}``; stored as a
@@ -501,8 +501,8 @@ class Request:
     log_id: str = ""  # the id its log lines carry (`pcr_rag.logs`): the server's request id, else "req-<request_id>"
     trace: RequestTrace | None = None  # its spans' parent and the times they need; None when tracing is off
     tenant: bytes = b""  # whom the chunks it computes are charged to: its namespace's root (`PCREngine.root_for`)
-    blend: BlendRequest | None = None  # blend mode's documents (`pcr_rag.runtime.blend`); None: exact
-    shadow: bool = False  # the blend gate's exact twin of a blended request (`pcr_rag.runtime.blend_gate`)
+    blend: BlendRequest | None = None  # blend mode's documents (`pcr_rag.sched.blend`); None: exact
+    shadow: bool = False  # the blend gate's exact twin of a blended request (`pcr_rag.sched.blend_gate`)
 
     @property
     def keys(self) -> list[bytes]:

@@ -33,8 +33,8 @@ import numpy as np
 
 from pcr_rag.bench.workload import zipf_weights
 from pcr_rag.errors import PCRError
-from pcr_rag.runtime.hub import looks_like_repo_id, resolve_repo
-from pcr_rag.runtime.model import (
+from pcr_rag.model.hub import looks_like_repo_id, resolve_repo
+from pcr_rag.model.model import (
     DEFAULT_MODEL,
     KNOWN_MODELS,
     KVGeometry,
@@ -43,7 +43,7 @@ from pcr_rag.runtime.model import (
     resolve_device,
     resolve_dtype,
 )
-from pcr_rag.runtime.model_cache import GGUFSource, ModelCache
+from pcr_rag.model.model_cache import GGUFSource, ModelCache
 
 __all__ = ["CacheNeed", "SizingError", "kv_size", "lru_hit_rate", "model_config", "need_for_hit_rate"]
 

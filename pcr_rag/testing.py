@@ -127,7 +127,7 @@ def tiny_model(arch: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch
 def tiny_loaded_model(arch: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch.float32,
                       device: str | torch.device = "cpu", **kwargs: Any) -> Any:
     """`tiny_model` wrapped by `load_model` into a `LoadedModel` named ``tiny-<arch>-s<seed>``."""
-    from pcr_rag.runtime.model import load_model
+    from pcr_rag.model.model import load_model
 
     model, tokenizer = tiny_model(arch, seed=seed, dtype=dtype, **kwargs)
     return load_model(model, tokenizer, dtype=dtype, device=device, name=f"tiny-{arch}-s{seed}")
@@ -150,8 +150,8 @@ def default_tokenizer() -> Any:
     missing (tests skip then)."""
     from transformers import AutoTokenizer
 
-    from pcr_rag.runtime.model import DEFAULT_MODEL, KNOWN_MODELS
-    from pcr_rag.runtime.model_cache import ModelCache
+    from pcr_rag.model.model import DEFAULT_MODEL, KNOWN_MODELS
+    from pcr_rag.model.model_cache import ModelCache
 
     entry = ModelCache().ensure(DEFAULT_MODEL, KNOWN_MODELS[DEFAULT_MODEL].locate())
     return AutoTokenizer.from_pretrained(str(entry), local_files_only=True)

@@ -15,8 +15,8 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 # (TESTS overrides the list; PYTEST_ARGS adds options: by default "-n 8" where pytest-xdist is installed, since
 # tiny models on a GPU are launch-bound: one process took over 150 s for half of these on an H200)
 if [ -z "${PYTEST_ARGS+x}" ] && python3 -c "import xdist" 2>/dev/null; then PYTEST_ARGS="-n 8"; fi
-tests=${TESTS:-tests/runtime/test_cuda.py tests/cache/test_device_tier.py tests/runtime/test_fidelity.py
-  tests/runtime/test_batching.py tests/runtime/test_overlap_prefetch.py tests/runtime/test_small_dram.py}
+tests=${TESTS:-tests/model/test_cuda.py tests/cache/test_device_tier.py tests/engine/test_fidelity.py
+  tests/sched/test_batching.py tests/sched/test_overlap_prefetch.py tests/sched/test_small_dram.py}
 # shellcheck disable=SC2086
 PCR_RAG_TEST_DEVICE=cuda timeout "${TEST_LIMIT_S:-200}" python3 -m pytest -q -p no:cacheprovider -rfE \
   --timeout 90 --durations 8 ${PYTEST_ARGS:-} $tests 2>&1 | tee "$out/tests.txt" | grep -v '^\.*\s*\[' ; echo "tests rc ${PIPESTATUS[0]}"

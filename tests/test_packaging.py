@@ -185,12 +185,12 @@ import torch, transformers.modeling_utils  # what these set when imported (torch
 def snapshot():
     return dict(os.environ), {k: repr(getattr(hc, k)) for k in dir(hc) if k.isupper()}
 before = snapshot()
-import pcr_rag, pcr_rag.remote, pcr_rag.engine, pcr_rag.config, pcr_rag.runtime.model, pcr_rag.runtime.hub
+import pcr_rag, pcr_rag.remote, pcr_rag.engine, pcr_rag.config, pcr_rag.model.model, pcr_rag.model.hub
 import pcr_rag.server.app, langchain_pcr, llama_index.llms.pcr
 from pcr_rag import EngineConfig, PCREngine
 after_import = snapshot()
 if sys.argv[1] == "load":
-    from pcr_rag.runtime.model import load_model
+    from pcr_rag.model.model import load_model
     load_model(None)
 after_load = snapshot()
 for label, state in (("import", after_import), ("load", after_load)):

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from pcr_rag.cache import namespace_key, plan_chunks
 from pcr_rag.errors import InvalidRequestError, PromptTooLongError
+from pcr_rag.model.model import ModelPackageMissingError
 from pcr_rag.prompt import (
     DEFAULT_SEPARATOR,
     Doc,
@@ -18,7 +19,6 @@ from pcr_rag.prompt import (
     max_token_chars,
 )
 from pcr_rag.requests import ChatPrompt, FlatPrompt, RagPrompt
-from pcr_rag.runtime.model import ModelPackageMissingError
 from pcr_rag.testing import default_tokenizer, tiny_tokenizer
 
 ROOT = namespace_key("test", "float32", 8)

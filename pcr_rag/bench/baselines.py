@@ -32,8 +32,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from pcr_rag.engine import GenerationResult
 from pcr_rag.metrics import TIERS, RequestMetrics
+from pcr_rag.model.model import DEFAULT_MODEL, KNOWN_MODELS, LoadedModel
 from pcr_rag.prompt import PromptBuilder
-from pcr_rag.runtime.model import DEFAULT_MODEL, KNOWN_MODELS, LoadedModel
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """What a blend-mode request placed, reused and computed, replayed from the outside: its placed tokens split into
 KV an earlier request left and KV computed for this very request, and the positions it computed.
 
-Why a ledger: blend mode (`pcr_rag.runtime.blend`) places every document after the exact prefix from its
+Why a ledger: blend mode (`pcr_rag.sched.blend`) places every document after the exact prefix from its
 position-independent KV, and a document seen for the first time gets that KV from an isolated prefill run for
 this request (computed once, then placed). The issue's definition of reuse ("a token is reused when its KV in
 every layer comes from the cache") counts only placed KV an earlier request left. The engine's
@@ -36,7 +36,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pcr_rag.runtime.blend import BlendDocument, blend_spans
+from pcr_rag.sched.blend import BlendDocument, blend_spans
 
 __all__ = ["BlendLedger", "BlendServed", "context_sum"]
 

@@ -37,7 +37,7 @@ from pcr_rag.bench.targets import LIMIT_RATIO_DRAM_MAX, LIMIT_RATIO_SSD_MAX, LIM
 from pcr_rag.config import EngineConfig
 from pcr_rag.corpus import load_corpus, split_passages
 from pcr_rag.engine import PCREngine
-from pcr_rag.runtime.model import load_model
+from pcr_rag.model.model import load_model
 
 log = logging.getLogger(__name__)
 

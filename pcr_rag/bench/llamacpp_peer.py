@@ -1,7 +1,7 @@
 """The llama.cpp peer row of the kernel bench: the same GGUF file, the same threads, the same prompt tokens.
 
 Optional: it runs only when ``llama_cpp`` (llama-cpp-python) is importable, which `make install` never installs.
-`find_gguf` locates the GGUF a known model alias ships (the file `pcr_rag.runtime.model` converts), so the peer runs
+`find_gguf` locates the GGUF a known model alias ships (the file `pcr_rag.model.model` converts), so the peer runs
 the very weights our model was converted from (for SmolLM2-135M: Q4_1, i.e. 4-bit - compare with the int4 rows).
 
 Measured, A/B interleaved by the caller: `LlamaCppPeer.prefill_s` (``eval`` of the whole prompt on an empty
@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from pcr_rag.runtime.model import DEFAULT_MODEL, KNOWN_MODELS, ModelError
+from pcr_rag.model.model import DEFAULT_MODEL, KNOWN_MODELS, ModelError
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Method (one, stated in the report as `METHOD`): teacher-forced perplexity from a transformers forward of the model
 whose linear layers (attention and MLP projections and the LM head) carry the weights **as the format's own kernel
-dequantizes them**: for a `pcr_rag.runtime.weights.Linear` ``lin`` of that format, ``W_hat = lin(I)^T`` (the
+dequantizes them**: for a `pcr_rag.model.weights.Linear` ``lin`` of that format, ``W_hat = lin(I)^T`` (the
 identity through the kernel, so every row of ``W_hat`` is one output channel exactly as the kernel reconstructs
 it, rounded once to the activation dtype). Embeddings and norms stay in the model dtype, as in the fast forward.
 The fast forward itself returns only the last position's logits; the report therefore also gives, per format, the
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pcr_rag.runtime.weights import Linear, make_linear
+from pcr_rag.model.weights import Linear, make_linear
 
 METHOD = ("transformers forward (one shot, teacher forcing) with every linear layer's weight replaced by "
           "lin(I)^T, the weight as the format's kernel dequantizes it; embeddings and norms in the model dtype")

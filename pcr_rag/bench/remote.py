@@ -56,7 +56,7 @@ from pcr_rag.cache.config import KVLayout, RemoteConfig
 from pcr_rag.cache.seal import run_secret
 from pcr_rag.config import EngineConfig
 from pcr_rag.engine import PCREngine
-from pcr_rag.runtime.model import load_model
+from pcr_rag.model.model import load_model
 
 log = logging.getLogger(__name__)
 

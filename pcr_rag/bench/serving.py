@@ -81,9 +81,9 @@ from pcr_rag.cache.tiers.remote_client import COUNTERS as REMOTE_COUNTERS
 from pcr_rag.config import EngineConfig
 from pcr_rag.engine import GenerationResult, PCREngine
 from pcr_rag.metrics import TIERS
+from pcr_rag.model.model import load_model
 from pcr_rag.prompt import PromptBuilder
-from pcr_rag.runtime import gc_pauses
-from pcr_rag.runtime.model import load_model
+from pcr_rag.sched import gc_pauses
 
 log = logging.getLogger(__name__)
 

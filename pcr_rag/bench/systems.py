@@ -22,7 +22,7 @@ pcr-schedule-S           pcr with ``schedule=S`` (``fcfs`` or ``cache-aware``; n
 <cached system>@O        that system with document order ``O`` (``relevance`` or ``cache-aware``) instead of
                          the run's ``--order``
 pcr-blend                pcr with ``reuse="blend"``: documents after the exact prefix are placed from their
-                         position-independent KV (approximate; `pcr_rag.runtime.blend`; not in the default set)
+                         position-independent KV (approximate; `pcr_rag.sched.blend`; not in the default set)
 pcr-cold                 pcr as a cold replica: empty DRAM and SSD before every measured run, no warm-up
 pcr-remote               pcr-cold behind a shared Valkey that a first replica warmed with the warm-up trace
                          (``remote="warm"``)

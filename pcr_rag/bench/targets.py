@@ -7,7 +7,7 @@ Every threshold is a named constant; the target lists below are built from them,
 - `RETRIEVAL_TARGETS`: ``pcr-rag bench --retrieval`` (real questions), cache-aware vs relevance document order.
 - `LIMIT_RATIO_TARGETS`: the limit ratio (`pcr_rag.bench.limit`): cached TTFT over a raw forward of the same
   suffix over an already-resident cache, prefix in DRAM and prefix on SSD.
-- ``BLEND_*``: blend mode (`pcr_rag.runtime.blend`) on a replayed trace (``pcr-rag bench --trace`` with
+- ``BLEND_*``: blend mode (`pcr_rag.sched.blend`) on a replayed trace (``pcr-rag bench --trace`` with
   ``pcr-blend``; `pcr_rag.bench.trace_bounds.blend_section`) and its quality (``benchmarks/blend_quality.py``).
 - `PAPER_TARGETS`: ``pcr-rag simulate`` (the GPU regime): the PCR paper's claims for Llama2-7B.
 - ``SIM_VALIDATION_*``: ``pcr-rag simulate --validate``: how close the simulator must come to a measured run.

@@ -77,7 +77,7 @@ def scope_key(private_root: bytes, parent: bytes) -> bytes:
 
 
 def blend_root(root: bytes) -> bytes:
-    """16-byte root of ``root``'s position-independent key space (blend mode, `pcr_rag.runtime.blend`): the
+    """16-byte root of ``root``'s position-independent key space (blend mode, `pcr_rag.sched.blend`): the
     chains ``[anchor][document]`` of a namespace's documents chain from it, so they share no key with the exact
     chains from ``root`` and inherit its scope (the engine-wide root's for shared documents, a tenant's for
     private ones)."""

@@ -2,7 +2,7 @@
 
 A chunk key chains from a namespace root (`keys.namespace_key`) that hashes everything fixing the KV's bits: the
 model fingerprint, the KV dtype, the chunk size and a salt holding the forward's plan id, the kernel identity (a
-hash of the KV the engine's own forward computes on fixed probe inputs, `pcr_rag.runtime.kernel_probe`: it tells
+hash of the KV the engine's own forward computes on fixed probe inputs, `pcr_rag.model.kernel_probe`: it tells
 apart CPU ISAs, oneDNN/torch versions, GPU models and CUDA libraries that round differently) and the tenant
 namespace. A host on another kernel path therefore never finds this host's chunks, on SSD or in a shared store.
 A root is a hash, so nothing can tell from a chunk file which model or plan wrote it. Two things make a cache
@@ -77,7 +77,7 @@ class ManifestError(ValueError):
 class RootIdentity:
     """What a namespace root hashes besides the namespace: the engine's model, KV dtype, chunk size (tokens),
     forward plan id (`FastForward.plan_id`: tile sizes, weight format, split shapes), weight format and kernel
-    identity (`pcr_rag.runtime.kernel_probe.kernel_identity`: hex digits naming the bits this host's kernels
+    identity (`pcr_rag.model.kernel_probe.kernel_identity`: hex digits naming the bits this host's kernels
     compute; "" for none, as before kernel identities existed, which keeps such a root's key). ``model`` is a
     display name only; equal fingerprints mean equal weights."""
 

@@ -51,7 +51,7 @@ from pcr_rag import __version__
 from pcr_rag.engine import PCREngine
 from pcr_rag.errors import EngineClosedError, RequestCancelledError
 from pcr_rag.requests import GenerationResult, RequestHandle, StreamChunk
-from pcr_rag.runtime.announcements import Ticket
+from pcr_rag.sched.announcements import Ticket
 from pcr_rag.server import openapi as api_components
 from pcr_rag.server.auth import Authenticator, MetricsGuard, Tenant
 from pcr_rag.server.disclosure import disclose

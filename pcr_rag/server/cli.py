@@ -62,8 +62,8 @@ from pcr_rag.cache.config import redacted_url
 from pcr_rag.config import EngineConfig
 from pcr_rag.errors import ConfigError
 from pcr_rag.logs import LOG_FORMATS, LogFormat
-from pcr_rag.runtime.admission import SCHEDULES
-from pcr_rag.runtime.weights import WEIGHT_FORMATS
+from pcr_rag.model.weights import WEIGHT_FORMATS
+from pcr_rag.sched.admission import SCHEDULES
 from pcr_rag.server.flags import (
     MAX_SECRET_BYTES,
     FlagSpec,

@@ -26,9 +26,9 @@ Two sources, one registry per app (never the process-global one, so several apps
   ``pcr:requests_cancelled_total``; the garbage collector's ``pcr:gc_collections_total{generation}``,
   ``pcr:gc_pause_seconds_total{generation}``, ``pcr:gc_max_pause_seconds{generation}`` and
   ``pcr:gc_frozen_objects`` (process-wide, `runtime.gc_pauses`).
-- **Blend mode** (`pcr_rag.runtime.blend`, opt-in and approximate): counters ``pcr:blended_tokens_total`` (prompt
+- **Blend mode** (`pcr_rag.sched.blend`, opt-in and approximate): counters ``pcr:blended_tokens_total`` (prompt
   tokens placed from documents' position-independent KV) and ``pcr:blended_requests_total`` (requests served in
-  blend mode); from the blend gate's snapshot (`pcr_rag.runtime.blend_gate`, ``EngineStats.blend``), counters
+  blend mode); from the blend gate's snapshot (`pcr_rag.sched.blend_gate`, ``EngineStats.blend``), counters
   ``pcr:blend_verified_requests_total``, ``pcr:blend_greedy_verified_requests_total``,
   ``pcr:blend_identical_answers_total``, ``pcr:blend_fallbacks_total``, ``pcr:blend_shadow_requests_total``,
   ``pcr:blend_shadow_prompt_tokens_total``, ``pcr:blend_shadow_seconds_total``, and gauges
@@ -249,7 +249,7 @@ class _EngineCollector(Collector):
                       req["requests_cancelled"])
 
 
-# The blend gate's snapshot keys (`pcr_rag.runtime.blend_gate.BlendGate.snapshot`) -> (metric name, help, counter?)
+# The blend gate's snapshot keys (`pcr_rag.sched.blend_gate.BlendGate.snapshot`) -> (metric name, help, counter?)
 _BLEND_GATE: tuple[tuple[str, str, str, bool], ...] = (
     ("verify_fraction", "blend_verify_fraction", "Fraction of blended requests also run exactly as shadow requests "
      "(EngineConfig.blend_verify).", False),

@@ -22,7 +22,7 @@ parallel lists (`chat_logprobs`, `completion_logprobs`). Options with no equival
 vLLM: ``text``, ``json_object``, ``json_schema``; also vLLM-style ``regex`` / ``grammar``), vLLM's
 ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar`` in GBNF or Lark, ``json_object``;
 `pcr_rag.server.structured_outputs`) and its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
-``guided_grammar`` constrain the output with the engine's grammar-constrained decoding (`pcr_rag.runtime.grammar`),
+``guided_grammar`` constrain the output with the engine's grammar-constrained decoding (`pcr_rag.model.grammar`),
 exactly as the engine's own ``response_format`` (no instruction is added to the prompt); at most one of them per
 request, and a format the grammar library rejects is a 400 naming the field. vLLM's sampling fields ``min_p``,
 ``min_tokens`` and ``ignore_eos`` map to `SamplingParams`' own.
@@ -54,7 +54,7 @@ Extensions (OpenAI clients send them through ``extra_body``):
 - ``reuse: "exact" | "blend" | null``: how this request may reuse cached KV (`PCREngine.submit`'s ``reuse``;
   null or absent: the engine's ``EngineConfig.reuse``, "exact" unless the server was started with ``--reuse
   blend``). "blend" is opt-in and approximate: documents after the exact prefix are placed from their
-  position-independent KV (`pcr_rag.runtime.blend`), so the answer can differ from an uncached one; any other
+  position-independent KV (`pcr_rag.sched.blend`), so the answer can differ from an uncached one; any other
   value is a 400 naming ``reuse`` before anything is computed. ``/v1/pcr/announce`` takes it too (for a blend
   request the documents' position-independent KV is prefetched as well);
 - completions only: ``chat_template: bool`` (default False: the prompt is continued as raw text, as OpenAI's
@@ -93,6 +93,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pcr_rag.errors import InvalidRequestError
 from pcr_rag.limits import DEFAULT_LIMITS, RequestLimits
 from pcr_rag.metrics import REUSE_MODES
+from pcr_rag.model.grammar import ResponseFormat
 from pcr_rag.prompt import Doc, check_template_kwargs, split_documents
 from pcr_rag.requests import (
     GREEDY_BELOW,
@@ -107,7 +108,6 @@ from pcr_rag.requests import (
     chat_logprobs,
     completion_logprobs,
 )
-from pcr_rag.runtime.grammar import ResponseFormat
 from pcr_rag.server.errors import APIError
 from pcr_rag.server.structured_outputs import LEGACY_FIELDS, structured_outputs_format
 from pcr_rag.server.tools import AnswerMessage

@@ -1,5 +1,5 @@
 """vLLM's ``structured_outputs`` request field, and its older top-level ``guided_*`` fields, as the engine's
-`ResponseFormat`: the same grammar-constrained decoding as ``response_format`` (`pcr_rag.runtime.grammar`).
+`ResponseFormat`: the same grammar-constrained decoding as ``response_format`` (`pcr_rag.model.grammar`).
 
 ``structured_outputs`` holds exactly one constraint:
 
@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pcr_rag.errors import InvalidRequestError
-from pcr_rag.runtime.grammar import ResponseFormat
+from pcr_rag.model.grammar import ResponseFormat
 from pcr_rag.structured import close_objects
 
 __all__ = ["CONSTRAINTS", "LEGACY_FIELDS", "choice_format", "structured_outputs_format"]

@@ -21,7 +21,7 @@ from pcr_rag.bench.cli import parse_floats, parse_ints
 from pcr_rag.bench.report import build_report, markdown_report, write_report
 from pcr_rag.bench.targets import PAPER_TARGETS
 from pcr_rag.errors import ConfigError
-from pcr_rag.runtime.step_budget import check_budget_steps
+from pcr_rag.sched.step_budget import check_budget_steps
 from pcr_rag.sim.experiment import (
     SimSettings,
     SimWorkload,

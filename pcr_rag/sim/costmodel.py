@@ -120,7 +120,7 @@ class PrefillWork:
     device -> host after the prefill (the runtime keeps a DRAM copy of chunks it read from SSD). ``offload``: the
     new KV is copied device -> host layer by layer (False when nothing is cached, e.g. no-reuse).
 
-    Blend mode (`pcr_rag.runtime.blend`): the steps need not be contiguous. ``step_context`` gives the tokens
+    Blend mode (`pcr_rag.sched.blend`): the steps need not be contiguous. ``step_context`` gives the tokens
     already in the request's KV before each step (its attention reads them all: the exact prefix, placed
     documents and earlier computed spans); empty: ``cached_tokens`` plus the steps before it. ``step_offload``
     gives the tokens of each step copied to the host (the runtime inserts nothing computed after a placed

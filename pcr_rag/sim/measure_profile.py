@@ -47,8 +47,8 @@ from pcr_rag.cache.tiers.chunk_file import ChunkMeta
 from pcr_rag.cache.tiers.ssd_store import SSDStore
 from pcr_rag.config import EngineConfig
 from pcr_rag.engine import PCREngine
-from pcr_rag.runtime.forward import FastForward
-from pcr_rag.runtime.model import load_model
+from pcr_rag.model.forward import FastForward
+from pcr_rag.model.model import load_model
 from pcr_rag.sim.profiles import Profile
 from pcr_rag.sim.systems import engine_default
 

@@ -2,10 +2,10 @@
 
 What is real: the :class:`~pcr_rag.cache.CacheEngine` (prefix tree, tiers, eviction policies, look-ahead
 protection, write-back) running on a virtual clock with metadata-only payloads and synchronous I/O, the
-runtime's :func:`~pcr_rag.runtime.prefetcher.plan_prefetch`, and its admission policy
-(:func:`~pcr_rag.runtime.admission.queue_order`, ``rank``). What is modelled: the time of compute and transfers
+runtime's :func:`~pcr_rag.sched.prefetcher.plan_prefetch`, and its admission policy
+(:func:`~pcr_rag.sched.admission.queue_order`, ``rank``). What is modelled: the time of compute and transfers
 (:mod:`pcr_rag.sim.costmodel`) and the order of events. The simulator mirrors the runtime's request path
-(``pcr_rag/runtime/runner.py``): ``acquire(keys, max_chunks=len(plan) - 1)`` (the last chunk is always computed),
+(``pcr_rag/sched/runner.py``): ``acquire(keys, max_chunks=len(plan) - 1)`` (the last chunk is always computed),
 chunks on SSD are read on demand layer by layer and copied back to DRAM afterwards, every computed chunk is inserted,
 the lease is released when the prefill ends.
 
@@ -17,7 +17,7 @@ rank as a group) - and the look-ahead window follows that order. Three executors
 - ``serial``: one request at a time, prefill then decode (the runtime with ``max_active=1``);
 - ``prefill-first``: a vLLM-like engine: prefill-first, running requests decode together one token per step,
   admission bounded by the device KV pool (tokens);
-- ``engine-steps``: the runtime's own executor (`pcr_rag.runtime.batch`): ``max_batch`` rows, held from admission
+- ``engine-steps``: the runtime's own executor (`pcr_rag.sched.batch`): ``max_batch`` rows, held from admission
   to the last token; each engine step is one decode step over every decoding row, then one prefill step of one
   admitted request, chosen by the runtime's `prefill_candidates` and ``rank`` (a prefill waits for chunks another
   one is computing and lends it its place); while rows decode, only the prefill layers the runtime's own
@@ -36,7 +36,7 @@ write-through of metadata-only values, the load-or-recompute decision with the l
 compute speed); a request fetches its remote chunks whole before its prefill starts, as the runtime does (one
 round trip + bytes / bandwidth), then uses them like DRAM hits. Remote chunks are not prefetched here.
 
-Blend mode (a system with ``blend``, `pcr_rag.runtime.blend`), as the runtime's `PrefillTask._begin_blend` runs it:
+Blend mode (a system with ``blend``, `pcr_rag.sched.blend`), as the runtime's `PrefillTask._begin_blend` runs it:
 after the exact prefix match, the spans are `blend_spans` of the request's documents (`SimRequest.documents`):
 each later document is placed after its first ``ceil(blend_recompute * n)`` tokens, everything else is computed,
 the last token always. The first document right after the exact match (starting at or after its end) whose
@@ -89,12 +89,12 @@ from pcr_rag.cache import (
     VirtualPayload,
 )
 from pcr_rag.cache.config import KVLayout
-from pcr_rag.runtime.admission import PrefillOutlook, prefill_candidates, queue_order, rank
-from pcr_rag.runtime.blend import BlendDocument, blend_spans
-from pcr_rag.runtime.forward import ATTENTION_BLOCK
-from pcr_rag.runtime.prefetcher import plan_prefetch
-from pcr_rag.runtime.runner import prefill_step_sizes
-from pcr_rag.runtime.step_budget import StepBudget
+from pcr_rag.model.forward import ATTENTION_BLOCK
+from pcr_rag.sched.admission import PrefillOutlook, prefill_candidates, queue_order, rank
+from pcr_rag.sched.blend import BlendDocument, blend_spans
+from pcr_rag.sched.prefetcher import plan_prefetch
+from pcr_rag.sched.runner import prefill_step_sizes
+from pcr_rag.sched.step_budget import StepBudget
 from pcr_rag.sim.costmodel import CostModel, PrefillWork, attention_pairs
 from pcr_rag.sim.profiles import Profile
 from pcr_rag.sim.remote_link import RemoteLink
@@ -180,7 +180,7 @@ class SimConfig:
     ``engine-steps`` executor, the running requests of ``prefill-first``; 1 for ``serial``.
     ``kv_pool_tokens`` bounds the tokens of running requests when batching (None: unbounded).
     ``prefill_steps``: "single" (one forward over the new tokens), "engine" (the runtime's steps of
-    ``prefill_chunk_tokens`` cut at its attention blocks: `pcr_rag.runtime.runner.prefill_step_sizes`) or
+    ``prefill_chunk_tokens`` cut at its attention blocks: `pcr_rag.sched.runner.prefill_step_sizes`) or
     "per_chunk" (one per plan chunk: the runtime before its prefill was split-invariant).
     ``record_trace`` keeps the executed chunk trace (for Belady). ``executor``: see the module
     docstring; None = ``serial`` for ``max_batch`` 1, else ``prefill-first``. ``itl_budget_steps``: the

@@ -39,13 +39,13 @@ class SimSystem:
     - ``prefetch``: SSD -> DRAM loads for requests in the look-ahead window.
     - ``lookahead``: protect the window's chunks from eviction (look-ahead LRU; else plain LRU).
     - ``window``: look-ahead window in requests.
-    - ``schedule``: admission order of the waiting queue, the runtime's own policy (`pcr_rag.runtime.admission`:
+    - ``schedule``: admission order of the waiting queue, the runtime's own policy (`pcr_rag.sched.admission`:
       ``fcfs`` or ``cache-aware``); the look-ahead window follows it.
     - ``executor_overrides``: how the system itself executes, where that differs from the run's settings: its own
       ``max_active`` / ``itl_budget_steps`` (``pcr-max-active-N``, ``pcr-whole-steps``: the ``engine-steps``
       executor uses them), and for the outside baselines (``transformers``, ``llama-cpp``: the bench serves them
       one request at a time with one-shot prefill) ``executor="serial"`` and ``prefill_steps="single"``.
-    - ``blend``: blend mode (``EngineConfig.reuse="blend"``, `pcr_rag.runtime.blend`): after the exact prefix
+    - ``blend``: blend mode (``EngineConfig.reuse="blend"``, `pcr_rag.sched.blend`): after the exact prefix
       match, documents are placed from their position-independent KV (modelled by `pcr_rag.sim.simulator`);
       ``blend_recompute`` is the fraction of each placed document's first tokens computed in context.
     """

@@ -6,7 +6,7 @@ token-id lists: synthetic (seeded, of given lengths) when only lengths are known
 document's chunks depend only on its parent key, the builder memoises ``(parent key, document)`` so a 100k-request
 trace hashes each distinct document prefix once.
 
-Blend mode (`pcr_rag.runtime.blend`): each request also carries its documents (`SimDocument`: prompt offsets and
+Blend mode (`pcr_rag.sched.blend`): each request also carries its documents (`SimDocument`: prompt offsets and
 the chunk plan of the document's position-independent chain ``[anchor][document]`` under the blend root of the
 builder's root, as `PCREngine._blend_request` keys it), memoised per document id, since that chain depends on the
 document's own tokens only.

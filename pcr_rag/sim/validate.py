@@ -33,8 +33,8 @@ from pcr_rag.bench.stats import RequestTable, mean_interval, paired_ratio_interv
 from pcr_rag.bench.targets import SIM_VALIDATION_MIN_RATES, SIM_VALIDATION_SYSTEMS, SIM_VALIDATION_TOLERANCE
 from pcr_rag.bench.traces import build_traces
 from pcr_rag.cache import namespace_key, plan_chunks
+from pcr_rag.model.model import load_model
 from pcr_rag.prompt import PromptBuilder
-from pcr_rag.runtime.model import load_model
 from pcr_rag.sim.experiment import Scenario, SimSettings, run_system
 from pcr_rag.sim.measure_profile import build_profile
 from pcr_rag.sim.profiles import Profile

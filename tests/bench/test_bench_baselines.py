@@ -11,8 +11,8 @@ import torch
 from pcr_rag.bench import baselines
 from pcr_rag.bench.baselines import TransformersServer, llama_cpp_unavailable, locate_gguf
 from pcr_rag.bench.config import QUICK_CAVEAT, SYSTEM_PROMPT, BenchConfig
+from pcr_rag.model.model import load_model
 from pcr_rag.prompt import PromptBuilder
-from pcr_rag.runtime.model import load_model
 from pcr_rag.testing import tiny_model
 
 DOCS = ["The cache keeps chunks of keys and values for later requests. " * 3,

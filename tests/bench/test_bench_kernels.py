@@ -13,7 +13,7 @@ import torch
 from pcr_rag.bench.kernels import KernelBenchConfig, check_report, format_report, run_kernel_bench
 from pcr_rag.bench.perplexity import dequantized_weight, emulated_model, measure
 from pcr_rag.cli import main
-from pcr_rag.runtime.weights import WEIGHT_FORMATS, make_linear
+from pcr_rag.model.weights import WEIGHT_FORMATS, make_linear
 from pcr_rag.testing import save_tiny_model, tiny_loaded_model
 
 

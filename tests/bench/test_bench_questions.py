@@ -163,7 +163,7 @@ def test_default_retrieval_workload_with_the_real_tokenizer():
     """The workload `pcr-rag bench --quick --retrieval` builds: 200 generated questions, gold passages, hit@3,
     reuse bounds of both orders."""
     from pcr_rag.bench.traces import build_traces
-    from pcr_rag.runtime.model import load_model
+    from pcr_rag.model.model import load_model
 
     loaded = load_model(None, device="cpu")
     cfg = replace(quick_config(), retrieval=True, num_passages=RETRIEVAL_PASSAGES, order="cache-aware")

@@ -12,7 +12,7 @@ import pytest
 from pcr_rag.bench.blend_ledger import BlendLedger, context_sum
 from pcr_rag.bench.trace_bounds import RawForwardFit, blend_section, raw_forward_seconds, reuse_split
 from pcr_rag.prompt import PromptBuilder
-from pcr_rag.runtime.blend import BlendDocument, blend_spans
+from pcr_rag.sched.blend import BlendDocument, blend_spans
 from pcr_rag.testing import tiny_tokenizer
 
 A, B, C, D, E = ("alpha beta gamma delta epsilon", "one two three four five six seven", "red green blue cyan",

@@ -133,7 +133,7 @@ def test_every_log_line_of_a_request_carries_its_id(base_url, engine, json_log, 
     mine = [r for r in records if r["request_id"] == "client-id-7"]
     loggers = {r["logger"] for r in mine}
     # the access line (event loop) and the engine's line about the request (executor thread) carry the same id
-    assert {"pcr_rag.server.observability", "pcr_rag.runtime.batch"} <= loggers, records
+    assert {"pcr_rag.server.observability", "pcr_rag.sched.batch"} <= loggers, records
     for r in records:
         if r["logger"] in loggers and "client-id-7" not in r["request_id"]:
             assert not r["message"].startswith(("POST /v1/chat/completions", "request "))
@@ -185,7 +185,7 @@ def test_serve_log_format_json_writes_json_lines(tmp_path) -> None:
     assert any(r["logger"].startswith("uvicorn") for r in records)  # uvicorn's own lines too
     access = [r for r in records if r["request_id"] == "json-1"]
     assert any(r["message"].startswith("POST /v1/chat/completions -> 200") for r in access)
-    assert any(r["logger"] == "pcr_rag.runtime.batch" for r in access)
+    assert any(r["logger"] == "pcr_rag.sched.batch" for r in access)
 
 
 def test_log_format_is_a_serve_setting_checked_before_the_model_loads(capsys) -> None:

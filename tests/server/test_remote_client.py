@@ -15,9 +15,9 @@ import pytest
 
 from pcr_rag import Doc
 from pcr_rag.errors import InvalidRequestError, QueueFullError
+from pcr_rag.model.grammar import ResponseFormat
 from pcr_rag.remote import RemoteEngine, RemoteEngineError, RemotePromptTooLongError
 from pcr_rag.requests import ChatPrompt, FlatPrompt, SamplingParams
-from pcr_rag.runtime.grammar import ResponseFormat
 from pcr_rag.server import ServerSettings, ServerThread
 from pcr_rag.server.errors import from_engine_error
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from pcr_rag.limits import DEFAULT_LIMITS
-from pcr_rag.runtime import grammar
+from pcr_rag.model import grammar
 from pcr_rag.server import ServerSettings, ServerThread, lifecycle
 
 MODEL = "tiny-llama"

@@ -1,4 +1,4 @@
-"""Blend mode in the simulator (`pcr_rag.runtime.blend` as `Simulator` models it) and the trace-file replay of
+"""Blend mode in the simulator (`pcr_rag.sched.blend` as `Simulator` models it) and the trace-file replay of
 ``pcr-rag simulate --trace``: documents in new orders reuse more and cost less, only KV cached before a request
 counts as blended, the compute spans run as the runtime's steps (several spans per forward), the first new document
 after the exact match is computed exactly and later requests reuse it exactly, recompute 1.0 is exact PCR, blended
@@ -15,9 +15,9 @@ import pytest
 
 from pcr_rag.bench.trace_file import parse_trace, read_trace
 from pcr_rag.cache.keys import blend_root, namespace_key, plan_chunks
-from pcr_rag.runtime.blend import BlendDocument, Span, blend_spans
-from pcr_rag.runtime.forward import ATTENTION_BLOCK
-from pcr_rag.runtime.runner import PrefillTask, _aligned_end
+from pcr_rag.model.forward import ATTENTION_BLOCK
+from pcr_rag.sched.blend import BlendDocument, Span, blend_spans
+from pcr_rag.sched.runner import PrefillTask, _aligned_end
 from pcr_rag.sim.costmodel import CostModel, PrefillWork, attention_pairs
 from pcr_rag.sim.profiles import get_profile
 from pcr_rag.sim.simulator import SimConfig, Simulator, engine_steps

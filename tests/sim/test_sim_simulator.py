@@ -58,8 +58,8 @@ def test_single_request_timing_is_the_cost_model():
 def test_engine_steps_are_the_runtimes_prefill_steps():
     """``prefill_steps="engine"``: a cold prompt costs the runtime's steps (`prefill_step_sizes`: 256-token steps
     cut at its attention blocks), not one step per plan chunk."""
-    from pcr_rag.runtime.forward import ATTENTION_BLOCK
-    from pcr_rag.runtime.runner import prefill_step_sizes
+    from pcr_rag.model.forward import ATTENTION_BLOCK
+    from pcr_rag.sched.runner import prefill_step_sizes
 
     cm = CostModel(_profile())
     (req,) = _reqs([("a", "b", "c", "d", "e", "f", "g", "h", "i", "j")], [0.0], doc_tokens=30 * CS)

@@ -96,7 +96,7 @@ class PCRModelParams(BaseModel):
     timeout: float | None = Field(default=None, gt=0)
     chat_template_kwargs: dict[str, Any] | None = None  # extra chat-template variables (ChatPrompt's)
     # "exact" or "blend" for every call (None: the engine's EngineConfig.reuse, or the server's with base_url);
-    # blend is opt-in and approximate (pcr_rag.runtime.blend)
+    # blend is opt-in and approximate (pcr_rag.sched.blend)
     reuse: Literal["exact", "blend"] | None = None
     # base_url mode (langchain_pcr._remote): a pcr-rag server instead of a local engine
     base_url: str | None = None

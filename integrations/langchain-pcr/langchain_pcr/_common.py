@@ -169,7 +169,7 @@ def model_display_name(model: Any, engine: PCREngine | None = None) -> str:
 def usage_metadata(result: GenerationResult) -> UsageMetadata:
     """LangChain usage: prompt tokens in, generated tokens out; in ``input_token_details``, the prompt tokens
     reused exactly (cached) as ``cache_read`` and those placed by blend mode (approximate KV,
-    `pcr_rag.runtime.blend`; 0 for a call served exactly) as ``blended``, a provider key `InputTokenDetails`
+    `pcr_rag.sched.blend`; 0 for a call served exactly) as ``blended``, a provider key `InputTokenDetails`
     allows. The two never overlap: ``cache_read + blended <= input_tokens``."""
     m = result.metrics
     n_in = int(m.prompt_tokens)

@@ -32,8 +32,8 @@ from pydantic import BaseModel
 from langchain_pcr._base import ModelCall, PCRModelParams
 from langchain_pcr._common import generation_info, model_display_name, usage_metadata
 from langchain_pcr._stream_run import with_run_recorder
+from pcr_rag.model.grammar import ResponseFormat
 from pcr_rag.requests import ChatPrompt, GenerationResult, StreamChunk
-from pcr_rag.runtime.grammar import ResponseFormat
 from pcr_rag.structured import (
     ToolCall,
     ToolSpec,
@@ -81,7 +81,7 @@ class ChatPCR(PCRModelParams, BaseChatModel):
         reuse: "exact" or "blend" for every call (None, the default: the engine's ``EngineConfig.reuse``, or the
             server's with ``base_url``). "blend" is opt-in and approximate: documents after the exact prefix (a new
             order, other documents before them) are placed from their position-independent KV
-            (`pcr_rag.runtime.blend`), so the answer can differ from an uncached one. ``usage_metadata`` reports
+            (`pcr_rag.sched.blend`), so the answer can differ from an uncached one. ``usage_metadata`` reports
             exactly reused prompt tokens as ``input_token_details["cache_read"]`` and blended ones as
             ``input_token_details["blended"]``; ``response_metadata`` has ``blended_tokens`` and ``reuse`` (how
             the call was served).

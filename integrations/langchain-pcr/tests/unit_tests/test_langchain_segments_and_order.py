@@ -16,7 +16,7 @@ from langchain_pcr import ChatPCR, PCRReorder, PCRRetrievalCallback
 
 from pcr_rag import EngineConfig, PCREngine
 from pcr_rag.cache import plan_chunks
-from pcr_rag.runtime.model import ModelPackageMissingError
+from pcr_rag.model.model import ModelPackageMissingError
 from pcr_rag.testing import SubmitRecorder, default_tokenizer, tiny_model
 
 DOCS = (

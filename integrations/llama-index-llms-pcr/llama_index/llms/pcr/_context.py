@@ -2,7 +2,7 @@
 
 LlamaIndex reads ``llm.metadata.context_window`` when it builds a query engine or a prompt helper, before any call.
 `PCREngine` sets ``max_model_len = min(config.max_model_len or own, own)``, where ``own`` is the model's context
-(`pcr_rag.runtime.model.context_window_of` of its config and tokenizer). ``own`` is read here from the same source
+(`pcr_rag.model.model.context_window_of` of its config and tokenizer). ``own`` is read here from the same source
 the loader uses, at a fraction of the cost:
 
 * a transformers model object: its ``config`` (and the tokenizer given with it);
@@ -27,7 +27,7 @@ from typing import Any, BinaryIO
 from gguf import GGUF_MAGIC, GGUFValueType, Keys
 
 from pcr_rag.config import EngineConfig
-from pcr_rag.runtime.model import DEFAULT_MODEL, KNOWN_MODELS, ModelError, context_window_of
+from pcr_rag.model.model import DEFAULT_MODEL, KNOWN_MODELS, ModelError, context_window_of
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ def _directory_context(path: Path, tokenizer: Any) -> int | None:
 
 
 def _own_context(model: Any, tokenizer: Any) -> int | None:
-    """The model's own context in tokens, as `pcr_rag.runtime.model.load_model` will find it; None when that needs
+    """The model's own context in tokens, as `pcr_rag.model.model.load_model` will find it; None when that needs
     more than its config, tokenizer or GGUF header."""
     if model is None:
         model = DEFAULT_MODEL

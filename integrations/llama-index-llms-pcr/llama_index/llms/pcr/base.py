@@ -48,6 +48,8 @@ from llama_index.llms.pcr.structured import (
 )
 
 from pcr_rag.errors import InvalidRequestError
+from pcr_rag.model.grammar import ResponseFormat
+from pcr_rag.model.provenance import DEFAULT_MODEL
 from pcr_rag.prompt import Doc
 from pcr_rag.requests import (
     ChatPrompt,
@@ -58,8 +60,6 @@ from pcr_rag.requests import (
     SamplingParams,
     StreamChunk,
 )
-from pcr_rag.runtime.grammar import ResponseFormat
-from pcr_rag.runtime.provenance import DEFAULT_MODEL
 from pcr_rag.structured import (
     ToolSpec,
     add_instruction,
@@ -193,7 +193,7 @@ class PCRLLM(FunctionCallingLLM):
         reuse: "exact" or "blend" for every call (None, the default: the engine's ``EngineConfig.reuse``, or the
             server's with ``base_url``). "blend" is opt-in and approximate: documents after the exact prefix (a
             new order, other documents before them) are placed from their position-independent KV
-            (`pcr_rag.runtime.blend`), so the answer can differ from an uncached one. A response's ``raw`` reports
+            (`pcr_rag.sched.blend`), so the answer can differ from an uncached one. A response's ``raw`` reports
             ``blended_tokens`` (also ``raw["usage"]["prompt_tokens_details"]["blended_tokens"]``) and ``reuse``
             (how the call was served).
 
@@ -230,7 +230,7 @@ class PCRLLM(FunctionCallingLLM):
                                          "reorder; the answer can differ from the relevance-ordered one)")
     reuse: Literal["exact", "blend"] | None = Field(
         default=None, description="'exact' or 'blend' for every call (None: the engine's or server's default); "
-                                  "blend is opt-in and approximate (pcr_rag.runtime.blend)")
+                                  "blend is opt-in and approximate (pcr_rag.sched.blend)")
     # base_url mode (llama_index.llms.pcr._remote): a pcr-rag server instead of a local engine
     scope_metadata_key: str = Field(default="pcr_scope",
                                     description="node metadata key holding a node's sharing scope ('shared' or "
