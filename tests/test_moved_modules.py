@@ -1,0 +1,44 @@
+"""Modules that moved keep their old names for one release: importing one warns and yields the new module itself."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pcr_rag import _moved
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("old", sorted(_moved.MOVED))
+def test_an_old_module_name_warns_and_is_the_new_module(old):
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=f"{old} moved to {_moved.MOVED[old]}"):
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(_moved.MOVED[old])
+    assert module.__name__ == _moved.MOVED[old]
+
+
+def test_from_import_of_an_old_name_gets_the_new_objects():
+    code = ("import warnings; warnings.simplefilter('error')\n"
+            "try:\n    from pcr_rag.runtime.model import load_model\nexcept DeprecationWarning as w:\n"
+            "    print('warned', w)\n"
+            "warnings.simplefilter('ignore')\n"
+            "from pcr_rag.runtime.model import load_model\nfrom pcr_rag.model.model import load_model as new\n"
+            "print(load_model is new)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert "warned pcr_rag.runtime.model moved to pcr_rag.model.model" in out and out.strip().endswith("True")
+
+
+def test_every_shim_file_is_in_the_table_and_every_entry_has_its_shim():
+    shims = set()
+    for path in (ROOT / "pcr_rag").rglob("*.py"):
+        if "alias_module(__name__)" in path.read_text():
+            shims.add(".".join(path.relative_to(ROOT).with_suffix("").parts))
+    assert shims == set(_moved.MOVED)
+    for old, new in _moved.MOVED.items():
+        assert importlib.util.find_spec(new) is not None, f"{old} points at {new}, which does not exist"
