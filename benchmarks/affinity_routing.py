@@ -2,7 +2,7 @@
 
     python benchmarks/affinity_routing.py [--requests 160] [--documents 12] [--zipf 0.6] [--json OUT]
 
-Question: with replicas sharing KV through one Valkey, does routing by ``X-PCR-Route`` (`pcr_rag.routing`, hashed
+Question: with replicas sharing KV through one Valkey, does routing by ``X-PCR-Route`` (`pcr_rag.client.routing`, hashed
 by HAProxy with ``hash-type consistent``: deploy/haproxy/affinity.cfg.in) serve more of the reused tokens from the
 replica's own memory than round robin (deploy/haproxy/roundrobin.cfg.in), and start answers no later?
 
@@ -51,9 +51,9 @@ import httpx
 import torch
 
 from pcr_rag import EngineConfig, PCREngine
+from pcr_rag.client.http import RemoteEngine
 from pcr_rag.metrics import TIERS
-from pcr_rag.remote import RemoteEngine
-from pcr_rag.requests import ChatPrompt, SamplingParams
+from pcr_rag.request import ChatPrompt, SamplingParams
 from pcr_rag.server.lifecycle import ServerThread
 from pcr_rag.testing import tiny_model
 

@@ -23,8 +23,9 @@ from typing import Any
 
 from pcr_rag.config import EngineConfig
 from pcr_rag.engine import PCREngine
-from pcr_rag.model.grammar import GrammarMatcher, ResponseFormat
-from pcr_rag.requests import RagPrompt, SamplingParams
+from pcr_rag.model.grammar import GrammarMatcher
+from pcr_rag.request import RagPrompt, SamplingParams
+from pcr_rag.response_format import ResponseFormat
 
 log = logging.getLogger(__name__)
 

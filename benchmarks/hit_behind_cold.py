@@ -30,7 +30,7 @@ from pcr_rag.config import EngineConfig
 from pcr_rag.corpus import split_passages, stdlib_corpus
 from pcr_rag.engine import PCREngine
 from pcr_rag.errors import ConfigError
-from pcr_rag.requests import RagPrompt, SamplingParams
+from pcr_rag.request import RagPrompt, SamplingParams
 from pcr_rag.sched.admission import SCHEDULES
 
 log = logging.getLogger(__name__)

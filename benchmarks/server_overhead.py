@@ -33,7 +33,7 @@ from pcr_rag.bench.server_proc import ServerEngineOptions, ServerProcess
 from pcr_rag.bench.targets import SERVER_ITL_OVERHEAD_MAX, SERVER_TTFT_OVERHEAD_MAX
 from pcr_rag.engine import PCREngine
 from pcr_rag.metrics import summarize
-from pcr_rag.requests import ChatPrompt, SamplingParams
+from pcr_rag.request import ChatPrompt, SamplingParams
 from pcr_rag.testing import save_tiny_model
 
 log = logging.getLogger(__name__)

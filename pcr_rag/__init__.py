@@ -30,13 +30,13 @@ _EXPORTS = {
     "QueueFullError": "pcr_rag.errors",
     "RequestMetrics": "pcr_rag.metrics",
     "Doc": "pcr_rag.prompt",
-    "ChatPrompt": "pcr_rag.requests",
-    "FlatPrompt": "pcr_rag.requests",
-    "GenerationResult": "pcr_rag.requests",
-    "RagPrompt": "pcr_rag.requests",
-    "RequestHandle": "pcr_rag.requests",
-    "SamplingParams": "pcr_rag.requests",
-    "StreamChunk": "pcr_rag.requests",
+    "ChatPrompt": "pcr_rag.request",
+    "FlatPrompt": "pcr_rag.request",
+    "GenerationResult": "pcr_rag.request",
+    "RagPrompt": "pcr_rag.request",
+    "RequestHandle": "pcr_rag.handle",
+    "SamplingParams": "pcr_rag.request",
+    "StreamChunk": "pcr_rag.request",
     "Ticket": "pcr_rag.sched.announcements",
     "UnknownModelError": "pcr_rag.model.model",
     "CacheDirLockedError": "pcr_rag.cache.errors",
@@ -80,14 +80,14 @@ if TYPE_CHECKING:
         QueueFullError,
         RequestCancelledError,
     )
+    from pcr_rag.handle import RequestHandle
     from pcr_rag.metrics import RequestMetrics
     from pcr_rag.prompt import Doc
-    from pcr_rag.requests import (
+    from pcr_rag.request import (
         ChatPrompt,
         FlatPrompt,
         GenerationResult,
         RagPrompt,
-        RequestHandle,
         SamplingParams,
         StreamChunk,
     )

@@ -5,7 +5,7 @@
         result = engine.generate("What does pathlib do?", documents=[doc1, doc2])
         print(result.text, result.metrics.ttft_s, result.metrics.reused_tokens)
 
-Every request goes through `PCREngine.submit(prompt, params) -> RequestHandle` (`pcr_rag.requests`); the
+Every request goes through `PCREngine.submit(prompt, params) -> RequestHandle` (`pcr_rag.request`); the
 generate/stream/agenerate/astream methods are one-line wrappers over it.
 
 Flow of a request: validate -> render + segment (one token run per document) -> chunk plan -> waiting queue
@@ -34,6 +34,7 @@ from pcr_rag.cache.roots import RootIdentity, RootManifest, foreign_chunks_note
 from pcr_rag.cache.storage.private_dir import refuse_unsafe
 from pcr_rag.config import EngineConfig
 from pcr_rag.errors import EngineClosedError, InvalidRequestError, PromptTooLongError, RequestCancelledError
+from pcr_rag.handle import RequestHandle, RequestState, TokenChannel
 from pcr_rag.metrics import REUSE_MODES, MetricsRecorder, prometheus_text
 from pcr_rag.model.forward import WARM_UP_ROW, FastForward
 from pcr_rag.model.grammar import GrammarCompiler
@@ -43,7 +44,7 @@ from pcr_rag.model.weights import resolve_weight_format
 from pcr_rag.platform_support import check_engine_platform
 from pcr_rag.prompt import Doc, DocumentPieces, PromptBuilder, PromptContext, SegmentedPrompt, split_documents
 from pcr_rag.reorder import reuse_order
-from pcr_rag.requests import (
+from pcr_rag.request import (
     GREEDY_BELOW,
     PROMPT_KINDS,
     ChatPrompt,
@@ -51,12 +52,8 @@ from pcr_rag.requests import (
     GenerationResult,
     Prompt,
     RagPrompt,
-    Request,
-    RequestHandle,
-    RequestState,
     SamplingParams,
     StreamChunk,
-    TokenChannel,
 )
 from pcr_rag.sched import gc_pauses
 from pcr_rag.sched.admission import PrefillOutlook
@@ -65,6 +62,7 @@ from pcr_rag.sched.batch import BatchExecutor
 from pcr_rag.sched.blend import BlendDocument, BlendRequest
 from pcr_rag.sched.blend_gate import BlendGate, ShadowJob, ShadowRunner
 from pcr_rag.sched.prefetcher import Prefetcher
+from pcr_rag.sched.request_state import Request
 from pcr_rag.sched.runner import PrefillContext
 from pcr_rag.sched.scheduler import Scheduler
 from pcr_rag.sched.step_budget import StepBudget

@@ -6,7 +6,7 @@ in the same way: ``fcntl.flock`` on the cache directory's lock file, ``openat``-
 budget nor flatters reads, and POSIX ownership and modes for the private directory checks. Where a call has a free
 portable fallback it is used (``fdatasync`` falls back to ``fsync``, a missing ``posix_fadvise`` is skipped), but
 the security checks have none, so another system is refused at start with `UnsupportedPlatformError` rather than
-run with weaker guarantees. The thin HTTP client (`pcr_rag.remote`, the integrations' ``base_url=``) is pure
+run with weaker guarantees. The thin HTTP client (`pcr_rag.client.http`, the integrations' ``base_url=``) is pure
 Python and runs anywhere.
 """
 

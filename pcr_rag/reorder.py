@@ -122,7 +122,7 @@ def apply_order(items: Sequence[T], texts: Sequence[str], ordered: Sequence[str]
 
 def permute_documents(text: str, present: Sequence[str], ordered: Sequence[str]) -> str | None:
     """``text`` with its documents rearranged: ``present`` are documents that occur in ``text`` in this order
-    without overlapping (`pcr_rag.handoff.documents_in_prompt`), ``ordered`` a permutation of them. Each
+    without overlapping (`pcr_rag.client.handoff.documents_in_prompt`), ``ordered`` a permutation of them. Each
     document's slot is refilled with the document at the same index of ``ordered``; the text between documents
     (separators, headers, the question) stays where it is. None when ``text`` does not hold all of ``present`` in
     that order (e.g. they are spread over several chat messages).

@@ -38,7 +38,7 @@ from functools import lru_cache
 from typing import Any
 
 from pcr_rag.errors import InvalidRequestError
-from pcr_rag.model.grammar import JSON_OPTIONS, ResponseFormat
+from pcr_rag.response_format import JSON_OPTIONS, ResponseFormat
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Optional OpenTelemetry tracing: a span per request with the GenAI semantic conventions, child spans for its queue
 wait, KV loads per tier, prefill compute steps and decode, a span per announcement, and W3C ``traceparent``
-propagation on the HTTP calls between `pcr_rag.remote.RemoteEngine` and `pcr-rag serve`.
+propagation on the HTTP calls between `pcr_rag.client.http.RemoteEngine` and `pcr-rag serve`.
 
 When it is on: the process has a recording tracer provider, set by the application (or ``opentelemetry-instrument``)
 with ``opentelemetry.trace.set_tracer_provider``, or given to pcr_rag alone with `use_tracer_provider`. Nothing to

@@ -1,6 +1,6 @@
 """Packaging tells the truth.
 
-- The core dependencies ([project].dependencies) are the thin HTTP client's: `pcr_rag.remote` and both
+- The core dependencies ([project].dependencies) are the thin HTTP client's: `pcr_rag.client.http` and both
   integrations' ``base_url=`` mode import with them alone (no torch, no transformers). The engine's modules need
   the core plus the ``engine`` extra; the server, the benchmarks, the remote tier are other extras.
 - A remote tier without the ``redis`` package (the ``remote`` extra) is refused with the command that installs it.
@@ -150,9 +150,9 @@ class Refuse:  # the engine's dependencies are not installed: any import of them
         if name.split(".")[0] in {engine}:
             raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
 sys.meta_path.insert(0, Refuse())
-import pcr_rag, pcr_rag.remote, pcr_rag.handoff, pcr_rag.reorder, pcr_rag.structured
-from pcr_rag.remote import RemoteEngine
-from pcr_rag.requests import ChatPrompt
+import pcr_rag, pcr_rag.client.http, pcr_rag.client.handoff, pcr_rag.reorder, pcr_rag.structured
+from pcr_rag.client.http import RemoteEngine
+from pcr_rag.request import ChatPrompt
 from langchain_pcr import ChatPCR, PCRReorder
 from llama_index.llms.pcr import PCRLLM, PCRReorderPostprocessor
 ChatPCR(base_url="http://127.0.0.1:9/v1"); PCRLLM(base_url="http://127.0.0.1:9/v1", retrieval_hook=False)
@@ -185,7 +185,7 @@ import torch, transformers.modeling_utils  # what these set when imported (torch
 def snapshot():
     return dict(os.environ), {k: repr(getattr(hc, k)) for k in dir(hc) if k.isupper()}
 before = snapshot()
-import pcr_rag, pcr_rag.remote, pcr_rag.engine, pcr_rag.config, pcr_rag.model.model, pcr_rag.model.hub
+import pcr_rag, pcr_rag.client.http, pcr_rag.engine, pcr_rag.config, pcr_rag.model.model, pcr_rag.model.hub
 import pcr_rag.server.app, langchain_pcr, llama_index.llms.pcr
 from pcr_rag import EngineConfig, PCREngine
 after_import = snapshot()
@@ -395,8 +395,8 @@ def test_thin_client_at_declared_minimums_answers_without_torch(thin_venv, tmp_p
 THIN_CLIENT = """
 import importlib.util, json, sys
 assert importlib.util.find_spec("torch") is None and importlib.util.find_spec("transformers") is None
-from pcr_rag.remote import RemoteEngine
-from pcr_rag.requests import ChatPrompt
+from pcr_rag.client.http import RemoteEngine
+from pcr_rag.request import ChatPrompt
 from langchain_pcr import ChatPCR
 from llama_index.core.llms import ChatMessage
 from llama_index.llms.pcr import PCRLLM

@@ -18,7 +18,7 @@ from pcr_rag.prompt import (
     PromptContext,
     max_token_chars,
 )
-from pcr_rag.requests import ChatPrompt, FlatPrompt, RagPrompt
+from pcr_rag.request import ChatPrompt, FlatPrompt, RagPrompt
 from pcr_rag.testing import default_tokenizer, tiny_tokenizer
 
 ROOT = namespace_key("test", "float32", 8)

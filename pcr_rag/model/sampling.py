@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
-from pcr_rag.requests import GREEDY_BELOW, SamplingParams, TokenLogprob, TopLogprob, check_seed
+from pcr_rag.request import GREEDY_BELOW, SamplingParams, TokenLogprob, TopLogprob, check_seed
 
 
 class TokenConstraint(Protocol):

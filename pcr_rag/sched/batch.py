@@ -38,12 +38,14 @@ import torch
 
 from pcr_rag import logs
 from pcr_rag.errors import EngineClosedError, RequestCancelledError, RequestFailedError
+from pcr_rag.handle import RequestState
 from pcr_rag.metrics import MetricsRecorder
 from pcr_rag.model.forward import WarmUp
 from pcr_rag.model.kv_arena import KVArena
 from pcr_rag.model.sampling import TokenTexts
-from pcr_rag.requests import GenerationResult, Request, RequestState
+from pcr_rag.request import GenerationResult
 from pcr_rag.sched.admission import prefill_candidates, rank
+from pcr_rag.sched.request_state import Request
 from pcr_rag.sched.runner import DecodeRow, PrefillContext, PrefillTask
 from pcr_rag.sched.step_budget import StepBudget
 

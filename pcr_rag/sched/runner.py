@@ -43,9 +43,9 @@ from pcr_rag.model.detokenize import INCOMPLETE_CHAR, IncrementalText
 from pcr_rag.model.forward import FastForward, run_layers
 from pcr_rag.model.kv_arena import RowKV
 from pcr_rag.model.sampling import TokenSampler
-from pcr_rag.requests import Request
 from pcr_rag.sched.admission import PrefillOutlook, PrefillSpeed
 from pcr_rag.sched.blend import BlendRequest, PlacedPiece, Placement, Span, blend_spans
+from pcr_rag.sched.request_state import Request
 from pcr_rag.sched.transfer import ChunkOffload, CopyEngine, LoadSource, PrefixLoad
 
 log = logging.getLogger(__name__)

@@ -27,8 +27,9 @@ from collections.abc import Callable
 from typing import Protocol
 
 from pcr_rag.errors import EngineClosedError, QueueFullError, RequestFailedError
-from pcr_rag.requests import Request, RequestState
+from pcr_rag.handle import RequestState
 from pcr_rag.sched.admission import PrefillOutlook, PrefillSpeed, queue_order
+from pcr_rag.sched.request_state import Request
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ Modules: `settings` (`ServerSettings`), `errors` (OpenAI-shaped `APIError`), `au
 namespaces), `schemas` (request parsing, response bodies), `streaming` (SSE that cancels on disconnect),
 `metrics` (Prometheus, ``pcr:`` prefix), `app` (`create_app`: routes and request flow), `lifecycle` (`serve`,
 `ServerThread`), `cli` (the sub-command). Needs the ``serve`` extra (fastapi, uvicorn, prometheus-client).
-The client side (integrations' ``base_url`` mode) is `pcr_rag.remote`, which needs httpx only.
+The client side (integrations' ``base_url`` mode) is `pcr_rag.client.http`, which needs httpx only.
 """
 
 from pcr_rag.server.app import create_app

@@ -50,7 +50,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pcr_rag import __version__
 from pcr_rag.engine import PCREngine
 from pcr_rag.errors import EngineClosedError, RequestCancelledError
-from pcr_rag.requests import GenerationResult, RequestHandle, StreamChunk
+from pcr_rag.handle import RequestHandle
+from pcr_rag.request import GenerationResult, StreamChunk
 from pcr_rag.sched.announcements import Ticket
 from pcr_rag.server import openapi as api_components
 from pcr_rag.server.auth import Authenticator, MetricsGuard, Tenant

@@ -53,7 +53,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pcr_rag.metrics import TIERS
-from pcr_rag.requests import GenerationResult
+from pcr_rag.request import GenerationResult
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
 

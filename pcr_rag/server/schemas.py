@@ -93,9 +93,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pcr_rag.errors import InvalidRequestError
 from pcr_rag.limits import DEFAULT_LIMITS, RequestLimits
 from pcr_rag.metrics import REUSE_MODES
-from pcr_rag.model.grammar import ResponseFormat
 from pcr_rag.prompt import Doc, check_template_kwargs, split_documents
-from pcr_rag.requests import (
+from pcr_rag.request import (
     GREEDY_BELOW,
     MAX_TOP_LOGPROBS,
     REPETITION_PENALTY_MAX,
@@ -108,6 +107,7 @@ from pcr_rag.requests import (
     chat_logprobs,
     completion_logprobs,
 )
+from pcr_rag.response_format import ResponseFormat
 from pcr_rag.server.errors import APIError
 from pcr_rag.server.structured_outputs import LEGACY_FIELDS, structured_outputs_format
 from pcr_rag.server.tools import AnswerMessage

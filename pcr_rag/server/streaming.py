@@ -22,7 +22,7 @@ from typing import Any, Literal
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from pcr_rag.requests import TokenLogprob, chat_logprobs, completion_logprobs
+from pcr_rag.request import TokenLogprob, chat_logprobs, completion_logprobs
 
 log = logging.getLogger(__name__)
 

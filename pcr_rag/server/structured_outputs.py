@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pcr_rag.errors import InvalidRequestError
-from pcr_rag.model.grammar import ResponseFormat
+from pcr_rag.response_format import ResponseFormat
 from pcr_rag.structured import close_objects
 
 __all__ = ["CONSTRAINTS", "LEGACY_FIELDS", "choice_format", "structured_outputs_format"]

@@ -18,7 +18,7 @@ What is modelled:
   its own), so only requests with the same first document share KV past the system prompt.
 - **Routing** (`ROUTINGS`): ``round-robin``; ``least-loaded`` (fewest requests waiting or running, ties to the
   next in turn); ``affinity`` (consistent hashing of the request's leading document on a ring of
-  `RING_POINTS` points per replica; the hashed key is `pcr_rag.routing.routing_key` of the first document id, the
+  `RING_POINTS` points per replica; the hashed key is `pcr_rag.client.routing.routing_key` of the first document id, the
   header a real client sends); ``bounded-affinity`` (the same ring, but a replica already holding more than
   ``(1 + eps)`` times the mean load, counting the new request, passes it to the next replica on the ring: bounded-load
   consistent hashing, HAProxy's ``hash-balance-factor``).
@@ -55,7 +55,7 @@ import numpy as np
 from pcr_rag.cache import namespace_key
 from pcr_rag.cache.keys import ChunkSpec
 from pcr_rag.cache.tiers.remote_store import MemoryRemoteStore
-from pcr_rag.routing import routing_key
+from pcr_rag.client.routing import routing_key
 from pcr_rag.sim.experiment import Scenario, SimSettings
 from pcr_rag.sim.profiles import Profile
 from pcr_rag.sim.remote_link import RemoteLink
@@ -239,7 +239,7 @@ class LeastLoaded(Router):
 
 
 class Affinity(Router):
-    """Consistent hashing of the leading document's routing key (`pcr_rag.routing.routing_key`) on a ring of
+    """Consistent hashing of the leading document's routing key (`pcr_rag.client.routing.routing_key`) on a ring of
     `RING_POINTS` points per replica. With ``eps`` (bounded load): a replica whose load would exceed
     ``ceil((1 + eps) * (total load + 1) / replicas)`` with this request passes it on along the ring."""
 

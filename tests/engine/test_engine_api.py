@@ -22,7 +22,7 @@ from pcr_rag import (
     SamplingParams,
 )
 from pcr_rag.cache import CacheStats
-from pcr_rag.requests import RequestState
+from pcr_rag.handle import RequestState
 from pcr_rag.testing import tiny_model
 
 DOCS = [

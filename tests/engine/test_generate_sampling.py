@@ -9,7 +9,7 @@ import pytest
 
 from pcr_rag import EngineConfig, PCREngine
 from pcr_rag.errors import InvalidRequestError
-from pcr_rag.requests import ChatPrompt, FlatPrompt, RagPrompt, SamplingParams
+from pcr_rag.request import ChatPrompt, FlatPrompt, RagPrompt, SamplingParams
 from pcr_rag.testing import tiny_model
 
 DOC = "The mitochondrion is the powerhouse of the cell and makes ATP for everything else."

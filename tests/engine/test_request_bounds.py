@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from pcr_rag import EngineConfig, InvalidRequestError
+from pcr_rag import EngineConfig, InvalidRequestError, response_format
 from pcr_rag.limits import RequestLimits
-from pcr_rag.model import grammar
-from pcr_rag.model.grammar import GrammarCompiler, ResponseFormat
+from pcr_rag.model.grammar import GrammarCompiler
+from pcr_rag.response_format import ResponseFormat
 from pcr_rag.sched.announcements import AnnouncementBoard
 from pcr_rag.sched.runner import _find_stop
 from pcr_rag.testing import tiny_model
@@ -124,15 +124,15 @@ def test_the_compiled_cache_is_bounded_in_bytes(tiny) -> None:
 
 def test_only_a_compiled_grammar_is_remembered_as_valid(tiny, monkeypatch) -> None:
     _, tok = tiny
-    validated = grammar._Validated(8)
-    monkeypatch.setattr(grammar, "_VALIDATED", validated)
+    validated = response_format._Validated(8)
+    monkeypatch.setattr(response_format, "_VALIDATED", validated)
     fmt = _schema_format(3, "only")
     assert len(validated) == 0  # constructing (validating) a format remembers nothing
     GrammarCompiler(tok, len(tok), [tok.eos_token_id]).matcher(fmt)
     assert len(validated) == 1
     calls = []
-    real = grammar.llguidance.LLMatcher.validate_grammar_with_warnings
-    monkeypatch.setattr(grammar, "llguidance", _Counting(real, calls))
+    real = response_format.llguidance.LLMatcher.validate_grammar_with_warnings
+    monkeypatch.setattr(response_format, "llguidance", _Counting(real, calls))
     ResponseFormat(fmt.kind, fmt.source)  # known valid: not validated again
     assert calls == []
 
@@ -150,6 +150,6 @@ class _Counting:
                 outer._calls.append(args)
                 return outer._real(*args)
 
-            grammar_from_json_schema = staticmethod(grammar.llguidance.LLMatcher.grammar_from_json_schema)
+            grammar_from_json_schema = staticmethod(response_format.llguidance.LLMatcher.grammar_from_json_schema)
 
         self.LLMatcher = LLMatcher

@@ -11,7 +11,7 @@ import torch
 from pcr_rag import EngineConfig, PCREngine
 from pcr_rag.errors import InvalidRequestError
 from pcr_rag.model.sampling import TokenSampler
-from pcr_rag.requests import (
+from pcr_rag.request import (
     RagPrompt,
     SamplingParams,
     TokenLogprob,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pcr_rag.errors import InvalidRequestError
-from pcr_rag.requests import RagPrompt
+from pcr_rag.request import RagPrompt
 
 DOC_A = "Kafka stores ordered records in partitions that consumers read at their own pace. " * 5
 DOC_B = "Gradient descent follows the negative gradient to reduce the loss function step by step. " * 5

@@ -12,7 +12,7 @@ from pcr_rag import EngineConfig, PCREngine
 from pcr_rag.errors import ConfigError, InvalidRequestError
 from pcr_rag.model.model import ChatTemplateError, read_chat_template
 from pcr_rag.prompt import ChatTemplateMissingError
-from pcr_rag.requests import ChatPrompt, FlatPrompt, RagPrompt, SamplingParams
+from pcr_rag.request import ChatPrompt, FlatPrompt, RagPrompt, SamplingParams
 from pcr_rag.testing import tiny_model
 
 TEMPLATE = ("{% for m in messages %}[{{ m.role }}|{{ greeting | default('none') }}]{{ m.content }}{% endfor %}"

@@ -12,8 +12,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from pcr_rag import EngineConfig, InvalidRequestError, PCREngine
-from pcr_rag.model.grammar import GrammarCompiler, GrammarError, ResponseFormat
-from pcr_rag.requests import RagPrompt, SamplingParams
+from pcr_rag.model.grammar import GrammarCompiler
+from pcr_rag.request import RagPrompt, SamplingParams
+from pcr_rag.response_format import GrammarError, ResponseFormat
 from pcr_rag.testing import tiny_model
 
 EOS = 2  # the tiny tokenizer's </s>

@@ -41,7 +41,7 @@ def test_default_model_cached_equals_uncached(loaded, tmp_path):
 def test_default_model_tokens_under_concurrency_equal_tokens_alone(loaded, tmp_path):
     """Six requests at once (cached and cold, prefilling and decoding together in one fixed-shape batch) give the
     tokens and first logits of each request run alone with the cache off."""
-    from pcr_rag.requests import RagPrompt
+    from pcr_rag.request import RagPrompt
 
     kw = dict(chunk_size=64, max_new_tokens=10, device="cpu")
     asks = [(q, docs) for q in ("Where is the Great Barrier Reef?", "How high is Kilimanjaro?", "What is Kibo?")

@@ -1,4 +1,4 @@
-"""One replica in its own OS process (run by tests/remote/test_remote_engine.py, not collected by pytest).
+"""One replica in its own OS process (run by tests/remote/test_replicas_share_store.py, not collected by pytest).
 
     python replica.py REQUESTS_JSON OUT_PT --cache-dir DIR [--url URL] [--prefetch]
 

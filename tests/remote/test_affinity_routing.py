@@ -1,4 +1,4 @@
-"""Document-affinity routing: the routing key (`pcr_rag.routing`), the header `RemoteEngine` sends on the wire, and
+"""Document-affinity routing: the routing key (`pcr_rag.client.routing`), the header `RemoteEngine` sends on the wire, and
 HAProxy hashing on it in front of two `pcr-rag serve` replicas sharing one Valkey (benchmarks/affinity_routing.py,
 run briefly): more of the reused tokens come from the replica's own DRAM than under round robin, and every answer
 is the cache-off engine's.
@@ -22,10 +22,10 @@ import httpx
 import pytest
 
 from pcr_rag import Doc
+from pcr_rag.client.http import RemoteEngine
+from pcr_rag.client.routing import ROUTE_HEADER, prompt_route, routing_key
 from pcr_rag.errors import InvalidRequestError
-from pcr_rag.remote import RemoteEngine
-from pcr_rag.requests import ChatPrompt, FlatPrompt, SamplingParams
-from pcr_rag.routing import ROUTE_HEADER, prompt_route, routing_key
+from pcr_rag.request import ChatPrompt, FlatPrompt, SamplingParams
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "affinity_routing.py"
 REQUIRE_HAPROXY = os.environ.get("PCR_RAG_REQUIRE_HAPROXY") == "1"
@@ -42,7 +42,7 @@ def test_the_key_is_short_hex_and_stable_across_processes_and_versions() -> None
     # pinned: a proxy's consistent hash maps keys to replicas, so a key that changed between versions (or a salted
     # hash such as Python's hash()) would move every document to another replica at upgrade
     assert key == PINNED_KEY
-    out = subprocess.run([sys.executable, "-c", "from pcr_rag.routing import routing_key; "
+    out = subprocess.run([sys.executable, "-c", "from pcr_rag.client.routing import routing_key; "
                           f"print(routing_key([{A!r}, {B!r}]))"], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONHASHSEED": "12345"})
     assert out.stdout.strip() == key, out.stderr

@@ -7,9 +7,9 @@ from __future__ import annotations
 from pcr_rag.cache.tiers.remote_value import value_name
 
 from .conftest import start_valkey
-from .test_remote_engine import DOCS, TOPICS, make_engine, question, same_answer
-from .test_remote_engine import reference as reference  # noqa: F401 - the module's fixtures
-from .test_remote_engine import tiny as tiny  # noqa: F401
+from .test_replicas_share_store import DOCS, TOPICS, make_engine, question, same_answer
+from .test_replicas_share_store import reference as reference  # noqa: F401 - the module's fixtures
+from .test_replicas_share_store import tiny as tiny  # noqa: F401
 
 PAD = 32 << 20
 

@@ -11,7 +11,7 @@ import torch
 
 from pcr_rag import ConfigError, EngineConfig, PCREngine, PromptTooLongError, RequestCancelledError
 from pcr_rag.errors import RequestFailedError
-from pcr_rag.requests import RagPrompt, SamplingParams
+from pcr_rag.request import RagPrompt, SamplingParams
 from pcr_rag.sched.admission import AGING_TOKENS_PER_S
 from pcr_rag.testing import TEST_DEVICE, tiny_model
 

@@ -114,7 +114,7 @@ def test_corrupt_ssd_chunk_is_recomputed_transparently(tmp_path):
 def test_corrupt_chunk_found_while_a_step_is_paused_between_layers(tmp_path):
     """Under the ITL budget a hit's step runs one layer per engine step next to a decoding row; a corrupt chunk
     found at a later layer restarts the prefill before it, and the answer is still exact."""
-    from pcr_rag.requests import RagPrompt, SamplingParams
+    from pcr_rag.request import RagPrompt, SamplingParams
 
     model, tok = tiny_model("llama", num_layers=4)
     path = tmp_path / "paused"

@@ -12,7 +12,7 @@ import pytest
 
 from pcr_rag import EngineClosedError, EngineConfig, InvalidRequestError, PCREngine
 from pcr_rag.errors import RequestFailedError
-from pcr_rag.requests import RagPrompt, SamplingParams
+from pcr_rag.request import RagPrompt, SamplingParams
 from pcr_rag.sched import batch, runner, scheduler
 from pcr_rag.testing import tiny_model
 

@@ -13,9 +13,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pcr_rag import PCREngine
+from pcr_rag.client.http import RemoteEngine
 from pcr_rag.errors import InvalidRequestError
-from pcr_rag.remote import RemoteEngine
-from pcr_rag.requests import ChatPrompt, FlatPrompt, SamplingParams
+from pcr_rag.request import ChatPrompt, FlatPrompt, SamplingParams
 
 DOCS = (
     "Kafka stores ordered records in partitions that consumers read at their own pace. " * 3,

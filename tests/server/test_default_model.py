@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from pcr_rag import EngineConfig, PCREngine
-from pcr_rag.requests import ChatPrompt, SamplingParams
+from pcr_rag.request import ChatPrompt, SamplingParams
 from pcr_rag.server import ServerThread
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import openai
 
-from pcr_rag.requests import ChatPrompt, SamplingParams
+from pcr_rag.request import ChatPrompt, SamplingParams
 from pcr_rag.server import ServerSettings, ServerThread
 
 LONG = 900  # tokens: long enough that the request is still running when the client leaves

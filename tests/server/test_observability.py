@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from pcr_rag import logs, tracing
-from pcr_rag.remote import RemoteEngine
-from pcr_rag.requests import ChatPrompt, SamplingParams
+from pcr_rag.client.http import RemoteEngine
+from pcr_rag.request import ChatPrompt, SamplingParams
 
 pytest.importorskip("opentelemetry.sdk")
 

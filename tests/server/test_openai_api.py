@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from pcr_rag.requests import ChatPrompt, FlatPrompt, SamplingParams
+from pcr_rag.request import ChatPrompt, FlatPrompt, SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -158,7 +158,7 @@ def test_stream_deltas_of_several_calls_concatenate_whatever_the_pieces(step) ->
 
 
 def test_the_grammar_ends_the_answer_after_the_last_allowed_call() -> None:
-    from pcr_rag.model.grammar import ResponseFormat
+    from pcr_rag.response_format import ResponseFormat
 
     fmt = tool_call_format(TOOLS, "any", parallel=True)
     assert isinstance(fmt, ResponseFormat) and f"{{0,{MAX_PARALLEL_CALLS - 1}}}" in fmt.source

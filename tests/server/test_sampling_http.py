@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from pcr_rag import EngineConfig, PCREngine
-from pcr_rag.requests import ChatPrompt, FlatPrompt, SamplingParams, chat_logprobs, completion_logprobs
+from pcr_rag.request import ChatPrompt, FlatPrompt, SamplingParams, chat_logprobs, completion_logprobs
 from pcr_rag.server import ServerSettings, ServerThread
 
 MAX_TOKENS = 12

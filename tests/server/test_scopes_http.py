@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from pcr_rag import Doc, PCREngine
-from pcr_rag.requests import ChatPrompt, FlatPrompt, SamplingParams
+from pcr_rag.request import ChatPrompt, FlatPrompt, SamplingParams
 from pcr_rag.server import ServerSettings, ServerThread
 
 PUBLIC = ("The Rhine flows from the Swiss Alps to the North Sea through Germany and the Netherlands. " * 3,

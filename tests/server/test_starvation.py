@@ -13,8 +13,8 @@ import threading
 import httpx
 import pytest
 
+from pcr_rag import response_format
 from pcr_rag.limits import DEFAULT_LIMITS
-from pcr_rag.model import grammar
 from pcr_rag.server import ServerSettings, ServerThread, lifecycle
 
 MODEL = "tiny-llama"
@@ -47,7 +47,7 @@ def test_fifty_thousand_stop_strings_are_refused_before_any_compute(url, engine)
 
 def test_the_engine_refuses_what_the_server_would(engine) -> None:
     from pcr_rag import InvalidRequestError
-    from pcr_rag.requests import RagPrompt, SamplingParams
+    from pcr_rag.request import RagPrompt, SamplingParams
 
     with pytest.raises(InvalidRequestError, match="stop holds 17 sequences"):
         engine.submit(RagPrompt("q", ()), SamplingParams(stop=[str(i) for i in range(17)]))
@@ -62,8 +62,8 @@ def test_a_refused_request_validates_and_caches_no_grammar(url, monkeypatch) -> 
     """The audit's thirty 4 MiB schemas sent under a wrong model name each grew the validation cache; now the
     model is checked before any grammar is built, and a schema over the bound is refused by its size."""
     built = []
-    real = grammar._grammar_text
-    monkeypatch.setattr(grammar, "_grammar_text", lambda kind, source: built.append(kind) or real(kind, source))
+    real = response_format._grammar_text
+    monkeypatch.setattr(response_format, "_grammar_text", lambda kind, source: built.append(kind) or real(kind, source))
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": _big_schema(200)}}
     for _ in range(3):
         r = _chat(url, model="no-such-model", response_format=fmt)

@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from pcr_rag import PCREngine
-from pcr_rag.remote import RemoteEngine
-from pcr_rag.requests import RagPrompt, SamplingParams
-from pcr_rag.routing import ROUTE_HEADER, routing_key
+from pcr_rag.client.http import RemoteEngine
+from pcr_rag.client.routing import ROUTE_HEADER, routing_key
+from pcr_rag.request import RagPrompt, SamplingParams
 
 DOCS = (
     "Kafka stores ordered records in partitions that consumers read at their own pace. " * 3,

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 import pcr_rag
-from pcr_rag.requests import ChatPrompt, SamplingParams
+from pcr_rag.request import ChatPrompt, SamplingParams
 
 
 @pytest.fixture(scope="module")

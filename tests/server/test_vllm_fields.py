@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
-from pcr_rag.model.grammar import ResponseFormat
-from pcr_rag.requests import ChatPrompt, FlatPrompt, SamplingParams
+from pcr_rag.request import ChatPrompt, FlatPrompt, SamplingParams
+from pcr_rag.response_format import ResponseFormat
 from pcr_rag.server.disclosure import IGNORED_HEADER
 from pcr_rag.server.structured_outputs import choice_format
 

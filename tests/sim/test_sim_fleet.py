@@ -9,7 +9,7 @@ import math
 import pytest
 
 from pcr_rag.bench.targets import SIM_VALIDATION_TOLERANCE
-from pcr_rag.routing import routing_key
+from pcr_rag.client.routing import routing_key
 from pcr_rag.sim import cli as sim_cli
 from pcr_rag.sim import fleet_cli
 from pcr_rag.sim.experiment import SimSettings, SimWorkload, build_scenario

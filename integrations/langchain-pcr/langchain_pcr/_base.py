@@ -16,8 +16,9 @@ from langchain_pcr._remote import engine_holder
 from langchain_pcr._stream_run import take_started_run
 from langchain_pcr._tracing import run_span
 from langchain_pcr.callbacks import resolve_documents
-from pcr_rag.remote import RemoteEngine
-from pcr_rag.requests import GenerationResult, Prompt, RequestHandle, SamplingParams, StreamChunk
+from pcr_rag.client.http import RemoteEngine
+from pcr_rag.handle import RequestHandle
+from pcr_rag.request import GenerationResult, Prompt, SamplingParams, StreamChunk
 
 if TYPE_CHECKING:
     from pcr_rag.engine import PCREngine

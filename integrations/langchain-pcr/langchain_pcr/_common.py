@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 
-from pcr_rag.handoff import announcement_reuse
-from pcr_rag.requests import GenerationResult
+from pcr_rag.client.handoff import announcement_reuse
+from pcr_rag.request import GenerationResult
 
 if TYPE_CHECKING:
     from pcr_rag.engine import PCREngine
@@ -99,7 +99,7 @@ def announce_plan(target: Any) -> tuple[list[PCREngine], dict[int, str | None]]:
     engine's or server's default).
 
     A model wrapper target announces in its own ``reuse``. An engine target, or None (every live model's engine),
-    announces to each engine in the mode of the live models using it: `pcr_rag.handoff.announcement_reuse` of
+    announces to each engine in the mode of the live models using it: `pcr_rag.client.handoff.announcement_reuse` of
     their ``reuse``, so when two live models on one engine differ the wider prefetch wins ("blend" if either
     blends, else the engine's default if either leaves the mode to it, else "exact"); an engine no live model
     uses gets None. The mode is the model's field: a per-call ``reuse=`` comes after the retrieval.

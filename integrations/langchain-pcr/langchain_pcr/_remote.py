@@ -1,6 +1,6 @@
 """``base_url`` mode: a `ChatPCR` / `PCRLLM` whose calls and retrieval announcements go to a `pcr-rag serve` server.
 
-The model then holds a `pcr_rag.remote.RemoteEngine` instead of a local `PCREngine`; everything else (the retrieval
+The model then holds a `pcr_rag.client.http.RemoteEngine` instead of a local `PCREngine`; everything else (the retrieval
 hook's announcements, documents found in the prompt, sampling keywords, timeouts, usage and response metadata)
 works as with a local engine, so several worker processes share one engine and one KV cache.
 """
@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from langchain_pcr._common import EngineHolder
-from pcr_rag.remote import RemoteEngine
+from pcr_rag.client.http import RemoteEngine
 
 __all__ = ["API_KEY_ENV", "RemoteEngineHolder", "engine_holder"]
 

@@ -19,7 +19,7 @@ happens when two of them differ).
 
 Sharing scopes: a retrieved `Document` whose ``metadata[scope_metadata_key]`` (default ``"pcr_scope"``) is
 "shared" or "private" is announced and passed to the engine as a `pcr_rag.Doc` with that scope
-(`pcr_rag.handoff.scope_of`; anything else counts as private).
+(`pcr_rag.client.handoff.scope_of`; anything else counts as private).
 
 Attach it per call (``config={"callbacks": [handler]}``) or globally (`install_global_retrieval_hook`).
 """
@@ -39,7 +39,7 @@ from langchain_core.tracers.context import register_configure_hook
 
 from langchain_pcr._common import RequestDocuments, announce_plan
 from langchain_pcr._tracing import run_span
-from pcr_rag.handoff import SCOPE_METADATA_KEY, Announcement, scope_of
+from pcr_rag.client.handoff import SCOPE_METADATA_KEY, Announcement, scope_of
 from pcr_rag.prompt import Doc
 
 logger = logging.getLogger(__name__)

@@ -32,8 +32,8 @@ from pydantic import BaseModel
 from langchain_pcr._base import ModelCall, PCRModelParams
 from langchain_pcr._common import generation_info, model_display_name, usage_metadata
 from langchain_pcr._stream_run import with_run_recorder
-from pcr_rag.model.grammar import ResponseFormat
-from pcr_rag.requests import ChatPrompt, GenerationResult, StreamChunk
+from pcr_rag.request import ChatPrompt, GenerationResult, StreamChunk
+from pcr_rag.response_format import ResponseFormat
 from pcr_rag.structured import (
     ToolCall,
     ToolSpec,

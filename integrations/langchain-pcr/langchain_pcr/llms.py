@@ -13,7 +13,7 @@ from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 
 from langchain_pcr._base import ModelCall, PCRModelParams
 from langchain_pcr._common import generation_info, model_display_name, usage_metadata
-from pcr_rag.requests import FlatPrompt, GenerationResult
+from pcr_rag.request import FlatPrompt, GenerationResult
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from pydantic import ConfigDict
 
 from langchain_pcr._common import announce_targets
 from langchain_pcr.callbacks import find_announcement
-from pcr_rag.handoff import cache_aware_order
+from pcr_rag.client.handoff import cache_aware_order
 from pcr_rag.reorder import apply_order
 
 __all__ = ["PCRReorder"]

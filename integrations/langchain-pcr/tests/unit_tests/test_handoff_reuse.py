@@ -1,4 +1,4 @@
-"""`pcr_rag.handoff`'s reuse mode, shared by both hooks: which mode an engine used by several models is announced
+"""`pcr_rag.client.handoff`'s reuse mode, shared by both hooks: which mode an engine used by several models is announced
 in, that a mode reaches ``announce`` (and only when set, so an engine whose ``announce`` predates blend mode still
 works), and that a re-announcement (a cache-aware reorder) keeps the mode. Engine doubles record the calls."""
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pcr_rag.handoff import Announcement, announcement_reuse
+from pcr_rag.client.handoff import Announcement, announcement_reuse
 
 
 class _Engine:

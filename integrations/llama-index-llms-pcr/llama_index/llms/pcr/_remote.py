@@ -1,6 +1,6 @@
 """``base_url`` mode: a `PCRLLM` whose calls and retrieval announcements go to a `pcr-rag serve` server.
 
-`PCRLLM(base_url=...)` holds a `pcr_rag.remote.RemoteEngine` instead of a local `PCREngine`; the retrieval hook
+`PCRLLM(base_url=...)` holds a `pcr_rag.client.http.RemoteEngine` instead of a local `PCREngine`; the retrieval hook
 announces to it, documents are found in the prompt and passed with the call, and ``metadata`` / ``count_tokens``
 ask the server, so several worker processes share one engine and one KV cache.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pcr_rag.remote import RemoteEngine
+from pcr_rag.client.http import RemoteEngine
 
 __all__ = ["API_KEY_ENV", "remote_engine"]
 

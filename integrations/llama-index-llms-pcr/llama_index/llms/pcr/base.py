@@ -48,18 +48,11 @@ from llama_index.llms.pcr.structured import (
 )
 
 from pcr_rag.errors import InvalidRequestError
-from pcr_rag.model.grammar import ResponseFormat
+from pcr_rag.handle import RequestHandle
 from pcr_rag.model.provenance import DEFAULT_MODEL
 from pcr_rag.prompt import Doc
-from pcr_rag.requests import (
-    ChatPrompt,
-    FlatPrompt,
-    GenerationResult,
-    Prompt,
-    RequestHandle,
-    SamplingParams,
-    StreamChunk,
-)
+from pcr_rag.request import ChatPrompt, FlatPrompt, GenerationResult, Prompt, SamplingParams, StreamChunk
+from pcr_rag.response_format import ResponseFormat
 from pcr_rag.structured import (
     ToolSpec,
     add_instruction,

@@ -10,7 +10,7 @@ Two handlers on the root dispatcher:
   retrieval span (or, when none is found, of every live `PCRLLM`). The request enters the engine's waiting queue
   and its SSD -> DRAM prefetch starts while LlamaIndex is still building the prompt. The announcement carries the
   answering LLM's ``reuse`` (``PCRLLM(reuse="blend")`` also prefetches the documents' position-independent
-  chains); announced to every live LLM's engine, each engine gets `pcr_rag.handoff.announcement_reuse` of the LLMs
+  chains); announced to every live LLM's engine, each engine gets `pcr_rag.client.handoff.announcement_reuse` of the LLMs
   on it (`PCRRetrievalHook.live_engines_with_reuse`). A per-call ``reuse=`` comes after the retrieval and is not
   seen here: set the mode on the LLM for the prefetch to match.
 
@@ -28,7 +28,7 @@ With ``PCRLLM(reorder="cache-aware")`` the announced order is the engine's cache
 the retrieval in the order it chose (`announcement_for` finds it). Either way prefetch and the prompt agree.
 
 Sharing scopes: a node whose metadata holds "shared" or "private" under the answering LLM's
-``scope_metadata_key`` (default ``"pcr_scope"``; `pcr_rag.handoff.scope_of`) is announced and passed to the engine
+``scope_metadata_key`` (default ``"pcr_scope"``; `pcr_rag.client.handoff.scope_of`) is announced and passed to the engine
 as a `pcr_rag.Doc` with that scope (`node_scopes`). Exclude the key from the LLM's view of the node
 (``excluded_llm_metadata_keys``) unless the prompt should show it.
 
@@ -59,7 +59,7 @@ from llama_index.core.instrumentation.span_handlers import BaseSpanHandler
 from llama_index.core.schema import MetadataMode, QueryBundle
 from pydantic import Field, PrivateAttr
 
-from pcr_rag.handoff import (
+from pcr_rag.client.handoff import (
     SCOPE_METADATA_KEY,
     Announcement,
     announcement_reuse,
@@ -153,7 +153,7 @@ class PCRRetrievalHook:
         return self.live_engines_with_reuse()[0]
 
     def live_engines_with_reuse(self) -> tuple[list[Any], dict[int, str | None]]:
-        """(`live_engines`, ``id(engine) ->`` the reuse mode to announce to it): `pcr_rag.handoff.announcement_reuse`
+        """(`live_engines`, ``id(engine) ->`` the reuse mode to announce to it): `pcr_rag.client.handoff.announcement_reuse`
         of the ``reuse`` of the live LLMs on that engine. Two LLMs on one engine that differ get the widest
         prefetch: "blend" if either blends, else the engine's default if either leaves the mode to it (None)."""
         with self._lock:
@@ -259,7 +259,7 @@ class PCRRetrievalHook:
     def _announce(self, ann: Announcement, engines: list[Any], reuse: dict[int, str | None]) -> None:
         """Announce ``ann`` to ``engines``, each in its reuse mode (``reuse``: ``id(engine) ->`` "exact", "blend" or
         None, the engine's default; `Announcement.announce_to`). An async retriever emits its event on the event
-        loop: there an engine with ``announce_task`` (a `pcr_rag.remote.RemoteEngine`) announces from a task, so
+        loop: there an engine with ``announce_task`` (a `pcr_rag.client.http.RemoteEngine`) announces from a task, so
         its HTTP call never blocks the loop; the ticket it returns at once is filled in when the server answers,
         and withdrawn then if the model call already took it (the server saw the call first and will not claim
         it)."""

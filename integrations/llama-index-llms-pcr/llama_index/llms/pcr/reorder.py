@@ -30,7 +30,7 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import NodeWithScore, QueryBundle
 from llama_index.llms.pcr.hook import node_texts, retrieval_hook
 
-from pcr_rag.handoff import Announcement, cache_aware_order, documents_in_prompt
+from pcr_rag.client.handoff import Announcement, cache_aware_order, documents_in_prompt
 from pcr_rag.reorder import apply_order, permute_documents
 
 logger = logging.getLogger(__name__)

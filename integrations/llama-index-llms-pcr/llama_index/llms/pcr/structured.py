@@ -22,7 +22,7 @@ from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.program.utils import process_streaming_objects
 from llama_index.core.types import BasePydanticProgram, Model
 
-from pcr_rag.model.grammar import ResponseFormat
+from pcr_rag.response_format import ResponseFormat
 from pcr_rag.structured import (
     ToolCall,
     ToolSpec,

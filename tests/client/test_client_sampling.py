@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from pcr_rag import EngineConfig, PCREngine
-from pcr_rag.remote import RemoteEngine
-from pcr_rag.requests import ChatPrompt, FlatPrompt, SamplingParams, completion_logprobs
+from pcr_rag.client.http import RemoteEngine
+from pcr_rag.request import ChatPrompt, FlatPrompt, SamplingParams, completion_logprobs
 from pcr_rag.server import ServerSettings, ServerThread
 
 OPTIONS = {

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from pcr_rag.model.grammar import ResponseFormat
-from pcr_rag.remote import RemoteEngine
-from pcr_rag.requests import ChatPrompt, SamplingParams
+from pcr_rag.client.http import RemoteEngine
+from pcr_rag.request import ChatPrompt, SamplingParams
+from pcr_rag.response_format import ResponseFormat
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 12},
                                            "ok": {"type": "boolean"}}, "required": ["answer", "ok"]}

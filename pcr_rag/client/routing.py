@@ -3,7 +3,7 @@ documents, so a load balancer that hashes on it (``X-PCR-Route``) sends every re
 prefix to the same replica, whose DRAM then holds that prefix.
 
     from openai import OpenAI
-    from pcr_rag.routing import ROUTE_HEADER, routing_key
+    from pcr_rag.client.routing import ROUTE_HEADER, routing_key
 
     client.chat.completions.create(..., extra_body={"documents": docs},
                                    extra_headers={ROUTE_HEADER: routing_key(docs)})
@@ -50,7 +50,7 @@ from typing import Any
 
 from pcr_rag.errors import InvalidRequestError
 from pcr_rag.prompt import Doc
-from pcr_rag.requests import ChatPrompt, FlatPrompt
+from pcr_rag.request import ChatPrompt, FlatPrompt
 
 __all__ = ["ROUTE_HEADER", "prompt_route", "routing_key"]
 

@@ -14,10 +14,10 @@ import httpx
 import pytest
 
 from pcr_rag import Doc
+from pcr_rag.client.http import RemoteEngine, RemoteEngineError, RemotePromptTooLongError
 from pcr_rag.errors import InvalidRequestError, QueueFullError
-from pcr_rag.model.grammar import ResponseFormat
-from pcr_rag.remote import RemoteEngine, RemoteEngineError, RemotePromptTooLongError
-from pcr_rag.requests import ChatPrompt, FlatPrompt, SamplingParams
+from pcr_rag.request import ChatPrompt, FlatPrompt, SamplingParams
+from pcr_rag.response_format import ResponseFormat
 from pcr_rag.server import ServerSettings, ServerThread
 from pcr_rag.server.errors import from_engine_error
 
@@ -297,7 +297,7 @@ def test_each_sampling_field_travels(name) -> None:
 
 
 def test_logprobs_come_back_as_token_logprobs_from_both_endpoints_and_streams() -> None:
-    from pcr_rag.requests import TokenLogprob, TopLogprob
+    from pcr_rag.request import TokenLogprob, TopLogprob
 
     want = [TokenLogprob(5, "a", (97,), -0.5, (TopLogprob(-1, "b", (98,), -1.25),))]
     chat_lp = {"content": [{"token": "a", "logprob": -0.5, "bytes": [97],

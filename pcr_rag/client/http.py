@@ -20,7 +20,7 @@ send raises `InvalidRequestError` before any call, so nothing is dropped silentl
 ``chat_template_kwargs``, and ``reuse`` when `RemoteEngine.submit` is given one (blend mode; the answer's
 ``prompt_tokens_details.blended_tokens`` and ``pcr.reuse`` come back as the result's ``metrics.blended_tokens`` and
 ``metrics.reuse``). The server's own routes (``/v1/pcr/announce``, its ``DELETE``, ``/tokenize``) go through
-the SDK client's raw ``post`` / ``delete``; the model card through ``client.models.list()``. A request with documents carries ``X-PCR-Route`` (`pcr_rag.routing`: a hash of its first
+the SDK client's raw ``post`` / ``delete``; the model card through ``client.models.list()``. A request with documents carries ``X-PCR-Route`` (`pcr_rag.client.routing`: a hash of its first
 document and the head before it), so a proxy hashing on it sends it to the replica that holds those documents.
 
 `RemoteHandle` behaves as `RequestHandle`: one stream per handle (sync or async) of `StreamChunk`s closed by a
@@ -43,7 +43,7 @@ Errors once retries are spent: 400 ``context_length_exceeded`` `RemotePromptTooL
 locally), 429 `QueueFullError`, 401/403 `RemoteAuthError`, 499 or a cancelled stream `RequestCancelledError`; an
 unreachable server, a 5xx or a broken stream `RemoteEngineError`; a passed deadline `TimeoutError`.
 
-The wire format (arguments, answers, errors) lives in `pcr_rag.remote_wire`. Async clients: one
+The wire format (arguments, answers, errors) lives in `pcr_rag.client.wire`. Async clients: one
 `openai.AsyncOpenAI` per call (`RemoteEngine.async_client`), because an httpx async pool is bound
 to the event loop that made it and a `RemoteEngine` serves any number of threads and loops.
 """
@@ -66,10 +66,8 @@ import openai
 from openai import AsyncOpenAI, OpenAI
 
 from pcr_rag import tracing
-from pcr_rag.errors import InvalidRequestError, PCRError, RequestCancelledError
-from pcr_rag.metrics import RequestMetrics
-from pcr_rag.prompt import Doc, split_documents
-from pcr_rag.remote_wire import (
+from pcr_rag.client.routing import ROUTE_HEADER, prompt_route, routing_key
+from pcr_rag.client.wire import (
     DeadlinePassed,
     RemoteAuthError,
     RemoteEngineError,
@@ -80,7 +78,10 @@ from pcr_rag.remote_wire import (
     sampling_arguments,
     wire_documents,
 )
-from pcr_rag.requests import (
+from pcr_rag.errors import InvalidRequestError, PCRError, RequestCancelledError
+from pcr_rag.metrics import RequestMetrics
+from pcr_rag.prompt import Doc, split_documents
+from pcr_rag.request import (
     ChatPrompt,
     FlatPrompt,
     GenerationResult,
@@ -89,7 +90,6 @@ from pcr_rag.requests import (
     SamplingParams,
     StreamChunk,
 )
-from pcr_rag.routing import ROUTE_HEADER, prompt_route, routing_key
 
 log = logging.getLogger(__name__)
 
@@ -472,7 +472,7 @@ class RemoteEngine:
 
 
 def _route(prompt: Prompt) -> dict[str, str]:
-    """The ``X-PCR-Route`` header of ``prompt`` (`pcr_rag.routing`): a rendered prompt's `prompt_route`; a
+    """The ``X-PCR-Route`` header of ``prompt`` (`pcr_rag.client.routing`): a rendered prompt's `prompt_route`; a
     `RagPrompt`'s first document after its ``system`` (the server's layout puts the documents in order right after
     the system turn and the fixed instruction; the tail comes after them, so it never changes the route)."""
     if not isinstance(prompt, RagPrompt):

@@ -6,8 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pcr_rag.errors import InvalidRequestError
-from pcr_rag.handoff import (
+from pcr_rag.client.handoff import (
     Announcement,
     cache_aware_order,
     documents_in_prompt,
@@ -15,6 +14,7 @@ from pcr_rag.handoff import (
     request_documents,
     scope_of,
 )
+from pcr_rag.errors import InvalidRequestError
 from pcr_rag.prompt import Doc
 
 

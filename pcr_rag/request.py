@@ -8,31 +8,24 @@ A request is a prompt, one of three frozen kinds, plus `SamplingParams`:
 
 Both are validated when constructed, so bad input fails before any compute. ``PCREngine.submit(prompt, params)``
 enqueues the request and returns a `RequestHandle`: ``.result()``, iteration over `StreamChunk`s (sync and async),
-``await handle`` and ``.cancel()``. Every public generate/stream method of the engine is a wrapper over ``submit``.
+``await handle`` and ``.cancel()`` (`pcr_rag.handle`). Every public generate/stream method of the engine is a
+wrapper over ``submit``.
 
-Invariants: a handle's stream yields every generated token once, in order, then one closing chunk that carries
-the `GenerationResult` (or raises the request's error); a request whose deadline passes while someone waits on its
-handle is cancelled, and the wait raises `TimeoutError`; a cancelled request releases what it holds.
+A base module: it imports only other base modules (errors, metrics, prompt, response_format), so the engine, the
+server and the thin HTTP client share it without pulling in the model or the scheduler.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import math
-import threading
-import time
-from collections import deque
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from pcr_rag.errors import InvalidRequestError
 from pcr_rag.metrics import RequestMetrics
-from pcr_rag.model.grammar import ResponseFormat
 from pcr_rag.prompt import (
     Doc,
     PromptBuilder,
@@ -41,14 +34,7 @@ from pcr_rag.prompt import (
     check_template_kwargs,
     split_documents,
 )
-from pcr_rag.tracing import RequestTrace
-
-if TYPE_CHECKING:
-    from collections.abc import Generator
-
-    from pcr_rag.cache import ChunkSpec
-    from pcr_rag.model.sampling import TokenConstraint
-    from pcr_rag.sched.blend import BlendRequest
+from pcr_rag.response_format import ResponseFormat
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +44,6 @@ __all__ = [
     "GenerationResult",
     "Prompt",
     "RagPrompt",
-    "Request",
-    "RequestHandle",
-    "RequestState",
     "SamplingParams",
     "StreamChunk",
     "TokenLogprob",
@@ -466,259 +449,3 @@ class StreamChunk:
     @property
     def is_final(self) -> bool:
         return self.result is not None
-
-
-# ---------------------------------------------------------------------------------------------------- requests
-class RequestState(str, Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-@dataclass
-class Request:
-    """The engine's side of one request (the caller holds its `RequestHandle`).
-
-    ``plan`` holds its chunks; ``on_token(token_id, text_delta, logprobs)`` streams output; ``future`` gets the
-    `GenerationResult` or the error; ``cancelled`` is checked by the executor between forwards; ``constraint``
-    is the compiled ``params.response_format`` (a `TokenConstraint`), None when unconstrained."""
-
-    request_id: int
-    token_ids: list[int]
-    plan: list[ChunkSpec]
-    params: SamplingParams
-    submitted_at: float
-    future: Future = field(default_factory=Future)
-    on_token: Callable[[int, str, TokenLogprob | None], None] | None = None
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    state: RequestState = RequestState.WAITING
-    ssd_keys_at_entry: frozenset[bytes] = frozenset()
-    metrics: RequestMetrics = field(default_factory=RequestMetrics)
-    documents_found: int = 0
-    constraint: TokenConstraint | None = None
-    log_id: str = ""  # the id its log lines carry (`pcr_rag.logs`): the server's request id, else "req-<request_id>"
-    trace: RequestTrace | None = None  # its spans' parent and the times they need; None when tracing is off
-    tenant: bytes = b""  # whom the chunks it computes are charged to: its namespace's root (`PCREngine.root_for`)
-    blend: BlendRequest | None = None  # blend mode's documents (`pcr_rag.sched.blend`); None: exact
-    shadow: bool = False  # the blend gate's exact twin of a blended request (`pcr_rag.sched.blend_gate`)
-
-    @property
-    def keys(self) -> list[bytes]:
-        return [c.key for c in self.plan]
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-
-class TokenChannel:
-    """Tokens of one request on their way from the executor thread to one consumer, sync or async.
-
-    The producer calls `put` per token and `close` once the request's future is done; the consumer takes chunks in
-    order with `get` (blocking, with a timeout) or `aget` (awaiting). Thread-safe; holds no reference to the
-    handle, so dropping the handle lets it be collected while the request still runs."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._chunks: deque[StreamChunk] = deque()
-        self._count = 0
-        self._closed = False
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
-
-    @property
-    def produced(self) -> int:
-        """Token chunks put so far."""
-        return self._count
-
-    def put(self, token_id: int, text: str, logprobs: TokenLogprob | None = None) -> None:
-        with self._cond:
-            self._chunks.append(StreamChunk(token_id, text, self._count, logprobs=logprobs))
-            self._count += 1
-            self._cond.notify_all()
-            waiters, self._waiters = self._waiters, []
-        _wake(waiters)
-
-    def close(self, _future: object = None) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-            waiters, self._waiters = self._waiters, []
-        _wake(waiters)
-
-    def get(self, timeout: float | None) -> StreamChunk | None:
-        """The next chunk; None once closed and drained. Raises `TimeoutError` after ``timeout`` seconds."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._chunks or self._closed, timeout):
-                raise TimeoutError
-            return self._chunks.popleft() if self._chunks else None
-
-    async def aget(self, timeout: float | None) -> StreamChunk | None:
-        """As `get`, awaiting instead of blocking."""
-        return await self._await(lambda: self._chunks.popleft() if self._chunks else None,
-                                 lambda: bool(self._chunks) or self._closed, timeout)
-
-    async def wait_closed(self, timeout: float | None) -> None:
-        """Await `close` without taking chunks. Raises `TimeoutError` after ``timeout`` seconds."""
-        await self._await(lambda: None, lambda: self._closed, timeout)
-
-    async def _await(self, take: Callable[[], Any], ready: Callable[[], bool], timeout: float | None) -> Any:
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        while True:
-            with self._cond:
-                if ready():
-                    return take()
-                waiter = loop.create_future()
-                self._waiters.append((loop, waiter))
-            left = None if deadline is None else max(0.0, deadline - loop.time())
-            await asyncio.wait_for(waiter, left)  # TimeoutError / CancelledError propagate
-
-
-def _wake(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]) -> None:
-    for loop, waiter in waiters:
-        try:
-            loop.call_soon_threadsafe(_resolve, waiter)
-        except RuntimeError:  # the consumer's loop is closed: nobody is waiting any more
-            pass
-
-
-def _resolve(waiter: asyncio.Future) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
-
-
-class RequestHandle:
-    """The caller's side of one submitted request.
-
-    - ``result(timeout=None)`` blocks for the `GenerationResult`; ``await handle`` / ``await handle.aresult()``
-      awaits it without blocking the event loop.
-    - Iterating (``for`` or ``async for``) yields `StreamChunk`s as tokens come, then the closing chunk with the
-      result; a failed or cancelled request raises its error instead. There is one stream per handle.
-    - ``cancel()`` cancels the request (a waiting one leaves the queue; a running one stops at its next forward
-      and releases its pinned chunks); ``close()`` / ``aclose()`` cancel it unless it finished. Dropping the last
-      reference to an unfinished handle cancels its request too.
-    - A deadline (``submit(..., timeout=)``) bounds every wait on the handle: when it passes, the request is
-      cancelled and the wait raises `TimeoutError`. Cancelling the task that awaits or iterates cancels the
-      request.
-    """
-
-    def __init__(self, request: Request, channel: TokenChannel, cancel: Callable[[Request], bool],
-                 timeout: float | None = None) -> None:
-        self._request = request
-        self._channel = channel
-        self._cancel = cancel
-        self._timeout = timeout
-        self._deadline = None if timeout is None else time.monotonic() + timeout
-        self._finished_stream = False
-
-    # ------------------------------------------------------------------------------------------ state
-    @property
-    def request_id(self) -> int:
-        return self._request.request_id
-
-    @property
-    def state(self) -> RequestState:
-        return self._request.state
-
-    @property
-    def metrics(self) -> RequestMetrics:
-        """The request's metrics so far (final once it is done)."""
-        return self._request.metrics
-
-    def done(self) -> bool:
-        """True once the request finished, failed or was cancelled."""
-        return self._request.future.done()
-
-    def cancel(self) -> bool:
-        """Cancel the request; True if it had not finished yet (its result then raises `RequestCancelledError`)."""
-        return self._cancel(self._request)
-
-    def close(self) -> None:
-        """Stop consuming: cancels the request unless it already finished (no-op then)."""
-        if not self.done():
-            self.cancel()
-
-    async def aclose(self) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
-
-    # ------------------------------------------------------------------------------------------ result
-    def result(self, timeout: float | None = None) -> GenerationResult:
-        """The `GenerationResult`, waiting at most ``timeout`` seconds (and never past the deadline).
-
-        Raises the request's error (e.g. `RequestCancelledError`); on timeout the request is cancelled and
-        `TimeoutError` raised."""
-        try:
-            return self._request.future.result(timeout=self._wait_s(timeout))
-        except TimeoutError:
-            raise self._timed_out() from None
-
-    async def aresult(self, timeout: float | None = None) -> GenerationResult:
-        """`result` for asyncio: awaits without blocking the loop; cancelling the awaiting task cancels the request."""
-        try:
-            await self._channel.wait_closed(self._wait_s(timeout))
-        except TimeoutError:
-            raise self._timed_out() from None
-        except asyncio.CancelledError:
-            self.cancel()
-            raise
-        return self._request.future.result()
-
-    def __await__(self) -> Generator[Any, None, GenerationResult]:
-        return self.aresult().__await__()
-
-    # ------------------------------------------------------------------------------------------ streaming
-    def __iter__(self) -> RequestHandle:
-        return self
-
-    def __next__(self) -> StreamChunk:
-        if self._finished_stream:
-            raise StopIteration
-        try:
-            chunk = self._channel.get(self._wait_s(None))
-        except TimeoutError:
-            raise self._timed_out() from None
-        return chunk if chunk is not None else self._closing_chunk()
-
-    def __aiter__(self) -> RequestHandle:
-        return self
-
-    async def __anext__(self) -> StreamChunk:
-        if self._finished_stream:
-            raise StopAsyncIteration
-        try:
-            chunk = await self._channel.aget(self._wait_s(None))
-        except TimeoutError:
-            raise self._timed_out() from None
-        except asyncio.CancelledError:
-            self.cancel()
-            raise
-        return chunk if chunk is not None else self._closing_chunk()
-
-    # ------------------------------------------------------------------------------------------ internals
-    def _closing_chunk(self) -> StreamChunk:
-        self._finished_stream = True
-        result = self._request.future.result()  # the channel closes only once the future is done; raises errors
-        return StreamChunk(-1, "", self._channel.produced, result)
-
-    def _wait_s(self, timeout: float | None) -> float | None:
-        """Seconds a wait may take: ``timeout``, capped by what is left of the deadline (>= 0)."""
-        if self._deadline is None:
-            return timeout
-        left = max(0.0, self._deadline - time.monotonic())
-        return left if timeout is None else min(timeout, left)
-
-    def _timed_out(self) -> TimeoutError:
-        self.cancel()
-        past = self._deadline is not None and time.monotonic() >= self._deadline
-        what = f"within its timeout of {self._timeout:g} s" if past else "within the wait's timeout"
-        return TimeoutError(f"request {self.request_id} did not finish {what}; it was cancelled")
-
-    def __repr__(self) -> str:
-        return f"<RequestHandle request_id={self.request_id} state={self.state.value}>"

@@ -1,4 +1,4 @@
-"""`pcr_rag.remote.RemoteEngine` against a real server: the `PCREngine` surface the integrations use, over HTTP."""
+"""`pcr_rag.client.http.RemoteEngine` against a real server: the `PCREngine` surface the integrations use, over HTTP."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
+from pcr_rag.client.http import RemoteAuthError, RemoteEngine, RemoteEngineError
 from pcr_rag.errors import InvalidRequestError, RequestCancelledError
-from pcr_rag.remote import RemoteAuthError, RemoteEngine, RemoteEngineError
-from pcr_rag.requests import ChatPrompt, FlatPrompt, SamplingParams
+from pcr_rag.request import ChatPrompt, FlatPrompt, SamplingParams
 from pcr_rag.server import ServerSettings, ServerThread
 
 

@@ -1,4 +1,4 @@
-"""The wire side of `pcr_rag.remote`: what a `RemoteEngine` request sends (`wire_documents`,
+"""The wire side of `pcr_rag.client.http`: what a `RemoteEngine` request sends (`wire_documents`,
 `sampling_arguments`, `reuse_argument`), how an answer becomes `StreamChunk`s and a `GenerationResult` (`ResponseDecoder`), and which
 project error a failed call raises (`remote_error`). Pure functions of dicts and exceptions, no I/O."""
 
@@ -21,7 +21,7 @@ from pcr_rag.errors import (
     RequestCancelledError,
 )
 from pcr_rag.metrics import REUSE_MODES, TIERS, RequestMetrics
-from pcr_rag.requests import GenerationResult, SamplingParams, StreamChunk, TokenLogprob, TopLogprob
+from pcr_rag.request import GenerationResult, SamplingParams, StreamChunk, TokenLogprob, TopLogprob
 
 __all__ = ["DeadlinePassed", "RemoteAuthError", "RemoteEngineError", "RemotePromptTooLongError", "ResponseDecoder",
            "remote_error", "reuse_argument", "sampling_arguments", "unreachable", "wire_documents"]
