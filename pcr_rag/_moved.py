@@ -3,7 +3,8 @@
 `MOVED` maps an old dotted name to the module that now holds its code. The old file is a two-line shim that calls
 `alias_module(__name__)`: the import warns once (`DeprecationWarning`, naming the new module) and then yields the
 new module object itself, so ``from pcr_rag.runtime.model import load_model`` and ``import pcr_rag.runtime.model``
-keep working and patching either name patches the one module. Nothing inside pcr-rag imports an old name (an
+keep working and patching either name patches the one module. A module split in several (`SPLIT`) keeps a shim
+that warns and re-exports the new modules' public names. Nothing inside pcr-rag imports an old name (an
 import-linter contract, ``make lint``).
 """
 
@@ -23,7 +24,23 @@ MOVED: dict[str, str] = {
     **{f"pcr_rag.runtime.{name}": f"pcr_rag.model.{name}" for name in (
         "attention_probe", "detokenize", "forward", "grammar", "hub", "kernel_probe", "kv_arena", "model",
         "model_cache", "provenance", "rope_shift", "sampling", "tile_probe", "weights")},
+    # "remote" now means only the KV store tier (pcr_rag.cache.tiers.remote*); the HTTP client is pcr_rag.client
+    "pcr_rag.remote": "pcr_rag.client.http",
+    "pcr_rag.remote_wire": "pcr_rag.client.wire",
+    "pcr_rag.routing": "pcr_rag.client.routing",
+    "pcr_rag.handoff": "pcr_rag.client.handoff",
 }
+
+# modules split in several: the old name re-exports the public names of the new ones
+SPLIT: dict[str, tuple[str, ...]] = {
+    "pcr_rag.requests": ("pcr_rag.request", "pcr_rag.handle", "pcr_rag.sched.request_state"),
+}
+
+
+def warn_split(old: str) -> None:
+    """Warn that ``old`` was split (`SPLIT`); its shim then re-exports the new modules' public names."""
+    warnings.warn(f"{old} was split into {', '.join(SPLIT[old])}; the old name is removed in pcr-rag {REMOVED_IN}",
+                  DeprecationWarning, stacklevel=3)
 
 
 def alias_module(old: str) -> None:

@@ -42,3 +42,14 @@ def test_every_shim_file_is_in_the_table_and_every_entry_has_its_shim():
     assert shims == set(_moved.MOVED)
     for old, new in _moved.MOVED.items():
         assert importlib.util.find_spec(new) is not None, f"{old} points at {new}, which does not exist"
+
+
+@pytest.mark.parametrize("old", sorted(_moved.SPLIT))
+def test_a_split_module_warns_and_re_exports_the_public_names_of_its_parts(old):
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=f"{old} was split into"):
+        module = importlib.import_module(old)
+    for new in _moved.SPLIT[old]:
+        part = importlib.import_module(new)
+        for name in getattr(part, "__all__", ()):
+            assert getattr(module, name) is getattr(part, name), f"{old}.{name} is not {new}.{name}"
