@@ -31,6 +31,7 @@ test-fast: install
 lint: install
 	$(PY) -m ruff check .
 	$(PY) -m mypy  # the typed integrations ([tool.mypy] in pyproject.toml)
+	$(VENV)/bin/lint-imports --no-cache  # the package's layers, no circles, a thin client ([tool.importlinter])
 
 # the docs site (MkDocs + Material) into site/; --strict: a broken link or a page missing from the nav fails
 docs: install

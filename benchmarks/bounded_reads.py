@@ -37,7 +37,7 @@ from pcr_rag.cache.seal import Sealer
 from pcr_rag.cache.storage import LocalDirBackend
 from pcr_rag.cache.tiers.base import ChunkRecord
 from pcr_rag.cache.tiers.chunk_file import ALIGN, chunk_name, decode_header
-from pcr_rag.cache.tiers.remote_store import open_store
+from pcr_rag.cache.tiers.remote_url import open_store
 from pcr_rag.cache.tiers.remote_value import ValueCodec, value_bytes
 
 SECRET = "bounded-reads-benchmark-secret"

@@ -34,7 +34,8 @@ from pathlib import Path
 from pcr_rag.cache.config import RemoteConfig, parse_cluster_url
 from pcr_rag.cache.tiers.breaker import CircuitBreaker
 from pcr_rag.cache.tiers.remote_client import RemoteClient
-from pcr_rag.cache.tiers.remote_store import SOCKET_READ_BYTES, open_store
+from pcr_rag.cache.tiers.remote_store import SOCKET_READ_BYTES
+from pcr_rag.cache.tiers.remote_url import open_store
 
 OPS = ("pipeline", "batch", "per_chunk")
 CHUNK_BYTES = 30 * 2 * 3 * 256 * 64 * 2  # SmolLM2-135M-Instruct, 256 tokens, bf16

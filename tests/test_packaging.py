@@ -228,7 +228,7 @@ def test_extras_hold_what_moved_out_of_core() -> None:
 
 @pytest.mark.parametrize("url", ["redis://127.0.0.1:1/0", "valkey+cluster://127.0.0.1:1"])
 def test_remote_tier_without_redis_names_the_extra(monkeypatch, url) -> None:
-    from pcr_rag.cache.tiers.remote_store import open_store
+    from pcr_rag.cache.tiers.remote_url import open_store
 
     for name in [m for m in sys.modules if m == "redis" or m.startswith("redis.")]:
         monkeypatch.delitem(sys.modules, name)

@@ -37,9 +37,9 @@ import torch
 
 from pcr_rag.bench.kernels import copy_bandwidth_gb_s, copy_row_prefix
 from pcr_rag.bench.limit import default_documents, measure_limit_ratio
+from pcr_rag.bench.model_shapes import MODELS
 from pcr_rag.model.forward import FastForward
 from pcr_rag.model.model import load_model
-from pcr_rag.sim.profiles import MODELS
 from pcr_rag.testing import tiny_config, tiny_tokenizer
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from pcr_rag.cache.errors import RemoteNodeUnavailableError, RemoteUnavailableEr
 from pcr_rag.cache.tiers.breaker import CircuitBreaker
 from pcr_rag.cache.tiers.remote_client import RemoteClient
 from pcr_rag.cache.tiers.remote_cluster import ClusterStore
-from pcr_rag.cache.tiers.remote_store import open_store
+from pcr_rag.cache.tiers.remote_url import open_store
 from pcr_rag.cache.tiers.remote_value import value_name
 from pcr_rag.testing import tiny_model
 

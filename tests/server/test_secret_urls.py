@@ -66,7 +66,7 @@ def test_no_repr_or_config_error_shows_the_password() -> None:
 
 
 def test_the_remote_tier_logs_no_password(caplog) -> None:
-    from pcr_rag.cache.tiers.remote_store import open_store
+    from pcr_rag.cache.tiers.remote_url import open_store
 
     pytest.importorskip("redis")
     with caplog.at_level(logging.DEBUG):

@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pcr_rag.bench.model_shapes import MODELS
 from pcr_rag.sim.costmodel import CostModel, PrefillWork, pipeline, pipeline_uniform
-from pcr_rag.sim.profiles import MODELS, Profile, ProfileError, get_profile, shipped_profile_names
+from pcr_rag.sim.profiles import Profile, ProfileError, get_profile, shipped_profile_names
 
 
 def test_three_layer_pipeline_by_hand():

@@ -47,7 +47,8 @@ from pcr_rag.cache.tiers.base import ChunkRef, PayloadLayers, Tier, TierKind, Ti
 from pcr_rag.cache.tiers.breaker import CircuitBreaker
 from pcr_rag.cache.tiers.chunk_file import ChunkHeader, header_bytes
 from pcr_rag.cache.tiers.remote_client import RemoteClient
-from pcr_rag.cache.tiers.remote_store import RemoteStore, open_store, redacted_url
+from pcr_rag.cache.tiers.remote_store import RemoteStore, redacted_url
+from pcr_rag.cache.tiers.remote_url import open_store
 from pcr_rag.cache.tiers.remote_value import (
     MAX_MANIFEST_VALUE_BYTES,
     PROBE_BYTES,

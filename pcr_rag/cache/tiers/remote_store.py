@@ -19,11 +19,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from pcr_rag.cache.config import CLUSTER_SCHEMES, RemoteConfig, redacted_url
+from pcr_rag.cache.config import RemoteConfig, redacted_url
 from pcr_rag.cache.errors import RemoteTimeoutError, RemoteUnavailableError
-from pcr_rag.errors import ConfigError
 
-__all__ = ["MemoryRemoteStore", "RedisStore", "RemoteStore", "glob_prefix", "open_store", "redacted_url"]
+__all__ = ["MemoryRemoteStore", "RedisStore", "RemoteStore", "glob_prefix", "redacted_url"]
 
 # bytes per socket read: values are whole chunks (MBs), and redis-py's default (64 KiB) costs a recv, a parser feed
 # and a parser poll per 64 KiB, so fewer, larger reads move a chunk faster (see docs/measurements-history.md)
@@ -256,21 +255,3 @@ def scan_client(call: Callable[..., Any], client: Any, prefix: str, limit: int,
         if int(cursor) == 0:
             return list(names), True, calls
     return list(names), False, max_calls
-
-
-def open_store(config: RemoteConfig) -> RemoteStore:
-    """The store a remote tier's URL names (``memory://name``: the shared in-process store; a ``+cluster`` scheme:
-    a ``ClusterStore``). Raises `ConfigError` for a Valkey/Redis URL when the redis package is not installed."""
-    parts = urlsplit(str(config.url))
-    if parts.scheme == "memory":
-        return MemoryRemoteStore.named(parts.netloc + parts.path)
-    try:
-        import redis  # noqa: F401  (optional dependency, the "remote" extra: only a Valkey/Redis tier needs it)
-    except ModuleNotFoundError as exc:
-        raise ConfigError(f"remote_url {redacted_url(str(config.url))} needs the redis package: "
-                          f"pip install 'pcr-rag[remote]'") from exc
-    if parts.scheme in CLUSTER_SCHEMES:
-        from pcr_rag.cache.tiers.remote_cluster import ClusterStore  # imports this module
-
-        return ClusterStore(config)
-    return RedisStore(config)
