@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pcr_rag.config import EngineConfig
-from pcr_rag.corpus import split_passages, stdlib_corpus
 from pcr_rag.engine import PCREngine
 from pcr_rag.errors import ConfigError
+from pcr_rag.rag.corpus import split_passages, stdlib_corpus
 from pcr_rag.request import RagPrompt, SamplingParams
 from pcr_rag.sched.admission import SCHEDULES
 

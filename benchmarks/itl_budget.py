@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from pcr_rag.config import EngineConfig
-from pcr_rag.corpus import split_passages, stdlib_corpus
 from pcr_rag.engine import PCREngine
+from pcr_rag.rag.corpus import split_passages, stdlib_corpus
 from pcr_rag.request import RagPrompt, SamplingParams
 from pcr_rag.sched.step_budget import check_budget_steps
 

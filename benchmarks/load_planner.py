@@ -42,8 +42,8 @@ import torch
 from pcr_rag.cache import LocalDirBackend, SlowBackend, Tier
 from pcr_rag.cache.reuse_planner import Segment
 from pcr_rag.config import EngineConfig
-from pcr_rag.corpus import split_passages, stdlib_corpus
 from pcr_rag.engine import PCREngine
+from pcr_rag.rag.corpus import split_passages, stdlib_corpus
 
 log = logging.getLogger(__name__)
 

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from pcr_rag.bench.config import SYSTEM_PROMPT
 from pcr_rag.bench.retrieval import retrieve_topics
 from pcr_rag.config import EngineConfig
-from pcr_rag.corpus import STDLIB_MODULES, CorpusDocument, split_passages, stdlib_corpus
-from pcr_rag.demo import CORPUS_CACHE_DIR, DEFAULT_QUESTIONS
 from pcr_rag.engine import PCREngine
 from pcr_rag.model.model import load_model
+from pcr_rag.rag.corpus import STDLIB_MODULES, CorpusDocument, split_passages, stdlib_corpus
+from pcr_rag.rag.demo import CORPUS_CACHE_DIR, DEFAULT_QUESTIONS
 from pcr_rag.testing import default_tokenizer, tiny_model
 
 __all__ = ["GOLD_QUESTIONS", "AnswerStudy", "CostRow", "measure_answers", "measure_cost", "main"]

@@ -22,7 +22,7 @@ from langchain_core.runnables import RunnablePassthrough
 from langchain_pcr import ChatPCR, MiniLMEmbeddings, PCRRetrievalCallback
 
 from pcr_rag import EngineConfig, PCREngine
-from pcr_rag.embeddings import chroma_client
+from pcr_rag.rag.embeddings import chroma_client
 
 DATA = Path(__file__).resolve().parent / "data"
 QUESTIONS = ["How does heapq.heappop work?", "What does heapq.heappush do?"]

@@ -19,7 +19,7 @@ from llama_index.llms.pcr import PCRLLM, MiniLMEmbedding
 from llama_index.vector_stores.chroma import ChromaVectorStore
 
 from pcr_rag import EngineConfig, PCREngine
-from pcr_rag.embeddings import chroma_client, chroma_embedding_function
+from pcr_rag.rag.embeddings import chroma_client, chroma_embedding_function
 
 DATA = Path(__file__).resolve().parent / "data"
 QUESTIONS = ["How do I insert into a sorted list with bisect?", "What does bisect.bisect_right return?"]

@@ -6,7 +6,7 @@ Public API::
     from pcr_rag import RagPrompt, FlatPrompt, ChatPrompt, SamplingParams   # engine.submit(prompt, params)
     from pcr_rag import Doc            # a document with its sharing scope: Doc(text, scope="shared" | "private")
 
-Names are imported lazily, so light modules (``pcr_rag.corpus``, ``pcr_rag.bench.report``, the simulator) do not
+Names are imported lazily, so light modules (``pcr_rag.rag.corpus``, ``pcr_rag.bench.report``, the simulator) do not
 pull in torch and transformers.
 """
 

@@ -98,7 +98,7 @@ def test_concurrent_prefetch_example(tiny_dir, tmp_path) -> None:
 
 def test_examples_read_their_documents_from_files() -> None:
     """What users copy loads a folder of files: no example builds its data with the package's internal helpers."""
-    internal = ("pcr_rag.corpus", "pcr_rag.testing", "pcr_rag.demo", "stdlib_corpus", "split_passages")
+    internal = ("pcr_rag.rag.corpus", "pcr_rag.testing", "pcr_rag.rag.demo", "stdlib_corpus", "split_passages")
     offenders = [(p.name, name) for p in sorted(EXAMPLES.glob("*.py")) + sorted(EXAMPLES.glob("*.ipynb"))
                  for name in internal if name in p.read_text(encoding="utf-8")]
     assert offenders == []

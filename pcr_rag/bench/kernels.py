@@ -70,10 +70,10 @@ from pcr_rag.bench.llamacpp_peer import PeerError
 from pcr_rag.bench.perplexity import METHOD, measure
 from pcr_rag.bench.targets import KERNEL_TARGETS
 from pcr_rag.config import EngineConfig
-from pcr_rag.corpus import load_corpus
 from pcr_rag.model.forward import FastForward
 from pcr_rag.model.model import load_model
 from pcr_rag.model.weights import WEIGHT_FORMATS, resolve_weight_format
+from pcr_rag.rag.corpus import load_corpus
 
 log = logging.getLogger(__name__)
 

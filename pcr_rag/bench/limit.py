@@ -35,9 +35,9 @@ from transformers import DynamicCache
 from pcr_rag.bench.disk import drop_page_cache
 from pcr_rag.bench.targets import LIMIT_RATIO_DRAM_MAX, LIMIT_RATIO_SSD_MAX, LIMIT_RATIO_TARGETS
 from pcr_rag.config import EngineConfig
-from pcr_rag.corpus import load_corpus, split_passages
 from pcr_rag.engine import PCREngine
 from pcr_rag.model.model import load_model
+from pcr_rag.rag.corpus import load_corpus, split_passages
 
 log = logging.getLogger(__name__)
 

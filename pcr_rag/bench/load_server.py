@@ -35,8 +35,8 @@ import httpx
 
 from pcr_rag.bench.server_proc import ServerEngineOptions, ServerProcess, scrape
 from pcr_rag.bench.targets import SERVER_LOAD_RSS_GROWTH_MAX
-from pcr_rag.corpus import load_corpus, split_passages
 from pcr_rag.metrics import percentile
+from pcr_rag.rag.corpus import load_corpus, split_passages
 from pcr_rag.testing import save_tiny_model
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 A "topic" is a question and its ranked retrieval list; `pcr_rag.bench.workload.make_requests(topics=...)` then
 picks topics with Zipf popularity. Questions come from a file (one per line, any corpus) or, by default, are
-generated from the titles the corpus itself carries (`pcr_rag.corpus.section_titles`: pydoc classes, functions
+generated from the titles the corpus itself carries (`pcr_rag.rag.corpus.section_titles`: pydoc classes, functions
 and methods of the stdlib corpus, Markdown headings of a user's corpus) with a few fixed templates. A generated
 question knows its gold passage (the passage holding the title), which gives the hit@k retrieval check and a
 crude answer check (does the answer name what was asked about). Nothing is tuned to the cache: which titles
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pcr_rag.bench.config import DEFAULT_NUM_QUESTIONS
-from pcr_rag.corpus import CorpusDocument, SectionTitle
-from pcr_rag.embeddings import chroma_client, chroma_embedding_function
+from pcr_rag.rag.corpus import CorpusDocument, SectionTitle
+from pcr_rag.rag.embeddings import chroma_client, chroma_embedding_function
 
 log = logging.getLogger(__name__)
 

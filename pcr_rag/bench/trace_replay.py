@@ -44,8 +44,8 @@ from pcr_rag.bench.trace_bounds import (
 from pcr_rag.bench.trace_file import SyntheticText, Trace, TraceRequest, TraceSegment
 from pcr_rag.bench.traces import BenchTraces
 from pcr_rag.bench.workload import Request
-from pcr_rag.corpus import CorpusDocument
 from pcr_rag.prompt import PromptBuilder
+from pcr_rag.rag.corpus import CorpusDocument
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from pcr_rag.bench.reorder import ReuseBound, order_trace
 from pcr_rag.bench.retrieval import TitleQuestion, hit_at_k, load_questions, retrieve_topics, title_questions
 from pcr_rag.bench.workload import Request, make_requests, popular_topics, with_rate, working_set
 from pcr_rag.cache import namespace_key, plan_chunks
-from pcr_rag.corpus import CorpusDocument, load_corpus, section_titles, split_passages
 from pcr_rag.prompt import PromptBuilder
+from pcr_rag.rag.corpus import CorpusDocument, load_corpus, section_titles, split_passages
 
 log = logging.getLogger(__name__)
 

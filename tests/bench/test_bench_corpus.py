@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pcr_rag.corpus import (
+from pcr_rag.rag.corpus import (
     CorpusDocument,
     CorpusError,
     CorpusNotFoundError,

@@ -16,7 +16,7 @@ from pcr_rag.bench.retrieval import (
     retrieve_topics,
     title_questions,
 )
-from pcr_rag.corpus import CorpusDocument, load_corpus, section_titles, split_passages
+from pcr_rag.rag.corpus import CorpusDocument, load_corpus, section_titles, split_passages
 
 PYDOC = """Python Library Documentation: module toy
 

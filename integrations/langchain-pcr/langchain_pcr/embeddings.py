@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from langchain_core.embeddings import Embeddings
 
-from pcr_rag.embeddings import MINILM_DIM, shared_encoder
+from pcr_rag.rag.embeddings import MINILM_DIM, shared_encoder
 
 __all__ = ["MiniLMEmbeddings"]
 

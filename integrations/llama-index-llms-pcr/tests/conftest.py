@@ -11,7 +11,7 @@ from llama_index.llms.pcr import MiniLMEmbedding
 from llama_index.vector_stores.chroma import ChromaVectorStore
 
 from pcr_rag import EngineConfig, PCREngine
-from pcr_rag.embeddings import chroma_client, chroma_embedding_function
+from pcr_rag.rag.embeddings import chroma_client, chroma_embedding_function
 from pcr_rag.testing import tiny_model
 
 PASSAGES = {

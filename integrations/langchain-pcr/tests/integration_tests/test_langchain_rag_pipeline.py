@@ -12,7 +12,7 @@ from langchain_core.runnables import RunnablePassthrough
 from langchain_pcr import ChatPCR, MiniLMEmbeddings, PCRRetrievalCallback
 
 from pcr_rag import EngineConfig, PCREngine
-from pcr_rag.embeddings import chroma_client
+from pcr_rag.rag.embeddings import chroma_client
 
 PASSAGES = [
     "pathlib offers classes for filesystem paths. Path objects join parts with the slash operator, and "

@@ -8,7 +8,7 @@ from typing import Any
 from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
 from llama_index.core.bridge.pydantic import Field
 
-from pcr_rag.embeddings import shared_encoder
+from pcr_rag.rag.embeddings import shared_encoder
 
 __all__ = ["MiniLMEmbedding"]
 

@@ -1,5 +1,5 @@
 """`pcr-rag size`: KV bytes per token, chunk and document for a model (from its config, no weights loaded), and the
-DRAM/SSD that serve a target hit rate over a Zipf-popular corpus (`pcr_rag.sizing`).
+DRAM/SSD that serve a target hit rate over a Zipf-popular corpus (`pcr_rag.cli.sizing`).
 
     pcr-rag size --model smollm2-135m-instruct --documents 100000 --tokens-per-doc 800 --zipf 1.0 --hit-rate 0.9
     pcr-rag size --model Qwen/Qwen2.5-7B-Instruct --allow-download --documents 1000000 --tokens-per-doc 500 --json
@@ -12,9 +12,9 @@ import json
 import math
 from typing import Any
 
+from pcr_rag.cli.sizing import HIT_RATES, SizingError, kv_size, model_config, need_for_hit_rate
 from pcr_rag.config import EngineConfig
 from pcr_rag.errors import PCRError
-from pcr_rag.sizing import HIT_RATES, SizingError, kv_size, model_config, need_for_hit_rate
 from pcr_rag.units import format_bytes
 
 DEFAULTS = EngineConfig()

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from pcr_rag.embeddings import MINILM_DIM, chroma_embedding_function, shared_encoder
+from pcr_rag.rag.embeddings import MINILM_DIM, chroma_embedding_function, shared_encoder
 
 
 def test_vectors_are_unit_length_deterministic_and_meaningful() -> None:
@@ -36,7 +36,7 @@ def test_chroma_function_round_trips_its_config() -> None:
 
 
 def test_chroma_client_with_empty_path_persists_nothing(tmp_path, monkeypatch) -> None:
-    from pcr_rag.embeddings import chroma_client
+    from pcr_rag.rag.embeddings import chroma_client
 
     monkeypatch.chdir(tmp_path)
     col = chroma_client("").get_or_create_collection("empty-path-check")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pcr_rag import demo
+from pcr_rag.rag import demo
 from pcr_rag.testing import save_tiny_model
 
 CORPUS = {

@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from pcr_rag.config import EngineConfig
-from pcr_rag.corpus import CorpusDocument, load_corpus, split_passages, stdlib_corpus
-from pcr_rag.embeddings import chroma_client, chroma_embedding_function
 from pcr_rag.engine import PCREngine
+from pcr_rag.rag.corpus import CorpusDocument, load_corpus, split_passages, stdlib_corpus
+from pcr_rag.rag.embeddings import chroma_client, chroma_embedding_function
 
 logger = logging.getLogger(__name__)
 

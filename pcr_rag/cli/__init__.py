@@ -14,15 +14,15 @@ import sys
 from pcr_rag import logs
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("pcr_rag.demo", "run the embedded RAG demo (LlamaIndex + Chroma + PCRLLM), cache on vs off"),
-    "generate": ("pcr_rag.generate_cli", "answer one question over documents with the PCR engine"),
+    "demo": ("pcr_rag.rag.demo", "run the embedded RAG demo (LlamaIndex + Chroma + PCRLLM), cache on vs off"),
+    "generate": ("pcr_rag.cli.generate", "answer one question over documents with the PCR engine"),
     "bench": ("pcr_rag.bench.cli", "RAG serving benchmark: baselines, ablations, percentiles, plots"),
     "simulate": ("pcr_rag.sim.cli", "trace-driven simulation of the GPU regime on the real cache engine"),
     "profile": ("pcr_rag.sim.measure_profile", "measure a cost-model profile on this machine"),
     "cache-bench": ("pcr_rag.bench.cache_bench", "micro-benchmarks of the cache engine (match, SSD store)"),
     "serve": ("pcr_rag.server.cli", "OpenAI-compatible HTTP server: many processes share one engine and cache"),
-    "cache": ("pcr_rag.cache_cli", "see and manage an SSD cache directory: info, prune, verify"),
-    "size": ("pcr_rag.size_cli", "KV bytes per token/chunk/document of a model, and the DRAM/SSD for a hit rate"),
+    "cache": ("pcr_rag.cli.cache", "see and manage an SSD cache directory: info, prune, verify"),
+    "size": ("pcr_rag.cli.size", "KV bytes per token/chunk/document of a model, and the DRAM/SSD for a hit rate"),
 }
 
 # the extra that installs what a subcommand imports beyond the core dependencies (pyproject.toml)
@@ -77,6 +77,3 @@ def main(argv: list[str] | None = None) -> int:
     args = sub_parser.parse_args(rest)
     return int(module.run(args) or 0)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

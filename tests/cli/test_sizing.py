@@ -1,4 +1,4 @@
-"""`pcr-rag size` (`pcr_rag.sizing`): KV bytes from a model's config without its weights, and the capacity for a hit
+"""`pcr-rag size` (`pcr_rag.cli.sizing`): KV bytes from a model's config without its weights, and the capacity for a hit
 rate over a Zipf corpus, checked against an LRU cache run on a sampled request stream."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from pcr_rag import cli
 from pcr_rag.bench.workload import zipf_weights
-from pcr_rag.sizing import lru_hit_rate, need_for_hit_rate
+from pcr_rag.cli.sizing import lru_hit_rate, need_for_hit_rate
 from pcr_rag.testing import save_tiny_model
 
 
