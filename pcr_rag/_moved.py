@@ -29,6 +29,14 @@ MOVED: dict[str, str] = {
     "pcr_rag.remote_wire": "pcr_rag.client.wire",
     "pcr_rag.routing": "pcr_rag.client.routing",
     "pcr_rag.handoff": "pcr_rag.client.handoff",
+    # the command line in pcr_rag.cli, the RAG pipeline in pcr_rag.rag
+    "pcr_rag.cache_cli": "pcr_rag.cli.cache",
+    "pcr_rag.generate_cli": "pcr_rag.cli.generate",
+    "pcr_rag.size_cli": "pcr_rag.cli.size",
+    "pcr_rag.sizing": "pcr_rag.cli.sizing",
+    "pcr_rag.demo": "pcr_rag.rag.demo",
+    "pcr_rag.corpus": "pcr_rag.rag.corpus",
+    "pcr_rag.embeddings": "pcr_rag.rag.embeddings",
 }
 
 # modules split in several: the old name re-exports the public names of the new ones
