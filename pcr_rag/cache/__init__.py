@@ -15,7 +15,7 @@ _EXPORTS = {
     "CacheClosedError": "pcr_rag.cache.errors",
     "CacheConfig": "pcr_rag.cache.config",
     "CacheDirLockedError": "pcr_rag.cache.errors",
-    "CacheEngine": "pcr_rag.cache.engine",
+    "CacheEngine": "pcr_rag.cache.manager",
     "CacheError": "pcr_rag.cache.errors",
     "CacheStats": "pcr_rag.cache.stats",
     "ChunkNotFoundError": "pcr_rag.cache.errors",
@@ -25,11 +25,11 @@ _EXPORTS = {
     "CorruptChunkError": "pcr_rag.cache.errors",
     "FaultyBackend": "pcr_rag.cache.storage",
     "LRUPolicy": "pcr_rag.cache.policy",
-    "Lease": "pcr_rag.cache.engine",
+    "Lease": "pcr_rag.cache.manager",
     "LocalDirBackend": "pcr_rag.cache.storage",
     "LookaheadLRUPolicy": "pcr_rag.cache.policy",
     "ManualClock": "pcr_rag.cache.clock",
-    "MatchResult": "pcr_rag.cache.engine",
+    "MatchResult": "pcr_rag.cache.manager",
     "MemoryBackend": "pcr_rag.cache.storage",
     "MonotonicClock": "pcr_rag.cache.clock",
     "Payload": "pcr_rag.cache.payload",
@@ -84,7 +84,6 @@ __all__ = [
 if TYPE_CHECKING:
     from pcr_rag.cache.clock import Clock, ManualClock, MonotonicClock
     from pcr_rag.cache.config import POLICIES, CacheConfig, RemoteConfig
-    from pcr_rag.cache.engine import CacheEngine, Lease, MatchResult
     from pcr_rag.cache.errors import (
         CacheClosedError,
         CacheDirLockedError,
@@ -101,6 +100,7 @@ if TYPE_CHECKING:
         plan_chunks,
         tokens_digest,
     )
+    from pcr_rag.cache.manager import CacheEngine, Lease, MatchResult
     from pcr_rag.cache.payload import Payload, VirtualPayload
     from pcr_rag.cache.policy import LookaheadLRUPolicy, LRUPolicy
     from pcr_rag.cache.stats import CacheStats

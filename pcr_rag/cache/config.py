@@ -222,7 +222,7 @@ def remote_with_layout(remote: RemoteConfig | None, kv: object) -> RemoteConfig 
 
 @dataclass
 class CacheConfig:
-    """Configuration of a :class:`~pcr_rag.cache.engine.CacheEngine`.
+    """Configuration of a :class:`~pcr_rag.cache.manager.CacheEngine`.
 
     Capacities accept ints (bytes) or strings such as ``"2GiB"``; they are normalised to ints of bytes.
 

@@ -22,9 +22,9 @@ from typing import TypeVar
 
 import torch
 
-from pcr_rag.cache.engine_lock import EngineLock
 from pcr_rag.cache.errors import CacheClosedError, ChunkNotFoundError, CorruptChunkError
 from pcr_rag.cache.lease import ChunkLayerReader
+from pcr_rag.cache.lock import EngineLock
 from pcr_rag.cache.node import CacheNode, WriteBackState, fastest_tier
 from pcr_rag.cache.payload import Payload, VirtualPayload
 from pcr_rag.cache.residency import ResidencyIndex

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from pcr_rag.cache.engine_lock import EngineLock
+from pcr_rag.cache.lock import EngineLock
 from pcr_rag.cache.node import CacheNode
 from pcr_rag.cache.residency import ResidencyIndex
 from pcr_rag.cache.tiers.base import ChunkRecord, KVTier, Tier

@@ -18,9 +18,9 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from pcr_rag.cache.engine_lock import EngineLock
 from pcr_rag.cache.errors import RemoteUnavailableError
 from pcr_rag.cache.keys import ChunkSpec
+from pcr_rag.cache.lock import EngineLock
 from pcr_rag.cache.payload import Payload
 from pcr_rag.cache.remote_writer import RemoteWriter
 from pcr_rag.cache.residency import ResidencyIndex, Room

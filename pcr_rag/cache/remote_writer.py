@@ -20,8 +20,8 @@ import time
 from collections import deque
 
 from pcr_rag.cache.background import lower_this_thread_priority
-from pcr_rag.cache.engine_lock import EngineLock
 from pcr_rag.cache.errors import RemoteError
+from pcr_rag.cache.lock import EngineLock
 from pcr_rag.cache.payload import Payload
 from pcr_rag.cache.residency import ResidencyIndex, Room
 from pcr_rag.cache.tiers.base import ChunkRecord, Tier, tier_bit

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from pcr_rag.cache.background import lower_this_thread_priority
-from pcr_rag.cache.engine_lock import EngineLock
+from pcr_rag.cache.lock import EngineLock
 from pcr_rag.cache.node import CacheNode, WriteBackState
 from pcr_rag.cache.payload import Payload
 from pcr_rag.cache.residency import ResidencyIndex, Room

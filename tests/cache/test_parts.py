@@ -19,8 +19,8 @@ from pcr_rag.cache import (
     VirtualPayload,
 )
 from pcr_rag.cache.config import RemoteConfig
-from pcr_rag.cache.engine_lock import EngineLock
 from pcr_rag.cache.loader import Loader
+from pcr_rag.cache.lock import EngineLock
 from pcr_rag.cache.node import WriteBackState
 from pcr_rag.cache.policy import make_policy
 from pcr_rag.cache.residency import Evictability, ResidencyIndex, Room

@@ -178,7 +178,7 @@ def test_engine_probes_a_cold_ssd_then_recomputes_what_it_reads_too_slowly(chunk
         on_ssd_only(eng, specs, make_payload)
         eng.record_compute(4, 4e-4)  # 0.1 ms per token
         assert not eng.planner.measured(Tier.SSD)
-        with caplog.at_level(logging.DEBUG, logger="pcr_rag.cache.engine"):
+        with caplog.at_level(logging.DEBUG, logger="pcr_rag.cache.manager"):
             lease = eng.acquire(specs, prompt_tokens=14)
         assert eng.planner.measured(Tier.SSD)  # the probe timed one layer read before the decision
         assert lease.num_chunks == 0
@@ -213,7 +213,7 @@ def test_engine_loads_from_a_fast_ssd_and_always_load_ignores_speeds(chunks, mak
         with eng:
             on_ssd_only(eng, specs, make_payload)
             eng.record_compute(4, 4e-4)
-            with caplog.at_level(logging.DEBUG, logger="pcr_rag.cache.engine"), \
+            with caplog.at_level(logging.DEBUG, logger="pcr_rag.cache.manager"), \
                     eng.acquire(specs, prompt_tokens=10) as lease:
                 assert lease.num_chunks == 2
             assert sum(eng.stats().recomputed_instead_of_loaded.values()) == 0

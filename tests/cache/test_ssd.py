@@ -227,7 +227,7 @@ def test_full_disk_keeps_requests_working(chunks, make_payload, caplog):
     storage = FaultyBackend(MemoryBackend(), disk_bytes=2 * one)  # the disk fills after two chunks
     eng = CacheEngine(CacheConfig(chunk_size=4, dram_bytes=3 * 256, ssd_bytes=100 * one, sync_io=True), storage=storage)
     specs = [chunks.child(None, [i] * 4) for i in range(8)]
-    with caplog.at_level(logging.ERROR, logger="pcr_rag.cache.engine"):
+    with caplog.at_level(logging.ERROR, logger="pcr_rag.cache.manager"):
         for s in specs:
             assert eng.insert(s, make_payload(s))
             with eng.acquire([s]) as lease:  # requests keep hitting

@@ -50,7 +50,7 @@ def test_loaded_recomputed_and_mixed_chunks_give_identical_answers(tmp_path, cap
         eng.generate(QUESTION, [DOC_A, DOC_B])
         keys = _only_on_ssd(eng)
         eng.cache.planner.observe_read(Tier.SSD, 1.0)  # a disk far slower than computing: recompute it all
-        with caplog.at_level(logging.DEBUG, logger="pcr_rag.cache.engine"):
+        with caplog.at_level(logging.DEBUG, logger="pcr_rag.cache.manager"):
             recomputed = eng.generate(QUESTION, [DOC_A, DOC_B])
         assert recomputed.metrics.reused_tokens == 0
         assert eng.stats().cache.recomputed_instead_of_loaded["ssd"] == len(keys)

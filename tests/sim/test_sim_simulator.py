@@ -122,7 +122,7 @@ def test_device_cache_gives_way_to_running_requests():
 
 def test_simulation_follows_the_engine_policy(monkeypatch):
     """Swap the cache engine's eviction policy for MRU: the simulated hits change (the engine decides)."""
-    import pcr_rag.cache.engine as engine_mod
+    import pcr_rag.cache.manager as engine_mod
     from pcr_rag.cache.policy import EvictionPolicy
 
     class MRU(EvictionPolicy):

@@ -20,10 +20,10 @@ import torch
 from pcr_rag.cache.buffer_pool import BufferPool
 from pcr_rag.cache.clock import Clock, MonotonicClock
 from pcr_rag.cache.config import CacheConfig
-from pcr_rag.cache.engine_lock import EngineLock
 from pcr_rag.cache.keys import KEY_BYTES, ChunkSpec, tokens_digest
 from pcr_rag.cache.lease import ChunkLayerReader, Lease, MatchResult
 from pcr_rag.cache.loader import Loader
+from pcr_rag.cache.lock import EngineLock
 from pcr_rag.cache.node import CacheNode, fastest_tier
 from pcr_rag.cache.payload import Payload, VirtualPayload, payload_num_layers, validate_payload
 from pcr_rag.cache.policy import make_policy
