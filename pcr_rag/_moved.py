@@ -29,6 +29,8 @@ MOVED: dict[str, str] = {
     "pcr_rag.remote_wire": "pcr_rag.client.wire",
     "pcr_rag.routing": "pcr_rag.client.routing",
     "pcr_rag.handoff": "pcr_rag.client.handoff",
+    "pcr_rag.cache.engine": "pcr_rag.cache.manager",
+    "pcr_rag.cache.engine_lock": "pcr_rag.cache.lock",
     # the command line in pcr_rag.cli, the RAG pipeline in pcr_rag.rag
     "pcr_rag.cache_cli": "pcr_rag.cli.cache",
     "pcr_rag.generate_cli": "pcr_rag.cli.generate",
@@ -43,6 +45,27 @@ MOVED: dict[str, str] = {
 SPLIT: dict[str, tuple[str, ...]] = {
     "pcr_rag.requests": ("pcr_rag.request", "pcr_rag.handle", "pcr_rag.sched.request_state"),
 }
+
+# classes renamed so that each word has one meaning: "remote" is the KV store tier, an engine is what serves the
+# `pcr_rag.engine_api.Engine` surface ("module.OldName" -> "module.NewName"; the old name is a module attribute
+# that warns)
+RENAMED: dict[str, str] = {
+    "pcr_rag.client.http.RemoteEngine": "pcr_rag.client.http.HTTPEngine",
+    "pcr_rag.cache.CacheEngine": "pcr_rag.cache.manager.CacheManager",
+    "pcr_rag.cache.manager.CacheEngine": "pcr_rag.cache.manager.CacheManager",
+}
+
+
+def renamed(module: str, name: str) -> object:
+    """The object ``module.name`` was renamed to (`RENAMED`), with a `DeprecationWarning`; `AttributeError` when
+    ``module.name`` was never a name: for a module's ``__getattr__``."""
+    new = RENAMED.get(f"{module}.{name}")
+    if new is None:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    new_module, new_name = new.rsplit(".", 1)
+    warnings.warn(f"{module}.{name} is renamed {new}; the old name is removed in pcr-rag {REMOVED_IN}",
+                  DeprecationWarning, stacklevel=3)
+    return getattr(importlib.import_module(new_module), new_name)
 
 
 def warn_split(old: str) -> None:

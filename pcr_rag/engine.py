@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pcr_rag import logs, tracing
-from pcr_rag.cache import CacheConfig, CacheEngine, CacheStats, ChunkSpec, Tier, blend_root, plan_chunks
+from pcr_rag.cache import CacheConfig, CacheManager, CacheStats, ChunkSpec, Tier, blend_root, plan_chunks
 from pcr_rag.cache.config import remote_with_layout
 from pcr_rag.cache.keys import scope_key
 from pcr_rag.cache.roots import RootIdentity, RootManifest, foreign_chunks_note
@@ -66,7 +66,7 @@ from pcr_rag.sched.request_state import Request
 from pcr_rag.sched.runner import PrefillContext
 from pcr_rag.sched.scheduler import Scheduler
 from pcr_rag.sched.step_budget import StepBudget
-from pcr_rag.sched.transfer import CopyEngine
+from pcr_rag.sched.transfer import KVCopier
 
 log = logging.getLogger(__name__)
 
@@ -175,9 +175,9 @@ class PCREngine:
         self._ssd_roots: Any = None  # the SSD tier, once open: it stores each root's manifest (`note_root`)
         self._remote_roots: Any = None  # the remote tier, once open: it stores them in the shared store too
         self.root_key = self.root_for(None)
-        self.cache: CacheEngine | None = None
+        self.cache: CacheManager | None = None
         if config.enable_cache:
-            self.cache = CacheEngine(CacheConfig(
+            self.cache = CacheManager(CacheConfig(
                 chunk_size=config.chunk_size,
                 dram_bytes=config.dram_capacity,
                 ssd_bytes=config.ssd_capacity,
@@ -203,7 +203,7 @@ class PCREngine:
             self._remote_roots = self.cache.remote.tier  # the shared store: manifests too, and their census
             self._remote_roots.note_root(RootManifest.new(self.identity, config.namespace))
             self._remote_roots.start_census(self.identity)  # off the request path; logs roots of other identities
-        self.copy_engine = CopyEngine(self.device)
+        self.copy_engine = KVCopier(self.device)
         # response formats compiled against the vocabulary (the rows of the logits), cached by format
         vocab_rows = self.loaded.model.get_output_embeddings().weight.shape[0]
         self.grammars = GrammarCompiler(self.loaded.tokenizer, vocab_rows, self.loaded.eos_token_ids)

@@ -67,7 +67,7 @@ ENGINE_PACKAGES = frozenset({"torch", "transformers", "accelerate", "gguf", "xxh
 class EngineNotInstalledError(PCRError, ImportError):
     """A model in this process was asked for, but the engine's dependencies (the ``engine`` extra) are missing.
 
-    The core install is the thin client: ``base_url=`` and `pcr_rag.client.http.RemoteEngine` work without torch."""
+    The core install is the thin client: ``base_url=`` and `pcr_rag.client.http.HTTPEngine` work without torch."""
 
 
 def engine_not_installed(exc: ModuleNotFoundError) -> ImportError:

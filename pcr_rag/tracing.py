@@ -1,6 +1,6 @@
 """Optional OpenTelemetry tracing: a span per request with the GenAI semantic conventions, child spans for its queue
 wait, KV loads per tier, prefill compute steps and decode, a span per announcement, and W3C ``traceparent``
-propagation on the HTTP calls between `pcr_rag.client.http.RemoteEngine` and `pcr-rag serve`.
+propagation on the HTTP calls between `pcr_rag.client.http.HTTPEngine` and `pcr-rag serve`.
 
 When it is on: the process has a recording tracer provider, set by the application (or ``opentelemetry-instrument``)
 with ``opentelemetry.trace.set_tracer_provider``, or given to pcr_rag alone with `use_tracer_provider`. Nothing to
@@ -120,7 +120,7 @@ def server_span(name: str, headers: Any, attributes: dict[str, Any]) -> Iterator
 @contextlib.contextmanager
 def announcement_span(documents: int, *, client: bool = False) -> Iterator[Any]:
     """The span of one announcement (``pcr_rag.announce``): current while it runs, so its HTTP call carries it as
-    ``traceparent`` (``client``: the `RemoteEngine`'s, a CLIENT span) and the server's spans are its children.
+    ``traceparent`` (``client``: the `HTTPEngine`'s, a CLIENT span) and the server's spans are its children.
     Yields the span, or None when tracing is off."""
     tracer = _tracer()
     if tracer is None:

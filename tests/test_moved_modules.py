@@ -53,3 +53,23 @@ def test_a_split_module_warns_and_re_exports_the_public_names_of_its_parts(old):
         part = importlib.import_module(new)
         for name in getattr(part, "__all__", ()):
             assert getattr(module, name) is getattr(part, name), f"{old}.{name} is not {new}.{name}"
+
+
+@pytest.mark.parametrize("old", sorted(_moved.RENAMED))
+def test_a_renamed_class_warns_and_is_the_new_class(old):
+    module, name = old.rsplit(".", 1)
+    new_module, new_name = _moved.RENAMED[old].rsplit(".", 1)
+    with pytest.warns(DeprecationWarning, match=f"{name} is renamed"):
+        value = getattr(importlib.import_module(module), name)
+    assert value is getattr(importlib.import_module(new_module), new_name)
+    with pytest.raises(AttributeError):
+        _ = importlib.import_module(module).NoSuchName
+
+
+def test_the_deprecated_names_reach_users_through_the_old_import_lines():
+    code = ("import warnings; warnings.simplefilter('ignore')\n"
+            "from pcr_rag.remote import RemoteEngine\nfrom pcr_rag.client.http import HTTPEngine\n"
+            "from pcr_rag.cache import CacheEngine\nfrom pcr_rag.cache.manager import CacheManager\n"
+            "print(RemoteEngine is HTTPEngine, CacheEngine is CacheManager)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert out.split() == ["True", "True"]

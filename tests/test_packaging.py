@@ -39,7 +39,7 @@ else:  # pragma: no cover - Python 3.10
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "pcr_rag"
 INTEGRATIONS = {"langchain-pcr": "langchain_pcr", "llama-index-llms-pcr": "llama_index.llms.pcr"}
-# Not the engine: the HTTP server (extra "serve"), the benchmarks (extra "bench") and the HTTP client RemoteEngine
+# Not the engine: the HTTP server (extra "serve"), the benchmarks (extra "bench") and the HTTP client HTTPEngine
 # (the core: what both integrations' base_url= mode needs).
 NOT_ENGINE = ("server", "bench", "remote.py", "remote_wire.py")
 # Imported by transformers, not by pcr-rag: it loads GGUF files only with accelerate installed.
@@ -151,7 +151,7 @@ class Refuse:  # the engine's dependencies are not installed: any import of them
             raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
 sys.meta_path.insert(0, Refuse())
 import pcr_rag, pcr_rag.client.http, pcr_rag.client.handoff, pcr_rag.reorder, pcr_rag.structured
-from pcr_rag.client.http import RemoteEngine
+from pcr_rag.client.http import HTTPEngine
 from pcr_rag.request import ChatPrompt
 from langchain_pcr import ChatPCR, PCRReorder
 from llama_index.llms.pcr import PCRLLM, PCRReorderPostprocessor
@@ -395,14 +395,14 @@ def test_thin_client_at_declared_minimums_answers_without_torch(thin_venv, tmp_p
 THIN_CLIENT = """
 import importlib.util, json, sys
 assert importlib.util.find_spec("torch") is None and importlib.util.find_spec("transformers") is None
-from pcr_rag.client.http import RemoteEngine
+from pcr_rag.client.http import HTTPEngine
 from pcr_rag.request import ChatPrompt
 from langchain_pcr import ChatPCR
 from llama_index.core.llms import ChatMessage
 from llama_index.llms.pcr import PCRLLM
 url = sys.argv[1]
 messages = [{"role": "user", "content": "hello there"}]
-remote = RemoteEngine(url).submit(ChatPrompt(messages)).result().text
+remote = HTTPEngine(url).submit(ChatPrompt(messages)).result().text
 langchain = ChatPCR(base_url=url).invoke("hello there").content
 llamaindex = PCRLLM(base_url=url, retrieval_hook=False).chat([ChatMessage(role="user", content="hello there")])
 print(json.dumps({"remote": remote, "langchain": langchain, "llamaindex": llamaindex.message.content,

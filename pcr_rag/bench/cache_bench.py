@@ -26,7 +26,7 @@ import torch
 from pcr_rag.bench.disk import drop_page_cache
 from pcr_rag.cache import (
     CacheConfig,
-    CacheEngine,
+    CacheManager,
     ChunkSpec,
     LocalDirBackend,
     ManualClock,
@@ -67,7 +67,7 @@ def bench_match(nodes: int, prompt_chunks: int, iters: int) -> dict[str, float]:
     gc.collect()
     rss0 = _rss()
     t0 = time.perf_counter()
-    engine = CacheEngine(cfg, clock=ManualClock())
+    engine = CacheManager(cfg, clock=ManualClock())
     prompts = max(1, nodes // prompt_chunks)
     last_keys: list[bytes] = []
     for p in range(prompts):

@@ -22,7 +22,7 @@ the same warm-up trace) runs as the bound: ``ttft_local_over_off`` is what a fre
    nothing listens: the breaker must make it cost nothing); then ``off`` and ``hung`` (the warm store paused with
    SIGSTOP: only the timeouts and the breaker bound the wait; own store only). Mean TTFT of each, and the ratios
    ``remote / off`` (target <= 0.4) and ``down / off`` (target <= 1.1).
-3. Read throughput of chunk-sized values on loopback: the tier's loads (``CacheEngine.load`` of remote chunks into
+3. Read throughput of chunk-sized values on loopback: the tier's loads (``CacheManager.load`` of remote chunks into
    DRAM, each value fetched, verified and placed) against a plain pipelined ``redis`` GET loop of the same values
    (target >= 0.7) and a plain one-GET-per-value loop, interleaved after untimed warm-up rounds.
 """
@@ -51,7 +51,7 @@ from pcr_rag.bench.serving import run_bench
 from pcr_rag.bench.targets import REMOTE_TARGETS, RatioTarget
 from pcr_rag.bench.traces import build_traces
 from pcr_rag.bench.workload import tier_capacities
-from pcr_rag.cache import CacheConfig, CacheEngine, ChunkSpec, chunk_key, namespace_key
+from pcr_rag.cache import CacheConfig, CacheManager, ChunkSpec, chunk_key, namespace_key
 from pcr_rag.cache.config import KVLayout, RemoteConfig
 from pcr_rag.cache.seal import run_secret
 from pcr_rag.config import EngineConfig
@@ -121,8 +121,8 @@ def measure_reads(url: str, *, chunk_shape: Sequence[int], dtype: torch.dtype, v
     remote = RemoteConfig(url, namespace="pcr-read-check", timeout_s=30.0, secret=run_secret(), kv_layout=layout)
     big = 1 << 40
 
-    def cache() -> CacheEngine:
-        return CacheEngine(CacheConfig(chunk_size=tokens, dram_bytes=big, sync_io=True, remote=remote))
+    def cache() -> CacheManager:
+        return CacheManager(CacheConfig(chunk_size=tokens, dram_bytes=big, sync_io=True, remote=remote))
 
     with cache() as writer:
         for s in specs:

@@ -15,7 +15,7 @@ _EXPORTS = {
     "CacheClosedError": "pcr_rag.cache.errors",
     "CacheConfig": "pcr_rag.cache.config",
     "CacheDirLockedError": "pcr_rag.cache.errors",
-    "CacheEngine": "pcr_rag.cache.manager",
+    "CacheManager": "pcr_rag.cache.manager",
     "CacheError": "pcr_rag.cache.errors",
     "CacheStats": "pcr_rag.cache.stats",
     "ChunkNotFoundError": "pcr_rag.cache.errors",
@@ -51,7 +51,7 @@ __all__ = [
     "CacheClosedError",
     "CacheConfig",
     "CacheDirLockedError",
-    "CacheEngine",
+    "CacheManager",
     "CacheError",
     "CacheStats",
     "ChunkNotFoundError",
@@ -100,7 +100,7 @@ if TYPE_CHECKING:
         plan_chunks,
         tokens_digest,
     )
-    from pcr_rag.cache.manager import CacheEngine, Lease, MatchResult
+    from pcr_rag.cache.manager import CacheManager, Lease, MatchResult
     from pcr_rag.cache.payload import Payload, VirtualPayload
     from pcr_rag.cache.policy import LookaheadLRUPolicy, LRUPolicy
     from pcr_rag.cache.stats import CacheStats
@@ -118,7 +118,9 @@ if TYPE_CHECKING:
 def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module 'pcr_rag.cache' has no attribute {name!r}")
+        from pcr_rag._moved import renamed
+
+        return renamed(__name__, name)  # a deprecated name, else AttributeError
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -1,4 +1,4 @@
-"""CacheConfig: tier capacities (bytes), SSD directory, eviction policy and I/O mode of a CacheEngine."""
+"""CacheConfig: tier capacities (bytes), SSD directory, eviction policy and I/O mode of a CacheManager."""
 
 from __future__ import annotations
 
@@ -222,7 +222,7 @@ def remote_with_layout(remote: RemoteConfig | None, kv: object) -> RemoteConfig 
 
 @dataclass
 class CacheConfig:
-    """Configuration of a :class:`~pcr_rag.cache.manager.CacheEngine`.
+    """Configuration of a :class:`~pcr_rag.cache.manager.CacheManager`.
 
     Capacities accept ints (bytes) or strings such as ``"2GiB"``; they are normalised to ints of bytes.
 

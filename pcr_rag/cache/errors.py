@@ -46,7 +46,7 @@ class ChunkNotFoundError(CacheError, KeyError):
 
 
 class CacheClosedError(CacheError):
-    """The engine was closed; create a new CacheEngine."""
+    """The engine was closed; create a new CacheManager."""
 
 
 class RemoteError(OSError):

@@ -78,7 +78,7 @@ class Lease:
 
 
 class ChunkLayerReader:
-    """Reads one chunk's layers from ``tier`` (see ``CacheEngine.open_layer_reader``). A layer that fails
+    """Reads one chunk's layers from ``tier`` (see ``CacheManager.open_layer_reader``). A layer that fails
     verification drops that tier's copy and raises ``CorruptChunkError``. The chunk is pinned until ``close``."""
 
     def __init__(

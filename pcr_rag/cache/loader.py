@@ -24,7 +24,7 @@ import torch
 
 from pcr_rag.cache.errors import CacheClosedError, ChunkNotFoundError, CorruptChunkError
 from pcr_rag.cache.lease import ChunkLayerReader
-from pcr_rag.cache.lock import EngineLock
+from pcr_rag.cache.lock import CacheLock
 from pcr_rag.cache.node import CacheNode, WriteBackState, fastest_tier
 from pcr_rag.cache.payload import Payload, VirtualPayload
 from pcr_rag.cache.residency import ResidencyIndex
@@ -78,7 +78,7 @@ class Loader:
 
     def __init__(
         self,
-        sync: EngineLock,
+        sync: CacheLock,
         index: ResidencyIndex,
         writeback: WriteBack,
         stats: CacheStats,

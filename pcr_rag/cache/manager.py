@@ -1,10 +1,10 @@
-"""CacheEngine: the locked front of the cache. It wires the parts and owns the request-facing calls.
+"""CacheManager: the locked front of the cache. It wires the parts and owns the request-facing calls.
 
 Parts, each testable on its own: ``ResidencyIndex`` (prefix tree, which tier holds what, budgets, eviction), the
 tiers behind ``tiers.base.KVTier`` (device and DRAM memory, SSD files, the shared remote store), ``WriteBack``
 (memory -> SSD, and write-through), ``RemoteReuse`` (remote lookups, remote write-through), ``ReusePlanner`` (load
 or recompute, for every tier, from measured speeds), ``Loader`` (storage -> DRAM, verified and timed reads) and the
-objects callers hold (``lease``). One ``EngineLock`` guards
+objects callers hold (``lease``). One ``CacheLock`` guards
 all metadata; payload copies and I/O run outside it. The contract is in docs/DESIGN.md ("Cache engine"); an insert
 that finds no memory room is written through to SSD, so a small DRAM never switches caching off.
 """
@@ -23,7 +23,7 @@ from pcr_rag.cache.config import CacheConfig
 from pcr_rag.cache.keys import KEY_BYTES, ChunkSpec, tokens_digest
 from pcr_rag.cache.lease import ChunkLayerReader, Lease, MatchResult
 from pcr_rag.cache.loader import Loader
-from pcr_rag.cache.lock import EngineLock
+from pcr_rag.cache.lock import CacheLock
 from pcr_rag.cache.node import CacheNode, fastest_tier
 from pcr_rag.cache.payload import Payload, VirtualPayload, payload_num_layers, validate_payload
 from pcr_rag.cache.policy import make_policy
@@ -37,12 +37,12 @@ from pcr_rag.cache.tiers import MemoryTier, build_tiers
 from pcr_rag.cache.tiers.base import UNATTRIBUTED, ChunkRecord, KVTier, Tier, TierKind, tier_bit
 from pcr_rag.cache.writeback import WriteBack
 
-__all__ = ["CacheEngine", "Lease", "MatchResult"]
+__all__ = ["CacheManager", "Lease", "MatchResult"]
 
 log = logging.getLogger(__name__)
 
 
-class CacheEngine:
+class CacheManager:
     """The PCR cache engine. Thread-safe. See the module docstring and docs/DESIGN.md for the contract."""
 
     def __init__(
@@ -50,7 +50,7 @@ class CacheEngine:
     ) -> None:
         self.config = config
         self.clock: Clock = clock or MonotonicClock()
-        self._sync = EngineLock()
+        self._sync = CacheLock()
         self._lock = self._sync.lock
         self._stats = CacheStats()
         self._tiers = build_tiers(config, storage, self.clock)
@@ -421,7 +421,7 @@ class CacheEngine:
         for tier in self._tiers:
             tier.close()
 
-    def __enter__(self) -> CacheEngine:
+    def __enter__(self) -> CacheManager:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -473,3 +473,9 @@ def _tier_counts(tiers: Sequence[Tier]) -> str:
     for t in tiers:
         counts[t.value] = counts.get(t.value, 0) + 1
     return ", ".join(f"{n} {name}" for name, n in counts.items())
+
+
+def __getattr__(name: str) -> object:
+    from pcr_rag._moved import renamed
+
+    return renamed(__name__, name)  # CacheEngine: the old name of CacheManager, else AttributeError

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from pcr_rag.cache.lock import EngineLock
+from pcr_rag.cache.lock import CacheLock
 from pcr_rag.cache.node import CacheNode
 from pcr_rag.cache.residency import ResidencyIndex
 from pcr_rag.cache.tiers.base import ChunkRecord, KVTier, Tier
@@ -52,7 +52,7 @@ def restore(index: ResidencyIndex, tier: Tier, chunks: Sequence[ChunkRecord]) ->
     return [c for c in chunks if c.key not in added]
 
 
-def recover(tiers: Sequence[KVTier], index: ResidencyIndex, sync: EngineLock) -> None:
+def recover(tiers: Sequence[KVTier], index: ResidencyIndex, sync: CacheLock) -> None:
     """Rebuild ``index`` from every tier's recovered copies (volatile tiers have none); counts in the stats."""
     stats = index.stats
     for tier in tiers:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from pcr_rag.cache.errors import RemoteUnavailableError
 from pcr_rag.cache.keys import ChunkSpec
-from pcr_rag.cache.lock import EngineLock
+from pcr_rag.cache.lock import CacheLock
 from pcr_rag.cache.payload import Payload
 from pcr_rag.cache.remote_writer import RemoteWriter
 from pcr_rag.cache.residency import ResidencyIndex, Room
@@ -37,7 +37,7 @@ _GUESS_ROOTS = 4  # recent namespace roots tried for a lookup by keys alone (one
 class RemoteReuse:
     """Discovery and write-through for one engine's remote tier (see the module docstring)."""
 
-    def __init__(self, sync: EngineLock, index: ResidencyIndex, tier: RemoteTier, *, write_queue: int,
+    def __init__(self, sync: CacheLock, index: ResidencyIndex, tier: RemoteTier, *, write_queue: int,
                  inline: bool) -> None:
         self.tier = tier
         self.client = tier.client

@@ -21,7 +21,7 @@ from collections import deque
 
 from pcr_rag.cache.background import lower_this_thread_priority
 from pcr_rag.cache.errors import RemoteError
-from pcr_rag.cache.lock import EngineLock
+from pcr_rag.cache.lock import CacheLock
 from pcr_rag.cache.payload import Payload
 from pcr_rag.cache.residency import ResidencyIndex, Room
 from pcr_rag.cache.tiers.base import ChunkRecord, Tier, tier_bit
@@ -37,7 +37,7 @@ _BIT = tier_bit(Tier.REMOTE)
 class RemoteWriter:
     """The remote write-through queue and thread of one engine (see the module docstring)."""
 
-    def __init__(self, sync: EngineLock, index: ResidencyIndex, tier: RemoteTier, *, capacity: int,
+    def __init__(self, sync: CacheLock, index: ResidencyIndex, tier: RemoteTier, *, capacity: int,
                  inline: bool) -> None:
         self.tier = tier
         self.capacity = capacity

@@ -5,7 +5,7 @@ Inputs, all measured:
   least-squares line fed by the loader's own timed reads (``record_read``). The remote tier's speed is the remote
   client's (its round trip from lookups, its bandwidth from whole-value reads: the tier's own timed calls).
   A memory tier that was never measured counts as free; a storage tier that was never measured is probed (one
-  timed layer read, ``CacheEngine`` does it before planning) so the first request is not the one that pays, and
+  timed layer read, ``CacheManager`` does it before planning) so the first request is not the one that pays, and
   probed again when its last timed read is older than ``REPROBE_S`` (a tier the planner skips is read by nobody,
   and a disk that got faster must be seen).
 - ``ComputeSpeed``: the runtime's prefill steps (``record_compute(tokens, seconds, start)``), a decayed fit of a

@@ -36,7 +36,7 @@ class CacheStats:
     - ``bytes_used`` / ``bytes_high_water`` / ``capacity_bytes`` / ``chunks``: per tier, now.
     - ``quota_refusals[t]``: room refused in tier t because the tenant asking was at its per-tenant quota and none
       of its own chunks there could go (``CacheConfig.tenant_dram_bytes`` / ``tenant_ssd_bytes``);
-      ``tenants[t]``: tenants charged bytes in tier t now (``CacheEngine.tenant_bytes`` gives their bytes).
+      ``tenants[t]``: tenants charged bytes in tier t now (``CacheManager.tenant_bytes`` gives their bytes).
     - ``remote_io``: the remote tier's counters (empty without one): ``lookups`` (round trips), ``lookup_found``
       and ``misses`` (chunks), ``hits`` (values read and verified), ``errors``, ``skipped`` (calls the open
       circuit breaker refused), ``corrupt`` (values that failed verification, deleted), ``forged`` (values whose

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from pcr_rag.cache.background import lower_this_thread_priority
-from pcr_rag.cache.lock import EngineLock
+from pcr_rag.cache.lock import CacheLock
 from pcr_rag.cache.node import CacheNode, WriteBackState
 from pcr_rag.cache.payload import Payload
 from pcr_rag.cache.residency import ResidencyIndex, Room
@@ -40,7 +40,7 @@ class WriteBack:
 
     def __init__(
         self,
-        sync: EngineLock,
+        sync: CacheLock,
         index: ResidencyIndex,
         target: KVTier | None,
         stats: CacheStats,

@@ -1,7 +1,7 @@
-"""`RemoteEngine`: the client side of `pcr-rag serve`, on the official ``openai`` SDK, shaped like the `PCREngine`
+"""`HTTPEngine`: the client side of `pcr-rag serve`, on the official ``openai`` SDK, shaped like the `PCREngine`
 parts the integrations use.
 
-    engine = RemoteEngine("http://127.0.0.1:8000", api_key="...")
+    engine = HTTPEngine("http://127.0.0.1:8000", api_key="...")
     handle = engine.submit(ChatPrompt(messages, documents), SamplingParams(max_new_tokens=64))
     for piece in handle: ...            # or handle.result(), await handle, async for piece in handle
     ticket = engine.announce(documents, query="...")   # or: await engine.aannounce(...) on an event loop
@@ -17,7 +17,7 @@ Every `SamplingParams` field that differs from its default is sent, by its OpenA
 send raises `InvalidRequestError` before any call, so nothing is dropped silently. The server's extensions go in
 ``extra_body`` too: ``documents`` (each a string, or ``{"text", "scope"}`` when it has a sharing scope, see
 `pcr_rag.Doc`), ``return_token_ids``, ``chat_template``, ``system``, a `ChatPrompt`'s
-``chat_template_kwargs``, and ``reuse`` when `RemoteEngine.submit` is given one (blend mode; the answer's
+``chat_template_kwargs``, and ``reuse`` when `HTTPEngine.submit` is given one (blend mode; the answer's
 ``prompt_tokens_details.blended_tokens`` and ``pcr.reuse`` come back as the result's ``metrics.blended_tokens`` and
 ``metrics.reuse``). The server's own routes (``/v1/pcr/announce``, its ``DELETE``, ``/tokenize``) go through
 the SDK client's raw ``post`` / ``delete``; the model card through ``client.models.list()``. A request with documents carries ``X-PCR-Route`` (`pcr_rag.client.routing`: a hash of its first
@@ -44,8 +44,8 @@ locally), 429 `QueueFullError`, 401/403 `RemoteAuthError`, 499 or a cancelled st
 unreachable server, a 5xx or a broken stream `RemoteEngineError`; a passed deadline `TimeoutError`.
 
 The wire format (arguments, answers, errors) lives in `pcr_rag.client.wire`. Async clients: one
-`openai.AsyncOpenAI` per call (`RemoteEngine.async_client`), because an httpx async pool is bound
-to the event loop that made it and a `RemoteEngine` serves any number of threads and loops.
+`openai.AsyncOpenAI` per call (`HTTPEngine.async_client`), because an httpx async pool is bound
+to the event loop that made it and an `HTTPEngine` serves any number of threads and loops.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ from pcr_rag.request import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RemoteAuthError", "RemoteEngine", "RemoteEngineError", "RemoteHandle", "RemoteModelInfo",
+__all__ = ["RemoteAuthError", "HTTPEngine", "RemoteEngineError", "RemoteHandle", "RemoteModelInfo",
            "RemotePromptTooLongError", "RemoteTicket"]
 
 DEFAULT_TIMEOUT_S = 600.0      # a whole call, when the caller gives no deadline
@@ -108,7 +108,7 @@ _PRIVATE_HEADERS = {"OpenAI-Organization": openai.Omit(), "OpenAI-Project": open
 
 @dataclass(frozen=True)
 class RemoteModelInfo:
-    """What ``GET /v1/models`` says about the served model (``loaded`` and ``config`` of a `RemoteEngine`)."""
+    """What ``GET /v1/models`` says about the served model (``loaded`` and ``config`` of an `HTTPEngine`)."""
 
     name: str
     max_model_len: int
@@ -119,7 +119,7 @@ class RemoteModelInfo:
 @dataclass
 class RemoteTicket:
     """An announcement the server holds; ``claimed``/``expired`` as the local `Ticket`'s (set when withdrawn).
-    ``ticket_id`` is None while an `RemoteEngine.announce_task` announcement is on its way."""
+    ``ticket_id`` is None while an `HTTPEngine.announce_task` announcement is on its way."""
 
     ticket_id: int | None
     documents: tuple[str, ...]
@@ -131,7 +131,7 @@ class RemoteTicket:
 class RemoteTokenizer:
     """``tokenizer(text, add_special_tokens=False)["input_ids"]`` answered by the server's ``/tokenize``."""
 
-    def __init__(self, engine: RemoteEngine) -> None:
+    def __init__(self, engine: HTTPEngine) -> None:
         self._engine = engine
 
     def __call__(self, text: str, add_special_tokens: bool = False, **_: Any) -> dict[str, list[int]]:
@@ -179,7 +179,7 @@ def _deadline(at: float) -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------------------------------ engine
-class RemoteEngine:
+class HTTPEngine:
     """A `PCREngine` look-alike that sends every request to a `pcr-rag serve` server (see the module docstring).
 
     Args:
@@ -413,19 +413,19 @@ class RemoteEngine:
         self._closed = True
         self._client.close()
 
-    def __enter__(self) -> RemoteEngine:
+    def __enter__(self) -> HTTPEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
-        return f"<RemoteEngine {self.base_url} model={self.model!r}>"
+        return f"<HTTPEngine {self.base_url} model={self.model!r}>"
 
     # ------------------------------------------------------------------------------------------ internals
     def _check_open(self) -> None:
         if self._closed:
-            raise RemoteEngineError("this RemoteEngine is closed; create a new one")
+            raise RemoteEngineError("this HTTPEngine is closed; create a new one")
 
     def _timeout(self, seconds: float | None) -> httpx.Timeout:
         total = self.timeout if seconds is None else seconds
@@ -493,7 +493,7 @@ def _raw_call(client: OpenAI | AsyncOpenAI, method: str, path: str, body: dict[s
 class RemoteHandle:
     """A submitted remote request; the `RequestHandle` API (see the module docstring)."""
 
-    def __init__(self, engine: RemoteEngine, chat: bool, arguments: dict[str, Any], *,
+    def __init__(self, engine: HTTPEngine, chat: bool, arguments: dict[str, Any], *,
                  timeout: float | None) -> None:
         self._engine = engine
         self._chat = chat
@@ -724,3 +724,7 @@ class RemoteHandle:
         return f"<RemoteHandle {'chat' if self._chat else 'completion'} done={self.done()}>"
 
 
+def __getattr__(name: str) -> object:
+    from pcr_rag._moved import renamed
+
+    return renamed(__name__, name)  # RemoteEngine: the old name of HTTPEngine, else AttributeError

@@ -8,7 +8,7 @@ prefix to the same replica, whose DRAM then holds that prefix.
     client.chat.completions.create(..., extra_body={"documents": docs},
                                    extra_headers={ROUTE_HEADER: routing_key(docs)})
 
-`pcr_rag.RemoteEngine` sets the header on every request with documents (`prompt_route`; the integrations'
+`pcr_rag.HTTPEngine` sets the header on every request with documents (`prompt_route`; the integrations'
 ``base_url`` mode goes through it). It passes no ``namespace``: a client cannot tell whether the server separates
 tenants, and the unkeyed hash travels next to the document's own text anyway; callers that want tenant-keyed
 headers send their own. A request without documents carries no header: the proxy's fallback (round robin) takes
@@ -107,7 +107,7 @@ def routing_key(documents: Sequence[str | Doc], *, system: str | None = None, na
 
 
 def prompt_route(prompt: ChatPrompt | FlatPrompt) -> dict[str, str]:
-    """``{ROUTE_HEADER: key}`` for a prompt with documents, {} for one without (what `RemoteEngine` sends).
+    """``{ROUTE_HEADER: key}`` for a prompt with documents, {} for one without (what `HTTPEngine` sends).
 
     The leading document is the one that occurs first in the prompt (the messages' contents in order, or the
     text), whatever the order of ``prompt.documents``, since that is where the KV chain leaves the head; the head

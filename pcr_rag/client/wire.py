@@ -1,4 +1,4 @@
-"""The wire side of `pcr_rag.client.http`: what a `RemoteEngine` request sends (`wire_documents`,
+"""The wire side of `pcr_rag.client.http`: what an `HTTPEngine` request sends (`wire_documents`,
 `sampling_arguments`, `reuse_argument`), how an answer becomes `StreamChunk`s and a `GenerationResult` (`ResponseDecoder`), and which
 project error a failed call raises (`remote_error`). Pure functions of dicts and exceptions, no I/O."""
 

@@ -3,9 +3,9 @@
 `plan_prefetch` is the decision, a pure function of the window and the cache state, shared by the runtime's
 `Prefetcher` thread and the simulator: every chunk a windowed request needs is protected from eviction
 (look-ahead LRU), and the matched-prefix chunks that sit on SSD or in the remote store but not in memory are
-loaded into DRAM while the requests wait, as far as loading beats recomputing (`CacheEngine.reuse_limit`: the
+loaded into DRAM while the requests wait, as far as loading beats recomputing (`CacheManager.reuse_limit`: the
 load-or-recompute planner). With a remote tier, each request entering the window is first looked up there
-(`CacheEngine.discover`). After each cycle the window slides with the queue.
+(`CacheManager.discover`). After each cycle the window slides with the queue.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from pcr_rag.cache import CacheEngine, Tier
+from pcr_rag.cache import CacheManager, Tier
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class PrefetchPlan:
     load: tuple[bytes, ...]
 
 
-def plan_prefetch(window: Sequence[Sequence[bytes]], cache: CacheEngine) -> PrefetchPlan:
+def plan_prefetch(window: Sequence[Sequence[bytes]], cache: CacheManager) -> PrefetchPlan:
     """Decide what to protect and what to load for the next requests (``window``: chunk keys per request)."""
     protect: set[bytes] = set()
     load: list[bytes] = []
@@ -53,7 +53,7 @@ class Prefetcher:
     (called when the queue changes); otherwise a cycle runs every ``interval_s`` seconds.
     """
 
-    def __init__(self, cache: CacheEngine, window_source: Callable[[int], list[Sequence[bytes]]],
+    def __init__(self, cache: CacheManager, window_source: Callable[[int], list[Sequence[bytes]]],
                  *, window: int, do_loads: bool, protect: bool, interval_s: float = 0.05,
                  on_cycle: Callable[[], None] | None = None) -> None:
         self.cache = cache

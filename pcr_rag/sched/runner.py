@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pcr_rag.cache import CacheEngine, ChunkSpec, Tier
+from pcr_rag.cache import CacheManager, ChunkSpec, Tier
 from pcr_rag.errors import PrefixLoadError
 from pcr_rag.metrics import TIERS
 from pcr_rag.model.detokenize import INCOMPLETE_CHAR, IncrementalText
@@ -46,7 +46,7 @@ from pcr_rag.model.sampling import TokenSampler
 from pcr_rag.sched.admission import PrefillOutlook, PrefillSpeed
 from pcr_rag.sched.blend import BlendRequest, PlacedPiece, Placement, Span, blend_spans
 from pcr_rag.sched.request_state import Request
-from pcr_rag.sched.transfer import ChunkOffload, CopyEngine, LoadSource, PrefixLoad
+from pcr_rag.sched.transfer import ChunkOffload, KVCopier, LoadSource, PrefixLoad
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,8 @@ class PrefillContext:
     the measured prefill speed (the schedule's aging rate)."""
 
     forward: FastForward
-    cache: CacheEngine | None
-    copy: CopyEngine
+    cache: CacheManager | None
+    copy: KVCopier
     layerwise: bool
     speed: PrefillSpeed = field(default_factory=PrefillSpeed)
 

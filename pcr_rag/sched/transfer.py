@@ -37,7 +37,7 @@ OpenReader = Callable[[bytes], "LayerReader"]
 
 
 class LayerReader(Protocol):
-    """What `CacheEngine.open_layer_reader` returns: verified per-layer reads of one chunk, then close()."""
+    """What `CacheManager.open_layer_reader` returns: verified per-layer reads of one chunk, then close()."""
 
     def read_layer(self, layer: int, out: torch.Tensor | None = None) -> torch.Tensor: ...
 
@@ -74,7 +74,7 @@ class LayerWaits:
         self.seconds[layer] += seconds
 
 
-class CopyEngine:
+class KVCopier:
     """Owns the transfer resources of one device: CUDA streams, or one loader thread on the CPU."""
 
     def __init__(self, device: torch.device) -> None:
@@ -116,7 +116,7 @@ class CopyEngine:
 class PrefixLoad:
     """Layer-wise load of a request's matched prefix. `wait_layer(i)` blocks until layer i is in the row."""
 
-    def __init__(self, engine: CopyEngine, row: RowKV, sources: list[LoadSource], open_reader: OpenReader):
+    def __init__(self, engine: KVCopier, row: RowKV, sources: list[LoadSource], open_reader: OpenReader):
         self.engine = engine
         self.row = row
         self.sources = sources
@@ -243,7 +243,7 @@ class ChunkOffload:
     """Copies the KV of ``spans`` (each [start, end), complete once this step ends) into host payloads
     ``[layers, 2, kv_heads, tokens, head_dim]``, layer by layer as each layer is written."""
 
-    def __init__(self, engine: CopyEngine, row: RowKV, spans: Sequence[tuple[int, int]],
+    def __init__(self, engine: KVCopier, row: RowKV, spans: Sequence[tuple[int, int]],
                  buffers: BufferPool | None = None) -> None:
         g = row.arena.geometry
         self.engine = engine

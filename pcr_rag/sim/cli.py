@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
                       chunk_size=wl.chunk_size, extra=extra, progress=say)
     notes = [
         f"simulated: profile {profile.name} ({profile.source}); compute and transfer times from the cost model, "
-        "cache decisions from the real CacheEngine, the runtime's plan_prefetch and its admission policy",
+        "cache decisions from the real CacheManager, the runtime's plan_prefetch and its admission policy",
         f"executor {executor}, max_batch={max_batch} ("
         + {"serial": "one request at a time",
            "prefill-first": "vLLM-like batched decode, prefill-first",

@@ -1,4 +1,4 @@
-"""The fleet at scale: N replicas (each its own real `CacheEngine` on the virtual clock) behind a router, sharing
+"""The fleet at scale: N replicas (each its own real `CacheManager` on the virtual clock) behind a router, sharing
 one remote tier, on a Zipf workload over many documents (`pcr-rag simulate --fleet`).
 
 What is real: every replica is a `Simulator` (the cache engine, the runtime's prefetch plan and admission, the

@@ -1,6 +1,6 @@
 """Discrete-event simulation of serving a request trace, with the real cache engine and prefetch decisions.
 
-What is real: the :class:`~pcr_rag.cache.CacheEngine` (prefix tree, tiers, eviction policies, look-ahead
+What is real: the :class:`~pcr_rag.cache.CacheManager` (prefix tree, tiers, eviction policies, look-ahead
 protection, write-back) running on a virtual clock with metadata-only payloads and synchronous I/O, the
 runtime's :func:`~pcr_rag.sched.prefetcher.plan_prefetch`, and its admission policy
 (:func:`~pcr_rag.sched.admission.queue_order`, ``rank``). What is modelled: the time of compute and transfers
@@ -79,7 +79,7 @@ import torch
 
 from pcr_rag.cache import (
     CacheConfig,
-    CacheEngine,
+    CacheManager,
     CacheStats,
     ChunkSpec,
     ManualClock,
@@ -377,14 +377,14 @@ class Simulator:
         #: shards of a cluster, shared by every replica).
         self.remote_fetch: Callable[[float, list[tuple[bytes, int]]], float] | None = None
         #: Chunks this replica offered to the remote tier (key -> bytes; with a remote tier only): every chunk
-        #: inserted locally is written through (`CacheEngine.insert`).
+        #: inserted locally is written through (`CacheManager.insert`).
         self.remote_offered: dict[bytes, int] = {}
         self.remote_tracked = self.engine is not None and self.engine.remote is not None
         self._next_arrival = math.inf
         self._t_end = 0.0
 
     # ---------------------------------------------------------------------------------------------- set-up
-    def _make_engine(self) -> CacheEngine:
+    def _make_engine(self) -> CacheManager:
         cfg, sysm = self.cfg, self.sys
         if sysm.device_cache:
             dram, ssd = int(cfg.device_cache_bytes), 0
@@ -399,7 +399,7 @@ class Simulator:
         if link is not None and not sysm.device_cache:
             cache_cfg.remote = RemoteConfig(f"memory://{cfg.remote_store}", capacity_bytes=1 << 50, secret=SIM_SECRET,
                                             kv_layout=_virtual_layout(self.num_layers, self.kv_bytes_per_token))
-        engine = CacheEngine(cache_cfg, clock=self.clock, storage=storage)
+        engine = CacheManager(cache_cfg, clock=self.clock, storage=storage)
         if engine.remote is not None and link is not None:  # the decision sees the link's and the model's speeds
             engine.remote.client.observe(rtt_s=link.rtt_s, read_bytes_per_s=link.bytes_per_s)
             tokens = cfg.chunk_size

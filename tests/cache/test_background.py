@@ -28,12 +28,12 @@ def test_lowers_the_calling_thread_only():
 
 
 def test_writeback_thread_runs_at_background_priority(tmp_path):
-    from pcr_rag.cache import CacheConfig, CacheEngine
+    from pcr_rag.cache import CacheConfig, CacheManager
 
     if not sys.platform.startswith("linux"):
         pytest.skip("per-thread nice values are a Linux feature")
     before = set(threading.enumerate())
-    engine = CacheEngine(CacheConfig(cache_dir=tmp_path, dram_bytes=1 << 20, ssd_bytes=1 << 22))
+    engine = CacheManager(CacheConfig(cache_dir=tmp_path, dram_bytes=1 << 20, ssd_bytes=1 << 22))
     try:
         writer = next(t for t in threading.enumerate() if t.name == "pcr-cache-writeback" and t not in before)
         for _ in range(200):  # the thread sets it as its first action

@@ -22,7 +22,7 @@ import pytest
 import torch
 import xxhash
 
-from pcr_rag.cache import CacheConfig, CacheEngine, CorruptChunkError, ManualClock
+from pcr_rag.cache import CacheConfig, CacheManager, CorruptChunkError, ManualClock
 from pcr_rag.cache.seal import Sealer
 from pcr_rag.cache.tiers.chunk_file import ChunkMeta, decode_header, encode_header, verify_seal
 from pcr_rag.cache.tiers.remote_store import MemoryRemoteStore
@@ -35,9 +35,9 @@ PAD = 64 << 20
 
 
 
-def engine(store_name: str) -> CacheEngine:
+def engine(store_name: str) -> CacheManager:
     cfg = CacheConfig(chunk_size=4, dram_bytes=1 << 20, sync_io=True, remote=remote_config(f"memory://{store_name}"))
-    return CacheEngine(cfg, clock=ManualClock())
+    return CacheManager(cfg, clock=ManualClock())
 
 
 def test_a_padded_sealed_value_is_read_only_up_to_the_layout(store_name, chunks, make_payload) -> None:

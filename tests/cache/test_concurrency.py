@@ -14,7 +14,7 @@ import torch
 
 from pcr_rag.cache import (
     CacheConfig,
-    CacheEngine,
+    CacheManager,
     LocalDirBackend,
     MemoryBackend,
     SlowBackend,
@@ -42,7 +42,7 @@ def join_all(threads: list[threading.Thread], timeout: float) -> None:
         pytest.fail(f"threads still running after {timeout} s (deadlock?): {alive}")
 
 
-def run_workload(eng: CacheEngine, *, threads: int, iterations: int, seed: int) -> list[BaseException]:
+def run_workload(eng: CacheManager, *, threads: int, iterations: int, seed: int) -> list[BaseException]:
     docs = [[d * 100 + i for i in range(10)] for d in range(8)]  # 3 chunks each (4 + 4 + 2 partial)
     errors: list[BaseException] = []
     capacity = eng.stats().capacity_bytes
@@ -98,7 +98,7 @@ def run_workload(eng: CacheEngine, *, threads: int, iterations: int, seed: int) 
     return errors
 
 
-def check_final(eng: CacheEngine) -> None:
+def check_final(eng: CacheManager) -> None:
     eng.flush(timeout=20)
     eng.check_invariants()
     st = eng.stats()
@@ -117,7 +117,7 @@ def test_many_threads_memory_store_with_slow_disk():
         ssd_bytes=25 * chunk_file_bytes(CHUNK_BYTES, 5, 2),
         writeback_wait_s=5.0,
     )
-    eng = CacheEngine(cfg, storage=storage)
+    eng = CacheManager(cfg, storage=storage)
     errors = run_workload(eng, threads=8, iterations=60, seed=1)
     assert not errors, errors[:3]
     check_final(eng)
@@ -136,13 +136,13 @@ def test_many_threads_on_a_real_directory(tmp_path):
         fsync=False,
         policy="lru",
     )
-    eng = CacheEngine(cfg, storage=LocalDirBackend(tmp_path, fsync=False))
+    eng = CacheManager(cfg, storage=LocalDirBackend(tmp_path, fsync=False))
     errors = run_workload(eng, threads=6, iterations=40, seed=2)
     assert not errors, errors[:3]
     check_final(eng)
     eng.close()
     # what is on disk is consistent: a restarted engine recovers it without corrupt files
-    eng = CacheEngine(cfg)
+    eng = CacheManager(cfg)
     assert eng.stats().corrupt_chunks_dropped == 0
     eng.check_invariants()
     eng.close()
@@ -151,7 +151,7 @@ def test_many_threads_on_a_real_directory(tmp_path):
 @pytest.mark.timeout(60)
 def test_racing_inserts_of_the_same_chain_store_it_once():
     cfg = CacheConfig(chunk_size=4, dram_bytes=100 * CHUNK_BYTES, ssd_bytes=1 << 20)
-    eng = CacheEngine(cfg, storage=MemoryBackend())
+    eng = CacheManager(cfg, storage=MemoryBackend())
     plan = plan_chunks(ROOT, [list(range(40))], 4)
     barrier = threading.Barrier(6)
     errors: list[BaseException] = []
@@ -180,7 +180,7 @@ def test_racing_inserts_of_the_same_chain_store_it_once():
 @pytest.mark.timeout(60)
 def test_concurrent_loads_of_one_chunk_do_not_race():
     cfg = CacheConfig(chunk_size=4, dram_bytes=2 * CHUNK_BYTES, ssd_bytes=1 << 20)
-    eng = CacheEngine(cfg, storage=SlowBackend(MemoryBackend(), latency_s=0.01))
+    eng = CacheManager(cfg, storage=SlowBackend(MemoryBackend(), latency_s=0.01))
     plan = plan_chunks(ROOT, [list(range(16))], 4)
     for spec in plan:
         assert eng.insert(spec, expected(spec))

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pcr_rag.cache import CacheConfig, CacheEngine, MemoryBackend, Tier
+from pcr_rag.cache import CacheConfig, CacheManager, MemoryBackend, Tier
 
 CHUNK = 2 * 2 * 1 * 4 * 4 * 4  # bytes of payload_for(spec) with 4 tokens
 
@@ -23,13 +23,13 @@ class ForcedDeviceConfig(CacheConfig):
 
 
 def test_device_tier_is_off_on_cpu():
-    eng = CacheEngine(CacheConfig(device="cpu", device_bytes=10**6))
+    eng = CacheManager(CacheConfig(device="cpu", device_bytes=10**6))
     assert eng.tiers == (Tier.DRAM,) and eng.stats().capacity_bytes["device"] == 0
 
 
 def test_device_tier_holds_the_hottest_chunks_and_demotes_to_dram(chunks, make_payload):
     cfg = ForcedDeviceConfig(chunk_size=4, device_bytes=2 * CHUNK, dram_bytes=4 * CHUNK, ssd_bytes=1 << 20, sync_io=True)
-    eng = CacheEngine(cfg, storage=MemoryBackend())
+    eng = CacheManager(cfg, storage=MemoryBackend())
     assert eng.tiers == (Tier.DEVICE, Tier.DRAM, Tier.SSD)
     specs = [chunks.child(None, [i] * 4) for i in range(3)]
     for s in specs:
@@ -49,7 +49,7 @@ def test_device_tier_holds_the_hottest_chunks_and_demotes_to_dram(chunks, make_p
 
 def test_device_only_chunk_is_written_back_from_the_device_copy(chunks, make_payload):
     cfg = ForcedDeviceConfig(chunk_size=4, device_bytes=4 * CHUNK, dram_bytes=CHUNK // 2, ssd_bytes=1 << 20, sync_io=True)
-    eng = CacheEngine(cfg, storage=MemoryBackend())
+    eng = CacheManager(cfg, storage=MemoryBackend())
     spec = chunks.child(None, [1, 2, 3, 4])
     assert eng.insert(spec, make_payload(spec))  # DRAM too small: device copy only
     assert eng.tiers_of(spec.key) == {Tier.DEVICE, Tier.SSD}
@@ -61,7 +61,7 @@ def test_device_only_chunk_is_written_back_from_the_device_copy(chunks, make_pay
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_device_tier_and_pinned_dram(chunks, make_payload):
     cfg = CacheConfig(chunk_size=4, device="cuda", device_bytes=4 * CHUNK, dram_bytes=8 * CHUNK, sync_io=True)
-    eng = CacheEngine(cfg)
+    eng = CacheManager(cfg)
     spec = chunks.child(None, [1, 2, 3, 4])
     payload = make_payload(spec)
     assert eng.insert(spec, payload.cuda())

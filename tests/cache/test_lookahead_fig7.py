@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import pytest
 
-from pcr_rag.cache import CacheConfig, CacheEngine, ManualClock, Tier, VirtualPayload
+from pcr_rag.cache import CacheConfig, CacheManager, ManualClock, Tier, VirtualPayload
 
 CHUNK_BYTES = 1000
 
 
 def build(chunks, policy: str):
     clock = ManualClock()
-    engine = CacheEngine(
+    engine = CacheManager(
         CacheConfig(chunk_size=4, dram_bytes=8 * CHUNK_BYTES, policy=policy, sync_io=True), clock=clock
     )
     c = {}

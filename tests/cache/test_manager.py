@@ -1,4 +1,4 @@
-"""CacheEngine behaviour: match/acquire/insert, pinning, tiers, demotion, loads, supersede, virtual payloads."""
+"""CacheManager behaviour: match/acquire/insert, pinning, tiers, demotion, loads, supersede, virtual payloads."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from pcr_rag.cache import (
     CacheClosedError,
     CacheConfig,
-    CacheEngine,
+    CacheManager,
     ChunkNotFoundError,
     ManualClock,
     MemoryBackend,
@@ -32,7 +32,7 @@ def engine(dram_chunks=8, ssd_chunks=0, **kw):
         sync_io=kw.pop("sync_io", True),
         **kw,
     )
-    return CacheEngine(cfg, clock=ManualClock(), storage=storage)
+    return CacheManager(cfg, clock=ManualClock(), storage=storage)
 
 
 def test_insert_match_acquire_and_hit_stats(chunks, make_payload):
@@ -213,7 +213,7 @@ def test_virtual_payloads_in_sync_mode_are_deterministic():
 
     def run() -> dict:
         cfg = CacheConfig(chunk_size=256, dram_bytes="40MB", ssd_bytes="150MB", sync_io=True)
-        eng = CacheEngine(cfg, clock=ManualClock(), storage=MemoryBackend())
+        eng = CacheManager(cfg, clock=ManualClock(), storage=MemoryBackend())
         for req in range(300):
             doc = req * 7919 % 23 % 11
             plan = plan_chunks(root, [[doc] * 600, [req % 5] * 100], 256)
@@ -264,7 +264,7 @@ def test_async_writeback_never_loses_chunks_under_dram_pressure(chunks, make_pay
     """DRAM holds 2 chunks, the disk is slow: inserts wait for write-back instead of dropping pending chunks."""
     storage = SlowBackend(MemoryBackend(), latency_s=0.02)
     cfg = CacheConfig(chunk_size=4, dram_bytes=2 * 4 * TOKEN_BYTES, ssd_bytes=10**6, sync_io=False)
-    eng = CacheEngine(cfg, storage=storage)
+    eng = CacheManager(cfg, storage=storage)
     path = chunks.path([[i] * 4 for i in range(6)])
     for s in path:
         assert eng.insert(s, make_payload(s))
@@ -297,7 +297,7 @@ def test_a_pinned_dram_tier_charges_what_is_locked_and_returns_it(chunks, fake_p
     assert MemoryTier(Tier.DRAM, 1024).charge(record) == 192  # unpinned: the payload's bytes
     assert MemoryTier(Tier.DRAM, 1024, pin_memory=True).charge(record._replace(virtual=True)) == 192
 
-    eng = CacheEngine(CacheConfig(chunk_size=4, dram_bytes=3 * 256, sync_io=True, device="cuda:0", pin_memory=True),
+    eng = CacheManager(CacheConfig(chunk_size=4, dram_bytes=3 * 256, sync_io=True, device="cuda:0", pin_memory=True),
                       clock=ManualClock())
     path = [chunks.child(None, [i, i, i, i]) for i in range(4)]  # four documents' first chunks
     for i, spec in enumerate(path):  # 192 bytes each
@@ -311,7 +311,7 @@ def test_a_pinned_dram_tier_charges_what_is_locked_and_returns_it(chunks, fake_p
 
 
 def test_loads_into_a_pinned_dram_tier_charge_the_locked_bytes(chunks, fake_pinned):
-    eng = CacheEngine(CacheConfig(chunk_size=4, dram_bytes=2 * 256, ssd_bytes=8 * 4096, sync_io=True,
+    eng = CacheManager(CacheConfig(chunk_size=4, dram_bytes=2 * 256, ssd_bytes=8 * 4096, sync_io=True,
                                   device="cuda:0", pin_memory=True), clock=ManualClock(), storage=MemoryBackend())
     path = [chunks.child(None, [i, i, i, i]) for i in range(4)]
     for i, spec in enumerate(path):  # 192 bytes each, 256 locked

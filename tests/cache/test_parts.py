@@ -20,7 +20,7 @@ from pcr_rag.cache import (
 )
 from pcr_rag.cache.config import RemoteConfig
 from pcr_rag.cache.loader import Loader
-from pcr_rag.cache.lock import EngineLock
+from pcr_rag.cache.lock import CacheLock
 from pcr_rag.cache.node import WriteBackState
 from pcr_rag.cache.policy import make_policy
 from pcr_rag.cache.residency import Evictability, ResidencyIndex, Room
@@ -189,7 +189,7 @@ def test_writeback_writes_queued_chunks_and_counts_failures(chunks, make_payload
     index = ResidencyIndex(
         [MemoryTier(Tier.DRAM, 4 * CHUNK_BYTES), ssd], make_policy("lru"), ManualClock(), stats
     )
-    sync = EngineLock()
+    sync = CacheLock()
     wb = WriteBack(sync, index, ssd, stats, inline=True, wait_s=0.0)
     a, b = (chunks.child(None, [i] * 4) for i in range(2))
     with sync.lock:
@@ -213,7 +213,7 @@ def test_verified_read_drops_the_bad_copy_and_says_recompute(chunks, make_payloa
     index = ResidencyIndex(
         [MemoryTier(Tier.DRAM, CHUNK_BYTES), ssd], make_policy("lru"), ManualClock(), stats
     )
-    sync = EngineLock()
+    sync = CacheLock()
     loader = Loader(
         sync, index, WriteBack(sync, index, ssd, stats, inline=True, wait_s=0.0), stats, workers=None
     )

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pcr_rag.cache import CacheConfig, CacheEngine, LocalDirBackend, Tier
+from pcr_rag.cache import CacheConfig, CacheManager, LocalDirBackend, Tier
 from pcr_rag.cache.errors import CacheError, UnsafeCacheDirError
 from pcr_rag.cache.tiers.chunk_file import ChunkMeta, chunk_name, decode_header
 from pcr_rag.cache.tiers.ssd_store import SSDStore
@@ -29,7 +29,7 @@ def cfg(cache_dir: Path, **kw) -> CacheConfig:
     return CacheConfig(**base)
 
 
-def fill(eng: CacheEngine, specs, make_payload) -> None:
+def fill(eng: CacheManager, specs, make_payload) -> None:
     for s in specs:
         assert eng.insert(s, make_payload(s), tokens=None)
 
@@ -54,7 +54,7 @@ def umask0():
 def test_created_directory_files_and_lock_are_private_even_with_umask_0(tmp_path, chunks, make_payload, umask0):
     kv = tmp_path / "new" / "kv"  # the parent is missing too
     path = chunks.path([[1, 2, 3, 4], [5, 6, 7, 8], [9]])
-    with CacheEngine(cfg(kv)) as eng:
+    with CacheManager(cfg(kv)) as eng:
         fill(eng, path, make_payload)
         eng.flush()
         found = modes(kv)
@@ -79,11 +79,11 @@ def test_chunk_files_written_by_either_io_path_are_0600(tmp_path, chunks, umask0
 def test_a_readable_directory_of_an_older_version_is_tightened(tmp_path, chunks, make_payload, caplog):
     kv = tmp_path / "kv"
     path = chunks.path([[1, 2, 3, 4], [5, 6, 7, 8]])
-    with CacheEngine(cfg(kv)) as eng:
+    with CacheManager(cfg(kv)) as eng:
         fill(eng, path, make_payload)
     for p in [kv, *kv.rglob("*")]:  # what an older version left: 0755 directories, 0644 files
         p.chmod(0o755 if p.is_dir() else 0o644)
-    with caplog.at_level(logging.WARNING, logger="pcr_rag.cache.storage"), CacheEngine(cfg(kv)) as eng:
+    with caplog.at_level(logging.WARNING, logger="pcr_rag.cache.storage"), CacheManager(cfg(kv)) as eng:
         assert eng.load([s.key for s in path]) == 2  # nothing was lost
         assert torch.equal(eng.get_payload(path[1].key), make_payload(path[1]))
     found = modes(kv)
@@ -100,7 +100,7 @@ def test_a_directory_others_can_write_is_refused(tmp_path, mode):
     kv.mkdir()
     kv.chmod(mode)
     with pytest.raises(UnsafeCacheDirError) as err:
-        CacheEngine(cfg(kv))
+        CacheManager(cfg(kv))
     msg = str(err.value)
     assert str(kv) in msg and f"chmod 700 {kv}" in msg and "writable" in msg
     assert isinstance(err.value, CacheError) and isinstance(err.value, ConfigError)
@@ -112,14 +112,14 @@ def test_a_directory_others_can_write_is_refused(tmp_path, mode):
 def test_a_writable_entry_inside_the_directory_is_refused(tmp_path, chunks, make_payload, what):
     kv = tmp_path / "kv"
     spec = chunks.child(None, [1, 2, 3, 4])
-    with CacheEngine(cfg(kv)) as eng:
+    with CacheManager(cfg(kv)) as eng:
         fill(eng, [spec], make_payload)
     target = kv / chunk_name(spec.key)
     if what == "subdir":
         target = target.parent
     target.chmod(0o777 if what == "subdir" else 0o666)
     with pytest.raises(UnsafeCacheDirError) as err:
-        CacheEngine(cfg(kv))
+        CacheManager(cfg(kv))
     assert str(target) in str(err.value) and "writable" in str(err.value)
 
 
@@ -129,7 +129,7 @@ def test_a_directory_owned_by_another_user_is_refused(tmp_path):
     kv.mkdir(mode=0o700)
     os.chown(kv, NOBODY, NOBODY)
     with pytest.raises(UnsafeCacheDirError) as err:
-        CacheEngine(cfg(kv))
+        CacheManager(cfg(kv))
     msg = str(err.value)
     assert str(kv) in msg and f"uid {NOBODY}" in msg and "chown" in msg
     assert not (kv / ".lock").exists()
@@ -139,11 +139,11 @@ def test_a_directory_owned_by_another_user_is_refused(tmp_path):
 def test_a_chunk_file_owned_by_another_user_is_refused(tmp_path, chunks, make_payload):
     kv = tmp_path / "kv"
     spec = chunks.child(None, [1, 2, 3, 4])
-    with CacheEngine(cfg(kv)) as eng:
+    with CacheManager(cfg(kv)) as eng:
         fill(eng, [spec], make_payload)
     os.chown(kv / chunk_name(spec.key), NOBODY, NOBODY)
     with pytest.raises(UnsafeCacheDirError) as err:
-        CacheEngine(cfg(kv))
+        CacheManager(cfg(kv))
     assert chunk_name(spec.key) in str(err.value) and "chown" in str(err.value)
 
 
@@ -163,7 +163,7 @@ def test_a_symlinked_chunk_file_is_neither_read_nor_overwritten(tmp_path, chunks
     kv, outside = tmp_path / "kv", tmp_path / "outside"
     a, b = chunks.path([[1, 2, 3, 4], [5, 6, 7, 8]])
     other = chunks.child(None, [9, 9, 9, 9])
-    eng = CacheEngine(cfg(kv, dram_bytes=4 * 64))  # DRAM holds one chunk: the rest lives on SSD
+    eng = CacheManager(cfg(kv, dram_bytes=4 * 64))  # DRAM holds one chunk: the rest lives on SSD
     fill(eng, [a, b, other], make_payload)
     assert eng.tiers_of(b.key) == {Tier.SSD}
     victim = kv / chunk_name(b.key)
@@ -171,7 +171,7 @@ def test_a_symlinked_chunk_file_is_neither_read_nor_overwritten(tmp_path, chunks
     planted = poison.read_bytes()
     if phase == "restart":
         eng.close()
-        eng = CacheEngine(cfg(kv, dram_bytes=4 * 64))
+        eng = CacheManager(cfg(kv, dram_bytes=4 * 64))
     if b.key in eng:
         assert eng.load([b.key]) == 0  # the read refuses the link: a miss
     assert b.key not in eng and not victim.is_symlink()

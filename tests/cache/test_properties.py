@@ -1,6 +1,6 @@
 """Property-based tests: random insert / acquire / release / evict / load / look-ahead sequences keep every
 invariant of the engine (only leaves evicted, parents present, pinned chunks kept, budgets respected, leaf sets
-consistent, payloads byte-exact), checked after every step by ``CacheEngine.check_invariants`` and a model."""
+consistent, payloads byte-exact), checked after every step by ``CacheManager.check_invariants`` and a model."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from pcr_rag.cache import (
     POLICIES,
     CacheConfig,
-    CacheEngine,
+    CacheManager,
     ChunkSpec,
     ManualClock,
     MemoryBackend,
@@ -42,7 +42,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.specs: dict[bytes, ChunkSpec] = {}
         self.order: list[bytes] = []
         self.leases: list = []
-        self.eng: CacheEngine | None = None
+        self.eng: CacheManager | None = None
         self.clock = ManualClock()
 
     @initialize(
@@ -61,7 +61,7 @@ class CacheMachine(RuleBasedStateMachine):
             policy=policy,
             sync_io=True,
         )
-        self.eng = CacheEngine(cfg, clock=self.clock, storage=MemoryBackend() if ssd_chunks else None)
+        self.eng = CacheManager(cfg, clock=self.clock, storage=MemoryBackend() if ssd_chunks else None)
 
     def chain(self, key: bytes) -> list[ChunkSpec]:
         out = []

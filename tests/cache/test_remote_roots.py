@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from pcr_rag.cache import CacheConfig, CacheEngine, ManualClock
+from pcr_rag.cache import CacheConfig, CacheManager, ManualClock
 from pcr_rag.cache.config import KVLayout, RemoteConfig
 from pcr_rag.cache.errors import RemoteUnavailableError
 from pcr_rag.cache.roots import RootCensus, RootIdentity, RootManifest, foreign_roots_note
@@ -37,14 +37,14 @@ RUNS = [[1] * 4, [2] * 4, [3] * 4]
 
 
 
-def engine(store_name: str, **remote) -> CacheEngine:
+def engine(store_name: str, **remote) -> CacheManager:
     remote.setdefault("secret", SECRET)
     cfg = CacheConfig(chunk_size=4, dram_bytes=1 << 20, sync_io=True,
                       remote=RemoteConfig(f"memory://{store_name}", kv_layout=LAYOUT, namespace=NS, **remote))
-    return CacheEngine(cfg, clock=ManualClock())
+    return CacheManager(cfg, clock=ManualClock())
 
 
-def write_under(eng: CacheEngine, identity: RootIdentity, make_payload, namespace: str = "") -> list:
+def write_under(eng: CacheManager, identity: RootIdentity, make_payload, namespace: str = "") -> list:
     """What an engine of ``identity`` does: name its root, then store a chain of chunks under it."""
     eng.remote.tier.note_root(RootManifest.new(identity, namespace, host="test host"))
     specs = Chunks(root=identity.root(namespace)).path(RUNS)

@@ -11,7 +11,7 @@ import uuid
 import pytest
 import torch
 
-from pcr_rag.cache import CacheConfig, CacheEngine, CorruptChunkError, ManualClock, Tier, VirtualPayload
+from pcr_rag.cache import CacheConfig, CacheManager, CorruptChunkError, ManualClock, Tier, VirtualPayload
 from pcr_rag.cache.config import KVLayout, RemoteConfig
 from pcr_rag.cache.errors import RemoteMissError, RemoteUnavailableError
 from pcr_rag.cache.tiers.breaker import BreakerState, CircuitBreaker
@@ -33,14 +33,14 @@ def remote_config(url: str, **kw) -> RemoteConfig:
 
 
 
-def engine(store_name: str, clock: ManualClock | None = None, namespace: str = "pcr-rag", **remote) -> CacheEngine:
+def engine(store_name: str, clock: ManualClock | None = None, namespace: str = "pcr-rag", **remote) -> CacheManager:
     remote.setdefault("breaker_backoff_s", 5.0)
     cfg = CacheConfig(chunk_size=4, dram_bytes=1 << 20, sync_io=True,
                       remote=remote_config(f"memory://{store_name}", namespace=namespace, **remote))
-    return CacheEngine(cfg, clock=clock or ManualClock())
+    return CacheManager(cfg, clock=clock or ManualClock())
 
 
-def fill(eng: CacheEngine, specs, make_payload) -> None:
+def fill(eng: CacheManager, specs, make_payload) -> None:
     for s in specs:
         assert eng.insert(s, make_payload(s))
 
@@ -164,7 +164,7 @@ def test_remote_writes_never_block_a_request(store_name, chunks, make_payload):
     slow = SlowStore()
     cfg = CacheConfig(chunk_size=4, dram_bytes=1 << 20,
                       remote=remote_config(f"memory://{store_name}", write_queue=2))
-    eng = CacheEngine(cfg)
+    eng = CacheManager(cfg)
     eng._remote.client.store = slow  # noqa: SLF001 - a store whose writes hang until released
     specs = chunks.path([[i] * 4 for i in range(6)])
     for s in specs:
@@ -241,7 +241,7 @@ def test_chunks_loaded_from_the_store_are_kept_on_the_local_ssd(store_name, chun
     specs = chunks.path([[1] * 4, [2] * 4])
     cfg = CacheConfig(chunk_size=4, dram_bytes=1 << 20, ssd_bytes=1 << 20, sync_io=True,
                       remote=remote_config(f"memory://{store_name}"))
-    with engine(store_name) as a, CacheEngine(cfg, clock=ManualClock(), storage=MemoryBackend()) as b:
+    with engine(store_name) as a, CacheManager(cfg, clock=ManualClock(), storage=MemoryBackend()) as b:
         fill(a, specs, make_payload)
         b.acquire(specs).release()
         assert b.load([s.key for s in specs]) == 2

@@ -20,7 +20,7 @@ import torch
 import xxhash
 
 from pcr_rag import EngineConfig, PCREngine
-from pcr_rag.cache import CacheConfig, CacheEngine, CorruptChunkError, ManualClock, MemoryBackend, Tier
+from pcr_rag.cache import CacheConfig, CacheManager, CorruptChunkError, ManualClock, MemoryBackend, Tier
 from pcr_rag.cache.config import KVLayout, RemoteConfig
 from pcr_rag.cache.seal import ForgedChunkError
 from pcr_rag.cache.tiers.base import ChunkRecord
@@ -46,10 +46,10 @@ NS = "pcr-rag"
 
 
 
-def engine(store_name: str, **remote) -> CacheEngine:
+def engine(store_name: str, **remote) -> CacheManager:
     cfg = CacheConfig(chunk_size=4, dram_bytes=1 << 20, sync_io=True,
                       remote=remote_config(f"memory://{store_name}", **remote))
-    return CacheEngine(cfg, clock=ManualClock())
+    return CacheManager(cfg, clock=ManualClock())
 
 
 def record(spec, payload, digest: bytes | None = None) -> ChunkRecord:
@@ -336,9 +336,9 @@ def test_a_replica_without_encryption_reads_encrypted_values_with_the_same_secre
         assert torch.equal(b.get_payload(specs[0].key), make_payload(specs[0]))
 
 
-def ssd_engine(backend: MemoryBackend, secret: str | None = SECRET) -> CacheEngine:
+def ssd_engine(backend: MemoryBackend, secret: str | None = SECRET) -> CacheManager:
     cfg = CacheConfig(chunk_size=4, dram_bytes=1 << 20, ssd_bytes=1 << 20, sync_io=True, ssd_secret=secret)
-    return CacheEngine(cfg, clock=ManualClock(), storage=backend)
+    return CacheManager(cfg, clock=ManualClock(), storage=backend)
 
 
 def test_encrypted_ssd_files_hold_no_plaintext_and_a_tampered_file_is_recomputed(chunks, make_payload):

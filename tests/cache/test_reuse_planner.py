@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from pcr_rag.cache import CacheConfig, CacheEngine, ManualClock, MemoryBackend, SlowBackend, Tier
+from pcr_rag.cache import CacheConfig, CacheManager, ManualClock, MemoryBackend, SlowBackend, Tier
 from pcr_rag.cache.reuse_planner import REPROBE_S, ComputeSpeed, ReadSpeed, ReusePlanner, Segment
 
 MB = 1_000_000
@@ -154,16 +154,16 @@ def test_unknown_mode_is_refused():
 
 
 # ---------------------------------------------------------------------------------------------------------- engine
-def slow_ssd_engine(bandwidth: float, **kw) -> tuple[CacheEngine, ManualClock]:
+def slow_ssd_engine(bandwidth: float, **kw) -> tuple[CacheManager, ManualClock]:
     """An engine whose SSD reads take ``nbytes / bandwidth`` seconds of a virtual clock (no real waiting)."""
     clock = ManualClock()
     storage = SlowBackend(MemoryBackend(), bandwidth_bytes_per_s=bandwidth, sleep=clock.advance)
     kw.setdefault("load_planner", "measured")
     cfg = CacheConfig(chunk_size=4, dram_bytes=1 << 20, ssd_bytes=1 << 20, sync_io=True, **kw)
-    return CacheEngine(cfg, clock=clock, storage=storage), clock
+    return CacheManager(cfg, clock=clock, storage=storage), clock
 
 
-def on_ssd_only(eng: CacheEngine, specs, make_payload) -> None:
+def on_ssd_only(eng: CacheManager, specs, make_payload) -> None:
     for s in specs:
         assert eng.insert(s, make_payload(s))
     eng.flush()

@@ -16,7 +16,7 @@ import torch
 from pcr_rag.cache import (
     CacheConfig,
     CacheDirLockedError,
-    CacheEngine,
+    CacheManager,
     CorruptChunkError,
     FaultyBackend,
     LocalDirBackend,
@@ -35,7 +35,7 @@ def cfg(tmp_path: Path, **kw) -> CacheConfig:
     return CacheConfig(**base)
 
 
-def fill(eng: CacheEngine, specs, make_payload) -> None:
+def fill(eng: CacheManager, specs, make_payload) -> None:
     for s in specs:
         assert eng.insert(s, make_payload(s), tokens=None)
 
@@ -79,9 +79,9 @@ def test_store_io_paths_are_byte_exact(tmp_path, chunks, direct_io, shape):
 
 def test_engine_round_trip_through_restart_is_byte_exact(tmp_path, chunks, make_payload):
     path = chunks.path([[1, 2, 3, 4], [5, 6, 7, 8], [9]])
-    with CacheEngine(cfg(tmp_path)) as eng:
+    with CacheManager(cfg(tmp_path)) as eng:
         fill(eng, path, make_payload)
-    with CacheEngine(cfg(tmp_path)) as eng:
+    with CacheManager(cfg(tmp_path)) as eng:
         assert eng.stats().recovered_chunks == 3
         assert eng.load([s.key for s in path]) == 3
         for s in path:
@@ -110,14 +110,14 @@ def corrupt(path: Path, kind: str, donor: Path) -> None:
 def test_corrupt_chunk_is_detected_dropped_and_a_miss(tmp_path, chunks, make_payload, kind, phase):
     a, b = chunks.path([[1, 2, 3, 4], [5, 6, 7, 8]])
     other = chunks.child(None, [9, 9, 9, 9])
-    eng = CacheEngine(cfg(tmp_path, dram_bytes=4 * 64))  # DRAM holds one chunk: the rest lives on SSD
+    eng = CacheManager(cfg(tmp_path, dram_bytes=4 * 64))  # DRAM holds one chunk: the rest lives on SSD
     fill(eng, [a, b, other], make_payload)
     assert eng.tiers_of(b.key) == {Tier.SSD}
     victim = tmp_path / "kv" / chunk_name(b.key)
     corrupt(victim, kind, tmp_path / "kv" / chunk_name(a.key))
     if phase == "restart":
         eng.close()
-        eng = CacheEngine(cfg(tmp_path, dram_bytes=4 * 64))
+        eng = CacheManager(cfg(tmp_path, dram_bytes=4 * 64))
     if b.key in eng:  # header intact: detected on the verified read
         assert eng.load([b.key]) == 0
     assert b.key not in eng and not victim.exists()
@@ -133,7 +133,7 @@ def test_corrupt_chunk_is_detected_dropped_and_a_miss(tmp_path, chunks, make_pay
 def test_read_layer_verifies_only_the_layer_it_reads(tmp_path, chunks, make_payload):
     a = chunks.child(None, [1, 2, 3, 4])
     x = chunks.child(None, [7, 7, 7, 7])
-    eng = CacheEngine(cfg(tmp_path, dram_bytes=4 * 64))
+    eng = CacheManager(cfg(tmp_path, dram_bytes=4 * 64))
     fill(eng, [a, x], make_payload)
     assert eng.tiers_of(a.key) == {Tier.SSD}
     path = tmp_path / "kv" / chunk_name(a.key)
@@ -154,13 +154,13 @@ def test_restart_rebuilds_index_tree_and_lru_order(tmp_path, chunks, make_payloa
     tail = chunks.child(branch, [4, 4])
     lone = chunks.child(None, [5, 5, 5, 5])
     order = [*trunk, branch, tail, lone]
-    with CacheEngine(cfg(tmp_path)) as eng:
+    with CacheManager(cfg(tmp_path)) as eng:
         for s in order:
             assert eng.insert(s, make_payload(s), tokens=chunks.tokens[s.key])
         leaves_before = set(eng.leaf_keys())
     (tmp_path / "kv" / "ab").mkdir(exist_ok=True)
     (tmp_path / "kv" / "ab" / ".stale.kv.123.1.tmp").write_bytes(b"half a write")
-    with CacheEngine(cfg(tmp_path)) as eng:
+    with CacheManager(cfg(tmp_path)) as eng:
         st = eng.stats()
         assert st.recovered_chunks == 5 and st.nodes == 5 and st.chunks["ssd"] == 5 and st.chunks["dram"] == 0
         assert st.bytes_used["ssd"] == sum(chunk_file_bytes(make_payload(s).nbytes, 5, 2) for s in order)
@@ -179,11 +179,11 @@ def test_restart_rebuilds_index_tree_and_lru_order(tmp_path, chunks, make_payloa
 def test_restart_drops_orphans_and_trims_to_a_smaller_budget(tmp_path, chunks, make_payload):
     path = chunks.path([[1, 1, 1, 1], [2, 2, 2, 2], [3, 3, 3, 3]])
     others = [chunks.child(None, [i] * 4) for i in range(10, 14)]
-    with CacheEngine(cfg(tmp_path)) as eng:
+    with CacheManager(cfg(tmp_path)) as eng:
         fill(eng, path + others, make_payload)
     os.unlink(tmp_path / "kv" / chunk_name(path[0].key))
     one = chunk_file_bytes(make_payload(others[0]).nbytes, 5, 2)
-    with CacheEngine(cfg(tmp_path, ssd_bytes=3 * one)) as eng:
+    with CacheManager(cfg(tmp_path, ssd_bytes=3 * one)) as eng:
         st = eng.stats()
         assert st.orphans_dropped == 2  # path[1] and path[2] lost their parent
         assert path[1].key not in eng and not (tmp_path / "kv" / chunk_name(path[2].key)).exists()
@@ -193,16 +193,16 @@ def test_restart_drops_orphans_and_trims_to_a_smaller_budget(tmp_path, chunks, m
 
 
 def test_second_engine_on_the_same_dir_gets_a_clear_error(tmp_path):
-    first = CacheEngine(cfg(tmp_path))
+    first = CacheManager(cfg(tmp_path))
     with pytest.raises(CacheDirLockedError) as info:
-        CacheEngine(cfg(tmp_path))
+        CacheManager(cfg(tmp_path))
     msg = str(info.value)
     assert str((tmp_path / "kv").resolve()) in msg and f"pid {os.getpid()}" in msg and "cache_dir" in msg
     code = (
         "import sys\n"
-        "from pcr_rag.cache import CacheConfig, CacheEngine, CacheDirLockedError\n"
+        "from pcr_rag.cache import CacheConfig, CacheManager, CacheDirLockedError\n"
         "try:\n"
-        f"    CacheEngine(CacheConfig(ssd_bytes=1 << 20, cache_dir={str(tmp_path / 'kv')!r}))\n"
+        f"    CacheManager(CacheConfig(ssd_bytes=1 << 20, cache_dir={str(tmp_path / 'kv')!r}))\n"
         "except CacheDirLockedError as e:\n"
         "    print(e); sys.exit(3)\n"
     )
@@ -211,21 +211,21 @@ def test_second_engine_on_the_same_dir_gets_a_clear_error(tmp_path):
     assert proc.returncode == 3, proc.stderr
     assert "in use by another cache engine" in proc.stdout
     first.close()
-    CacheEngine(cfg(tmp_path)).close()  # free again after close
+    CacheManager(cfg(tmp_path)).close()  # free again after close
 
 
 def test_memory_backend_is_exclusive_too():
     storage = MemoryBackend()
-    eng = CacheEngine(CacheConfig(ssd_bytes=1 << 20), storage=storage)
+    eng = CacheManager(CacheConfig(ssd_bytes=1 << 20), storage=storage)
     with pytest.raises(CacheDirLockedError):
-        CacheEngine(CacheConfig(ssd_bytes=1 << 20), storage=storage)
+        CacheManager(CacheConfig(ssd_bytes=1 << 20), storage=storage)
     eng.close()
 
 
 def test_full_disk_keeps_requests_working(chunks, make_payload, caplog):
     one = chunk_file_bytes(make_payload(chunks.child(None, [0] * 4)).nbytes, 5, 2)
     storage = FaultyBackend(MemoryBackend(), disk_bytes=2 * one)  # the disk fills after two chunks
-    eng = CacheEngine(CacheConfig(chunk_size=4, dram_bytes=3 * 256, ssd_bytes=100 * one, sync_io=True), storage=storage)
+    eng = CacheManager(CacheConfig(chunk_size=4, dram_bytes=3 * 256, ssd_bytes=100 * one, sync_io=True), storage=storage)
     specs = [chunks.child(None, [i] * 4) for i in range(8)]
     with caplog.at_level(logging.ERROR, logger="pcr_rag.cache.manager"):
         for s in specs:
@@ -248,7 +248,7 @@ def test_full_disk_keeps_requests_working(chunks, make_payload, caplog):
 
 def test_write_errors_of_any_kind_are_counted_not_raised(chunks, make_payload):
     storage = FaultyBackend(MemoryBackend(), write_errno=errno.EACCES)
-    eng = CacheEngine(CacheConfig(chunk_size=4, ssd_bytes=1 << 20, sync_io=False), storage=storage)
+    eng = CacheManager(CacheConfig(chunk_size=4, ssd_bytes=1 << 20, sync_io=False), storage=storage)
     specs = [chunks.child(None, [i] * 4) for i in range(5)]
     for s in specs:
         assert eng.insert(s, make_payload(s))
@@ -262,7 +262,7 @@ def test_unusable_cache_dir_disables_the_ssd_tier(tmp_path, chunks, make_payload
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")
     with caplog.at_level(logging.ERROR):
-        eng = CacheEngine(cfg(tmp_path, cache_dir=blocker / "kv"))
+        eng = CacheManager(cfg(tmp_path, cache_dir=blocker / "kv"))
     assert not eng.ssd_enabled and eng.tiers == (Tier.DRAM,)
     assert any("SSD tier disabled" in r.getMessage() for r in caplog.records)
     spec = chunks.child(None, [1, 2, 3, 4])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pcr_rag.cache import CacheConfig, CacheEngine, ManualClock, MemoryBackend, Tier, namespace_key
+from pcr_rag.cache import CacheConfig, CacheManager, ManualClock, MemoryBackend, Tier, namespace_key
 from pcr_rag.cache.tiers.base import UNATTRIBUTED
 from pcr_rag.cache.tiers.chunk_file import ChunkMeta, decode_header, encode_header
 
@@ -21,12 +21,12 @@ NOISY = namespace_key("test-model", "float32", 4, "noisy")
 
 
 def _engine(dram_chunks: int, *, quota_chunks: int | None, ssd_chunks: int = 0, ssd_quota_chunks: int | None = None,
-            storage: MemoryBackend | None = None) -> CacheEngine:
+            storage: MemoryBackend | None = None) -> CacheManager:
     cfg = CacheConfig(chunk_size=4, dram_bytes=dram_chunks * CHUNK_BYTES, ssd_bytes=ssd_chunks * SSD_CHUNK_BYTES,
                       sync_io=True,
                       tenant_dram_bytes=None if quota_chunks is None else quota_chunks * CHUNK_BYTES,
                       tenant_ssd_bytes=None if ssd_quota_chunks is None else ssd_quota_chunks * SSD_CHUNK_BYTES)
-    return CacheEngine(cfg, clock=ManualClock(),
+    return CacheManager(cfg, clock=ManualClock(),
                        storage=storage if storage is not None else (MemoryBackend() if ssd_chunks else None))
 
 
@@ -36,7 +36,7 @@ def _working_set(tenant_root: bytes, n: int, seed: int) -> list:
     return [chunks.child(None, [seed + i] * 4) for i in range(n)]
 
 
-def _stream(eng: CacheEngine, tenant: bytes, n: int, seed: int) -> None:
+def _stream(eng: CacheManager, tenant: bytes, n: int, seed: int) -> None:
     for spec in _working_set(tenant, n, seed):
         eng.insert(spec, payload_for(spec), tenant=tenant)
 

@@ -11,7 +11,7 @@ import torch
 
 from pcr_rag.cache import (
     CacheConfig,
-    CacheEngine,
+    CacheManager,
     FaultyBackend,
     ManualClock,
     MemoryBackend,
@@ -27,7 +27,7 @@ CHUNK_BYTES = 2 * 2 * 1 * 4 * 4 * 4  # payload_for(spec) of a full 4-token chunk
 FILE_BYTES = chunk_file_bytes(CHUNK_BYTES, 5, 2)
 
 
-def engine(dram_chunks: int, ssd_chunks: int = 1000, storage=None, **kw) -> CacheEngine:
+def engine(dram_chunks: int, ssd_chunks: int = 1000, storage=None, **kw) -> CacheManager:
     cfg = CacheConfig(
         chunk_size=4,
         dram_bytes=dram_chunks * CHUNK_BYTES,
@@ -35,7 +35,7 @@ def engine(dram_chunks: int, ssd_chunks: int = 1000, storage=None, **kw) -> Cach
         sync_io=kw.pop("sync_io", True),
         **kw,
     )
-    return CacheEngine(cfg, clock=ManualClock(), storage=storage if storage is not None else MemoryBackend())
+    return CacheManager(cfg, clock=ManualClock(), storage=storage if storage is not None else MemoryBackend())
 
 
 @pytest.mark.parametrize("sync_io", [True, False])
@@ -73,7 +73,7 @@ def test_repeats_under_a_one_chunk_dram_reuse_what_a_large_dram_reuses():
         gen = torch.Generator().manual_seed(int.from_bytes(spec.key[:4], "little"))
         return torch.randn(2, 2, 1, spec.num_tokens, 4, generator=gen)
 
-    def run(dram_chunks: int) -> tuple[int, CacheEngine]:
+    def run(dram_chunks: int) -> tuple[int, CacheManager]:
         eng = engine(dram_chunks=dram_chunks)
         system = [1, 2, 3, 4]
         docs = [[100 * d + i for i in range(26)] for d in range(6)]  # 7 chunks each, the last one partial

@@ -1,4 +1,4 @@
-"""`RemoteEngine` on the openai SDK against a real `pcr-rag serve`: the same request through the local engine and the
+"""`HTTPEngine` on the openai SDK against a real `pcr-rag serve`: the same request through the local engine and the
 server gives the same tokens (structured output, sync and async streams, scoped documents); a draining server's
 503 and a full queue's 429 are retried within the caller's deadline; every sampling field travels or is refused;
 an announcement from async LlamaIndex code does not block the event loop."""
@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from pcr_rag import Doc
-from pcr_rag.client.http import RemoteEngine, RemoteEngineError, RemotePromptTooLongError
+from pcr_rag.client.http import HTTPEngine, RemoteEngineError, RemotePromptTooLongError
 from pcr_rag.errors import InvalidRequestError, QueueFullError
 from pcr_rag.request import ChatPrompt, FlatPrompt, SamplingParams
 from pcr_rag.response_format import ResponseFormat
@@ -76,7 +76,7 @@ def interposed(engine):
 
 @pytest.fixture(scope="module")
 def remote(base_url):
-    with RemoteEngine(base_url) as r:
+    with HTTPEngine(base_url) as r:
         yield r
 
 
@@ -118,7 +118,7 @@ def test_completions_prompt_with_stop_and_seed_equals_the_local_engine(remote, r
 def test_scoped_documents_travel_and_are_shared_across_tenants_only_when_shared(engine, reference, h) -> None:
     keys = ("sk-tenant-a", "sk-tenant-b")
     with ServerThread(engine, ServerSettings(port=0, api_keys=keys, tenant_per_key=True)) as url, \
-            RemoteEngine(url, api_key=keys[0]) as a, RemoteEngine(url, api_key=keys[1]) as b:
+            HTTPEngine(url, api_key=keys[0]) as a, HTTPEngine(url, api_key=keys[1]) as b:
         reused = {}
         for scope in ("shared", "private"):
             docs = [f"{d} ({scope} copy)" for d in h.DOCS[:2]]
@@ -177,7 +177,7 @@ def test_a_draining_server_503_is_retried_sync_async_and_streamed(interposed, re
     params = SamplingParams(max_new_tokens=4)
     want = reference.submit(prompt, params).result()
     path = "/v1/chat/completions"
-    with RemoteEngine(url, max_retries=2) as r:
+    with HTTPEngine(url, max_retries=2) as r:
         assert r.loaded.name
         wrapper.plan[path] = [503, 503]
         assert r.submit(prompt, params).result().token_ids == want.token_ids
@@ -196,7 +196,7 @@ def test_a_full_queue_429_is_retried_then_raises_queue_full(interposed, referenc
     prompt = ChatPrompt(h.rag_messages(), h.DOCS)
     params = SamplingParams(max_new_tokens=4)
     path = "/v1/chat/completions"
-    with RemoteEngine(url, max_retries=1) as r:
+    with HTTPEngine(url, max_retries=1) as r:
         assert r.loaded.name
         before = len(wrapper.seen)
         wrapper.plan[path] = [429, 429]
@@ -210,7 +210,7 @@ def test_a_full_queue_429_is_retried_then_raises_queue_full(interposed, referenc
 def test_no_retry_starts_after_the_callers_deadline(interposed, h) -> None:
     url, wrapper = interposed
     path = "/v1/chat/completions"
-    with RemoteEngine(url, max_retries=8) as r:
+    with HTTPEngine(url, max_retries=8) as r:
         assert r.loaded.name
         before = len(wrapper.seen)
         wrapper.plan[path] = [503] * 8
@@ -224,7 +224,7 @@ def test_no_retry_starts_after_the_callers_deadline(interposed, h) -> None:
 
 # ------------------------------------------------------------------------------------------------ what travels
 def capture(chat: bool = True, **choice_fields):
-    """A RemoteEngine whose requests land in a list (MockTransport answering an empty completion, or one token
+    """A HTTPEngine whose requests land in a list (MockTransport answering an empty completion, or one token
     with ``choice_fields``; a stream when asked)."""
     bodies: list[dict] = []
 
@@ -243,7 +243,7 @@ def capture(chat: bool = True, **choice_fields):
         sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=sse.encode())
 
-    return RemoteEngine("http://pcr.invalid", model="m", transport=httpx.MockTransport(answer)), bodies
+    return HTTPEngine("http://pcr.invalid", model="m", transport=httpx.MockTransport(answer)), bodies
 
 
 # field -> (a non-default value, (chat body key, completion body key)); None: not in that body. New
@@ -269,7 +269,7 @@ FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
 
 
 def test_every_sampling_field_has_a_wire_name() -> None:
-    assert set(FIELDS) <= set(WIRE), f"teach RemoteEngine (and WIRE) to send {sorted(set(FIELDS) - set(WIRE))}"
+    assert set(FIELDS) <= set(WIRE), f"teach HTTPEngine (and WIRE) to send {sorted(set(FIELDS) - set(WIRE))}"
 
 
 @pytest.mark.parametrize("name", FIELDS)
@@ -330,7 +330,7 @@ def test_errors_map_onto_the_projects(remote, engine, h) -> None:
         remote.submit(ChatPrompt(h.rag_messages()), SamplingParams(max_new_tokens=engine.max_model_len)).result()
     assert isinstance(info.value, InvalidRequestError) and info.value.excess_tokens is None
     with pytest.raises(InvalidRequestError, match="does not exist"):
-        RemoteEngine(remote.base_url, model="no-such-model").submit(ChatPrompt(h.rag_messages())).result()
+        HTTPEngine(remote.base_url, model="no-such-model").submit(ChatPrompt(h.rag_messages())).result()
     with pytest.raises(InvalidRequestError, match="not a str"):
         remote.announce([3])
 
@@ -344,10 +344,10 @@ def test_no_openai_key_from_the_environment_reaches_the_server(monkeypatch) -> N
         seen.append(request.headers)
         return httpx.Response(200, json={"tokens": [1, 2], "count": 2})
 
-    with RemoteEngine("http://pcr.invalid", transport=httpx.MockTransport(answer)) as eng:
+    with HTTPEngine("http://pcr.invalid", transport=httpx.MockTransport(answer)) as eng:
         assert eng.tokenize("ab") == [1, 2]
     assert "authorization" not in seen[0] and "openai-organization" not in seen[0]
-    with RemoteEngine("http://pcr.invalid", api_key="sk-pcr", transport=httpx.MockTransport(answer)) as eng:
+    with HTTPEngine("http://pcr.invalid", api_key="sk-pcr", transport=httpx.MockTransport(answer)) as eng:
         eng.count_tokens("ab")
     assert seen[1]["authorization"] == "Bearer sk-pcr"
 
@@ -411,7 +411,7 @@ def test_an_announce_task_withdrawn_on_its_way_is_withdrawn_when_it_arrives(inte
     before = engine.stats().prefetch["pending_announcements"]
 
     async def run():
-        with RemoteEngine(url) as r:
+        with HTTPEngine(url) as r:
             wrapper.plan["/v1/pcr/announce"] = [0.5]
             ticket = r.announce_task([Doc(h.DOCS[1], "shared")], query="heap?")
             assert ticket.ticket_id is None and r.cancel_announcement(ticket) is False
@@ -428,7 +428,7 @@ def test_an_announce_task_withdrawn_on_its_way_is_withdrawn_when_it_arrives(inte
 
     assert asyncio.run(run()) == before
     with pytest.raises(RuntimeError):
-        RemoteEngine(url).announce_task(list(h.DOCS[:1]))
+        HTTPEngine(url).announce_task(list(h.DOCS[:1]))
 
 
 def test_langchain_ainvoke_with_base_url_announces_off_the_loop_and_claims_it(interposed, h) -> None:

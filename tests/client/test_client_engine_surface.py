@@ -1,4 +1,4 @@
-"""`pcr_rag.client.http.RemoteEngine` against a real server: the `PCREngine` surface the integrations use, over HTTP."""
+"""`pcr_rag.client.http.HTTPEngine` against a real server: the `PCREngine` surface the integrations use, over HTTP."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from pcr_rag.client.http import RemoteAuthError, RemoteEngine, RemoteEngineError
+from pcr_rag.client.http import HTTPEngine, RemoteAuthError, RemoteEngineError
 from pcr_rag.errors import InvalidRequestError, RequestCancelledError
 from pcr_rag.request import ChatPrompt, FlatPrompt, SamplingParams
 from pcr_rag.server import ServerSettings, ServerThread
@@ -14,7 +14,7 @@ from pcr_rag.server import ServerSettings, ServerThread
 
 @pytest.fixture(scope="module")
 def remote(base_url):
-    with RemoteEngine(base_url) as r:
+    with HTTPEngine(base_url) as r:
         yield r
 
 
@@ -85,13 +85,13 @@ def test_errors_cancel_and_timeout(remote, engine, h) -> None:
     asyncio.run(cancel_async())
     assert h.wait_until(lambda: h.idle(engine), timeout=10)
     with pytest.raises(RemoteEngineError, match="cannot reach"):
-        RemoteEngine("http://127.0.0.1:9", connect_timeout=1).submit(long).result()
+        HTTPEngine("http://127.0.0.1:9", connect_timeout=1).submit(long).result()
 
 
 def test_api_key(engine, h) -> None:
     with ServerThread(engine, ServerSettings(port=0, api_keys=("sk-remote",))) as url:
         with pytest.raises(RemoteAuthError):
-            RemoteEngine(url, api_key="wrong").loaded  # noqa: B018
-        ok = RemoteEngine(url, api_key="sk-remote")
+            HTTPEngine(url, api_key="wrong").loaded  # noqa: B018
+        ok = HTTPEngine(url, api_key="sk-remote")
         assert ok.submit(ChatPrompt(h.rag_messages()), SamplingParams(max_new_tokens=2)).result().token_ids
         ok.close()

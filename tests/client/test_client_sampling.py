@@ -1,4 +1,4 @@
-"""`RemoteEngine` sends every sampling option and gets the local engine's answer: each `SamplingParams` field
+"""`HTTPEngine` sends every sampling option and gets the local engine's answer: each `SamplingParams` field
 (top_k, repetition_penalty, presence / frequency penalties, logprobs) through a live server gives the tokens and
 logprobs of the same request on a local engine, result and stream, chat and completions; ``chat_template_kwargs``
 travels; the integrations refuse a chat template text with ``base_url`` instead of ignoring it."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pcr_rag import EngineConfig, PCREngine
-from pcr_rag.client.http import RemoteEngine
+from pcr_rag.client.http import HTTPEngine
 from pcr_rag.request import ChatPrompt, FlatPrompt, SamplingParams, completion_logprobs
 from pcr_rag.server import ServerSettings, ServerThread
 
@@ -25,7 +25,7 @@ OPTIONS = {
 
 @pytest.fixture(scope="module")
 def remote(base_url):
-    with RemoteEngine(base_url) as r:
+    with HTTPEngine(base_url) as r:
         yield r
 
 
@@ -82,7 +82,7 @@ def test_chat_template_kwargs_travel_to_the_server(tiny, tmp_path, h) -> None:
                                                              dtype="float32", ssd_capacity=0, max_new_tokens=3))
     prompt = ChatPrompt([{"role": "user", "content": "Tell me."}], chat_template_kwargs={"mood": "cheerful"})
     server = ServerThread(PCREngine(model, tokenizer, config=config), ServerSettings(port=0), owns_engine=True)
-    with server as url, RemoteEngine(url) as r, local:
+    with server as url, HTTPEngine(url) as r, local:
         got = r.submit(prompt, SamplingParams(max_new_tokens=3)).result(timeout=60)
         want = local.submit(prompt, SamplingParams(max_new_tokens=3)).result(timeout=60)
         plain = local.submit(ChatPrompt(prompt.messages), SamplingParams(max_new_tokens=3)).result(timeout=60)

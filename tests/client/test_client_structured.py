@@ -1,4 +1,4 @@
-"""Structured output travels over HTTP: `RemoteEngine` sends the request's ``response_format`` so the server builds
+"""Structured output travels over HTTP: `HTTPEngine` sends the request's ``response_format`` so the server builds
 the same grammar, and the answer equals the local engine's token for token (it was silently dropped before)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pcr_rag.client.http import RemoteEngine
+from pcr_rag.client.http import HTTPEngine
 from pcr_rag.request import ChatPrompt, SamplingParams
 from pcr_rag.response_format import ResponseFormat
 
@@ -17,7 +17,7 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLeng
 
 @pytest.fixture(scope="module")
 def remote(base_url):
-    with RemoteEngine(base_url) as r:
+    with HTTPEngine(base_url) as r:
         yield r
 
 

@@ -1,4 +1,4 @@
-"""Document-affinity routing: the routing key (`pcr_rag.client.routing`), the header `RemoteEngine` sends on the wire, and
+"""Document-affinity routing: the routing key (`pcr_rag.client.routing`), the header `HTTPEngine` sends on the wire, and
 HAProxy hashing on it in front of two `pcr-rag serve` replicas sharing one Valkey (benchmarks/affinity_routing.py,
 run briefly): more of the reused tokens come from the replica's own DRAM than under round robin, and every answer
 is the cache-off engine's.
@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from pcr_rag import Doc
-from pcr_rag.client.http import RemoteEngine
+from pcr_rag.client.http import HTTPEngine
 from pcr_rag.client.routing import ROUTE_HEADER, prompt_route, routing_key
 from pcr_rag.errors import InvalidRequestError
 from pcr_rag.request import ChatPrompt, FlatPrompt, SamplingParams
@@ -142,7 +142,7 @@ def test_remote_engine_sends_the_header_on_the_wire() -> None:
         return httpx.Response(200, json={"id": "x", "object": "chat.completion", "created": 0, "model": "m",
                                          "choices": [choice], "usage": {"prompt_tokens": 1}})
 
-    with RemoteEngine("http://pcr.invalid", model="m", transport=httpx.MockTransport(answer)) as engine:
+    with HTTPEngine("http://pcr.invalid", model="m", transport=httpx.MockTransport(answer)) as engine:
         engine.submit(chat("q", [A, B]), SamplingParams(max_new_tokens=1)).result(timeout=10)
         engine.submit(ChatPrompt([{"role": "user", "content": "hi"}]), SamplingParams(max_new_tokens=1)).result(
             timeout=10)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pcr_rag import EngineConfig, PCREngine, RagPrompt
-from pcr_rag.cache import CacheConfig, CacheEngine, ChunkSpec, chunk_key, namespace_key
+from pcr_rag.cache import CacheConfig, CacheManager, ChunkSpec, chunk_key, namespace_key
 from pcr_rag.cache.config import KVLayout, RemoteConfig
 from pcr_rag.cache.tiers.remote_value import value_name
 from pcr_rag.testing import tiny_model
@@ -163,9 +163,9 @@ def _chain(n: int, tokens: int = 4, layers: int = 2, heads: int = 2, head_dim: i
 def test_values_the_store_evicts_are_misses(tmp_path):
     server = start_valkey(tmp_path, maxmemory="4mb")  # allkeys-lru: old values go as new ones come
     try:
-        def cache(head_dim: int = 64) -> CacheEngine:  # the KV layout of _chain's payloads
+        def cache(head_dim: int = 64) -> CacheManager:  # the KV layout of _chain's payloads
             layout = KVLayout(2, 2, head_dim, torch.float32)
-            return CacheEngine(CacheConfig(chunk_size=4, dram_bytes=1 << 30, sync_io=True,
+            return CacheManager(CacheConfig(chunk_size=4, dram_bytes=1 << 30, sync_io=True,
                                            remote=RemoteConfig(server.url, secret=SECRET, kv_layout=layout)))
 
         specs, payloads = _chain(160)  # 160 values of ~12 KiB each, then 300 x 32 KiB more: over 4 MiB

@@ -1,6 +1,6 @@
 """Blend mode over HTTP (issue 48): the ``reuse`` extension field on both generation endpoints, the blended tokens
 each response reports (``usage.prompt_tokens_details.blended_tokens``, ``usage.pcr.blended_tokens`` and
-``usage.pcr.reuse``, streamed usage too), a bad ``reuse`` refused before any compute, `RemoteEngine` giving the same
+``usage.pcr.reuse``, streamed usage too), a bad ``reuse`` refused before any compute, `HTTPEngine` giving the same
 tokens and figures as the local engine in both modes, and the blend series on ``/metrics``."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pcr_rag import PCREngine
-from pcr_rag.client.http import RemoteEngine
+from pcr_rag.client.http import HTTPEngine
 from pcr_rag.errors import InvalidRequestError
 from pcr_rag.request import ChatPrompt, FlatPrompt, SamplingParams
 
@@ -123,7 +123,7 @@ def test_the_openapi_schema_and_model_card_publish_the_field(server, engine) -> 
 
 def test_remote_engine_gives_the_local_engine_s_tokens_and_report_in_both_modes(fresh, tiny, tmp_path, h) -> None:
     """One behaviour, every path: the same requests in the same order, to a local engine and through
-    `RemoteEngine` to a server's engine (each on a fresh cache), give the same tokens, the same reuse figures and
+    `HTTPEngine` to a server's engine (each on a fresh cache), give the same tokens, the same reuse figures and
     the same mode, blend and exact, chat and completions, result and stream."""
     served, url = fresh()
     model, tokenizer = tiny
@@ -131,7 +131,7 @@ def test_remote_engine_gives_the_local_engine_s_tokens_and_report_in_both_modes(
              (ORDERS[1], None, True), (ORDERS[2], "blend", False), ((0, 2, 1), "blend", True)]
     params = SamplingParams(max_new_tokens=5)
     with PCREngine(model, tokenizer, config=h.engine_config(tmp_path / "local")) as local, \
-            RemoteEngine(url) as remote:
+            HTTPEngine(url) as remote:
         for i, (order, reuse, chat) in enumerate(steps):
             docs = docs_in(order)
             prompt = ChatPrompt(messages(docs), docs) if chat else FlatPrompt(messages(docs)[1]["content"], docs)
@@ -173,7 +173,7 @@ def test_metrics_expose_blended_tokens_requests_and_the_gate(fresh) -> None:
     assert before["pcr:blend_verified_requests_total"] == 0 and before["pcr:blend_verify_fraction"] == 1.0
     # no verification yet: the mean and the median have no value, and no series
     assert "pcr:blend_token_agreement_mean" not in before and "pcr:blend_first_token_kl_median" not in before
-    with RemoteEngine(url) as remote:
+    with HTTPEngine(url) as remote:
         for order, reuse in ((ORDERS[0], "blend"), (ORDERS[1], "blend"), (ORDERS[2], "exact")):
             remote.submit(ChatPrompt(messages(docs_in(order)), docs_in(order)), SamplingParams(max_new_tokens=4),
                           reuse=reuse).result()
@@ -207,10 +207,10 @@ def test_metrics_expose_blended_tokens_requests_and_the_gate(fresh) -> None:
 def test_announce_takes_reuse_and_a_blend_announcement_prefetches_the_documents_chains(fresh) -> None:
     """``POST /v1/pcr/announce`` with ``reuse: "blend"`` puts each document's position-independent chain into the
     prefetch window besides the predicted prefix (`PCREngine.window_snapshot`); an exact one only the prefix; a bad
-    mode is a 400 naming the field, and `RemoteEngine` refuses it before sending."""
+    mode is a 400 naming the field, and `HTTPEngine` refuses it before sending."""
     engine, url = fresh()
     docs = docs_in(ORDERS[1])
-    with RemoteEngine(url) as remote:
+    with HTTPEngine(url) as remote:
         remote.announce(docs, query="what do they say?")
         assert len(engine.window_snapshot()) == 1
         remote.announce(docs_in(ORDERS[2]), query="what do they say?", reuse="blend")

@@ -1,4 +1,4 @@
-"""The server's traces and logs: server spans join the client's W3C ``traceparent`` (plain HTTP and `RemoteEngine`,
+"""The server's traces and logs: server spans join the client's W3C ``traceparent`` (plain HTTP and `HTTPEngine`,
 announce included) and the engine's request spans are their children; every request's log lines carry its request
 id, echoed in ``X-Request-Id``; ``pcr-rag serve --log-format json`` writes one JSON object per line."""
 
@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from pcr_rag import logs, tracing
-from pcr_rag.client.http import RemoteEngine
+from pcr_rag.client.http import HTTPEngine
 from pcr_rag.request import ChatPrompt, SamplingParams
 
 pytest.importorskip("opentelemetry.sdk")
@@ -78,7 +78,7 @@ def test_remote_engine_carries_the_callers_trace_to_the_server_announce_included
     tracer_provider, exporter = provider
     app = tracer_provider.get_tracer("app")
     docs = ["A retrieved passage about tracing RAG pipelines end to end, from retriever to LLM. " * 2]
-    with RemoteEngine(base_url) as remote, app.start_as_current_span("query") as query:
+    with HTTPEngine(base_url) as remote, app.start_as_current_span("query") as query:
         with app.start_as_current_span("retrieve"):
             remote.announce(docs, query="what is traced?")
         with app.start_as_current_span("llm"):

@@ -2,7 +2,7 @@
 ``layout: "rag"`` lays out ``[system + instruction][documents][system_tail][question]`` as `PCREngine.generate`
 does, so two requests whose tails differ reuse the documents and each equals a cache-off engine's answer; a
 ``system_tail`` the server cannot place (chat messages, a flat prompt) or of the wrong type is a 400 before any
-compute; `RemoteEngine` sends a `RagPrompt` there and gives the local engine's tokens and reuse figures."""
+compute; `HTTPEngine` sends a `RagPrompt` there and gives the local engine's tokens and reuse figures."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from pcr_rag import PCREngine
-from pcr_rag.client.http import RemoteEngine
+from pcr_rag.client.http import HTTPEngine
 from pcr_rag.client.routing import ROUTE_HEADER, routing_key
 from pcr_rag.request import RagPrompt, SamplingParams
 
@@ -117,13 +117,13 @@ def test_the_openapi_schema_publishes_the_fields(server) -> None:
 
 def test_remote_engine_sends_a_rag_prompt_and_gives_the_local_engine_s_tokens(fresh, tiny, tmp_path, h) -> None:
     """The same RAG requests (tails differing, one announced first, one streamed) to a local engine and through
-    `RemoteEngine` to a server's engine, each on a fresh cache: the same tokens and the same reuse figures."""
+    `HTTPEngine` to a server's engine, each on a fresh cache: the same tokens and the same reuse figures."""
     served, url = fresh()
     model, tokenizer = tiny
     params = SamplingParams(max_new_tokens=5)
     steps = [(USERS[0], False), (USERS[1], True), (None, False), ("  ", True)]
     with PCREngine(model, tokenizer, config=h.engine_config(tmp_path / "local")) as local, \
-            RemoteEngine(url) as remote:
+            HTTPEngine(url) as remote:
         for i, (tail, stream) in enumerate(steps):
             prompt = RagPrompt(QUESTION, DOCS, BASE, system_tail=tail)
             want = local.submit(prompt, params).result()

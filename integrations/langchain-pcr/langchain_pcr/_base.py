@@ -16,7 +16,7 @@ from langchain_pcr._remote import engine_holder
 from langchain_pcr._stream_run import take_started_run
 from langchain_pcr._tracing import run_span
 from langchain_pcr.callbacks import resolve_documents
-from pcr_rag.client.http import RemoteEngine
+from pcr_rag.client.http import HTTPEngine
 from pcr_rag.handle import RequestHandle
 from pcr_rag.request import GenerationResult, Prompt, SamplingParams, StreamChunk
 
@@ -31,7 +31,7 @@ class ModelCall:
     """One submitted model call: the engine, the request's handle, and the documents passed with it.
 
     ``trace_run``: the LangChain run whose OpenInference span is made current (`run_span`) while the handle is
-    consumed, so a `RemoteEngine`'s HTTP call (it starts when the handle is first awaited or iterated, not at
+    consumed, so an `HTTPEngine`'s HTTP call (it starts when the handle is first awaited or iterated, not at
     submit) carries that span as ``traceparent``. None for a local engine: its request's spans start at submit,
     under the same span, and consuming its handle sends nothing.
     """
@@ -190,7 +190,7 @@ class PCRModelParams(BaseModel):
         run_id = getattr(run, "run_id", None)
         with run_span(run_id):  # an OpenInference trace: the request under its model
             handle = engine.submit(make_prompt(docs.documents), params, timeout=timeout, reuse=reuse)
-        return ModelCall(engine, handle, docs, run_id if isinstance(engine, RemoteEngine) else None)
+        return ModelCall(engine, handle, docs, run_id if isinstance(engine, HTTPEngine) else None)
 
     def _text_chunk(self, text: str) -> Any:
         raise NotImplementedError

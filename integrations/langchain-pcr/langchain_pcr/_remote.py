@@ -1,6 +1,6 @@
 """``base_url`` mode: a `ChatPCR` / `PCRLLM` whose calls and retrieval announcements go to a `pcr-rag serve` server.
 
-The model then holds a `pcr_rag.client.http.RemoteEngine` instead of a local `PCREngine`; everything else (the retrieval
+The model then holds a `pcr_rag.client.http.HTTPEngine` instead of a local `PCREngine`; everything else (the retrieval
 hook's announcements, documents found in the prompt, sampling keywords, timeouts, usage and response metadata)
 works as with a local engine, so several worker processes share one engine and one KV cache.
 """
@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from langchain_pcr._common import EngineHolder
-from pcr_rag.client.http import RemoteEngine
+from pcr_rag.client.http import HTTPEngine
 
 __all__ = ["API_KEY_ENV", "RemoteEngineHolder", "engine_holder"]
 
@@ -19,9 +19,9 @@ API_KEY_ENV = "PCR_RAG_API_KEY"
 
 
 class RemoteEngineHolder(EngineHolder):
-    """An `EngineHolder` whose engine is a `RemoteEngine` (built at once: no model loads in this process)."""
+    """An `EngineHolder` whose engine is an `HTTPEngine` (built at once: no model loads in this process)."""
 
-    def __init__(self, owner: Any, engine: RemoteEngine) -> None:
+    def __init__(self, owner: Any, engine: HTTPEngine) -> None:
         super().__init__(owner)
         self._engine = engine  # type: ignore[assignment]
 
@@ -47,4 +47,4 @@ def engine_holder(owner: Any) -> EngineHolder:
         raise ValueError(f"pass either base_url= (a pcr-rag server) or {clash} (a local engine), not both")
     secret = owner.api_key
     key = secret.get_secret_value() if secret is not None else os.environ.get(API_KEY_ENV)
-    return RemoteEngineHolder(owner, RemoteEngine(owner.base_url, api_key=key, model=owner.model))
+    return RemoteEngineHolder(owner, HTTPEngine(owner.base_url, api_key=key, model=owner.model))

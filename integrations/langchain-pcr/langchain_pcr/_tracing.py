@@ -4,7 +4,7 @@ That instrumentor records each LangChain run as an OpenTelemetry span but never 
 callbacks cannot guarantee a detach), so a span pcr_rag starts would open a trace of its own. `run_span(run_id,
 ...)` makes the span of the first given run that the instrumentor still holds current for a block: the retrieval
 hook's announcement becomes a child of the retriever's span, and a model's request a child of the model's span
-(a local engine's when submitted; a `RemoteEngine`'s HTTP call, which carries the current span as ``traceparent``,
+(a local engine's when submitted; an `HTTPEngine`'s HTTP call, which carries the current span as ``traceparent``,
 while its handle is consumed: `langchain_pcr._base.ModelCall`). Without the instrumentor (not imported), or with
 no span for those runs, it does nothing.
 """

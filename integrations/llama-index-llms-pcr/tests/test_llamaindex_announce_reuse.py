@@ -96,7 +96,7 @@ def test_over_base_url_sync_and_async_queries_announce_the_llm_s_mode(engine_fac
         exact = index.as_query_engine(llm=PCRLLM(base_url=url, max_new_tokens=3), similarity_top_k=TOP_K)
         blend.query(QUESTION)
         exact.query(QUESTION)
-        asyncio.run(blend.aquery(QUESTION))  # on the event loop: announced from a task (RemoteEngine.announce_task)
+        asyncio.run(blend.aquery(QUESTION))  # on the event loop: announced from a task (HTTPEngine.announce_task)
         deadline = time.monotonic() + 10
         while len(tickets) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -422,7 +422,7 @@ class LocalDirBackend:
                 os.close(fd)
             raise CacheDirLockedError(
                 f"cache directory {self.root} is in use by another cache engine ({holder}); close that engine "
-                f"(CacheEngine.close()) or give this one a different cache_dir"
+                f"(CacheManager.close()) or give this one a different cache_dir"
             ) from None
         except BaseException:
             os.close(fd)

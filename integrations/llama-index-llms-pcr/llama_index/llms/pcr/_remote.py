@@ -1,6 +1,6 @@
 """``base_url`` mode: a `PCRLLM` whose calls and retrieval announcements go to a `pcr-rag serve` server.
 
-`PCRLLM(base_url=...)` holds a `pcr_rag.client.http.RemoteEngine` instead of a local `PCREngine`; the retrieval hook
+`PCRLLM(base_url=...)` holds a `pcr_rag.client.http.HTTPEngine` instead of a local `PCREngine`; the retrieval hook
 announces to it, documents are found in the prompt and passed with the call, and ``metadata`` / ``count_tokens``
 ask the server, so several worker processes share one engine and one KV cache.
 """
@@ -10,15 +10,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pcr_rag.client.http import RemoteEngine
+from pcr_rag.client.http import HTTPEngine
 
 __all__ = ["API_KEY_ENV", "remote_engine"]
 
 API_KEY_ENV = "PCR_RAG_API_KEY"
 
 
-def remote_engine(llm: Any, engine: Any = None) -> RemoteEngine:
-    """The `RemoteEngine` for ``llm.base_url`` (key: ``llm.api_key``, else ``$PCR_RAG_API_KEY``).
+def remote_engine(llm: Any, engine: Any = None) -> HTTPEngine:
+    """The `HTTPEngine` for ``llm.base_url`` (key: ``llm.api_key``, else ``$PCR_RAG_API_KEY``).
 
     Raises:
         ValueError: ``base_url`` together with ``engine``, ``tokenizer``, ``config``, a model object or a
@@ -32,4 +32,4 @@ def remote_engine(llm: Any, engine: Any = None) -> RemoteEngine:
     if clash:
         raise ValueError(f"pass either base_url= (a pcr-rag server) or {clash} (a local engine), not both")
     key = llm.api_key or os.environ.get(API_KEY_ENV)
-    return RemoteEngine(llm.base_url, api_key=key, model=llm.model)
+    return HTTPEngine(llm.base_url, api_key=key, model=llm.model)

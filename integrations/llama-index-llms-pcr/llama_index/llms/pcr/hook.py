@@ -259,7 +259,7 @@ class PCRRetrievalHook:
     def _announce(self, ann: Announcement, engines: list[Any], reuse: dict[int, str | None]) -> None:
         """Announce ``ann`` to ``engines``, each in its reuse mode (``reuse``: ``id(engine) ->`` "exact", "blend" or
         None, the engine's default; `Announcement.announce_to`). An async retriever emits its event on the event
-        loop: there an engine with ``announce_task`` (a `pcr_rag.client.http.RemoteEngine`) announces from a task, so
+        loop: there an engine with ``announce_task`` (a `pcr_rag.client.http.HTTPEngine`) announces from a task, so
         its HTTP call never blocks the loop; the ticket it returns at once is filled in when the server answers,
         and withdrawn then if the model call already took it (the server saw the call first and will not claim
         it)."""
