@@ -34,7 +34,7 @@ from pcr_rag.cache.roots import RootIdentity, RootManifest, foreign_chunks_note
 from pcr_rag.cache.storage.private_dir import refuse_unsafe
 from pcr_rag.config import EngineConfig
 from pcr_rag.errors import EngineClosedError, InvalidRequestError, PromptTooLongError, RequestCancelledError
-from pcr_rag.handle import RequestHandle, RequestState, TokenChannel
+from pcr_rag.handle import EngineSource, RequestHandle, RequestState, TokenChannel
 from pcr_rag.metrics import REUSE_MODES, MetricsRecorder, prometheus_text
 from pcr_rag.model.forward import WARM_UP_ROW, FastForward
 from pcr_rag.model.grammar import GrammarCompiler
@@ -349,7 +349,7 @@ class PCREngine:
             req.future.add_done_callback(functools.partial(trace.finish, req))
         self.scheduler.submit(req)
         self.builder.accept(context)
-        return RequestHandle(req, channel, self._cancel, timeout)
+        return RequestHandle(EngineSource(req, channel, self._cancel), timeout)
 
     # The public methods below are wrappers over `submit`: generate* wait for the result, stream* return the
     # handle (iterate it for `StreamChunk`s, ``.result()`` afterwards), agenerate* await it, astream* are stream*

@@ -1,5 +1,13 @@
-"""The caller's side of a submitted request: `RequestHandle`, the `TokenChannel` that carries its tokens from the
-executor thread, and `RequestState`.
+"""The caller's side of a submitted request: `RequestHandle`, the one handle of both engines (`PCREngine` and
+`pcr_rag.client.http.HTTPEngine`), over a `RequestSource` that says where its tokens and result come from:
+
+- `EngineSource`: the local engine's request, its tokens carried from the executor thread by a `TokenChannel`;
+- `pcr_rag.client.http.HTTPCall`: one call to `pcr-rag serve` (a streamed call when the handle is iterated, a
+  non-streamed one for ``result()`` / ``await``).
+
+The handle owns what a caller sees the same way on both: the deadline over every wait (a passed deadline cancels
+the request and raises `TimeoutError`), one stream per handle closed by a chunk carrying the result, cancelling on
+``close()`` / a dropped handle / a cancelled awaiting task.
 
 Invariants: a handle's stream yields every generated token once, in order, then one closing chunk that carries
 the `GenerationResult` (or raises the request's error); a request whose deadline passes while someone waits on its
@@ -23,7 +31,7 @@ from pcr_rag.request import GenerationResult, StreamChunk, TokenLogprob
 if TYPE_CHECKING:
     from collections.abc import Generator
 
-__all__ = ["RequestHandle", "RequestState", "TokenChannel", "TrackedRequest"]
+__all__ = ["EngineSource", "RequestHandle", "RequestSource", "RequestState", "TokenChannel", "TrackedRequest"]
 
 
 class RequestState(str, Enum):
@@ -119,51 +127,139 @@ def _resolve(waiter: asyncio.Future) -> None:
         waiter.set_result(None)
 
 
+class RequestSource(Protocol):
+    """Where a `RequestHandle`'s tokens and result come from. ``timeout`` arguments are seconds a wait may take
+    (None: unbounded); a wait that runs out raises `TimeoutError`, and the handle then cancels the request."""
+
+    @property
+    def request_id(self) -> int | str: ...
+
+    @property
+    def state(self) -> RequestState: ...
+
+    @property
+    def metrics(self) -> RequestMetrics: ...
+
+    @property
+    def produced(self) -> int:
+        """Token chunks handed out so far (the closing chunk's index)."""
+        ...
+
+    def done(self) -> bool: ...
+
+    def cancel(self) -> bool:
+        """Cancel the request; True if it had not finished."""
+        ...
+
+    def next_chunk(self, timeout: float | None) -> StreamChunk | None:
+        """The next token chunk; None once the tokens are over (then `result` does not wait)."""
+        ...
+
+    async def anext_chunk(self, timeout: float | None) -> StreamChunk | None: ...
+
+    def result(self, timeout: float | None) -> GenerationResult:
+        """The result, or the request's error raised."""
+        ...
+
+    async def aresult(self, timeout: float | None) -> GenerationResult: ...
+
+    async def aclose(self) -> None:
+        """Release what an async consumer held (connections); the request itself is cancelled by the handle."""
+        ...
+
+
+class EngineSource:
+    """The local engine's request as a `RequestSource`: tokens from its `TokenChannel`, the result from its
+    future; ``cancel`` is the engine's (a waiting request leaves the queue, a running one stops at its next
+    forward)."""
+
+    def __init__(self, request: TrackedRequest, channel: TokenChannel, cancel: Callable[[Any], bool]) -> None:
+        self.request = request
+        self._channel = channel
+        self._cancel = cancel
+
+    @property
+    def request_id(self) -> int:
+        return self.request.request_id
+
+    @property
+    def state(self) -> RequestState:
+        return self.request.state
+
+    @property
+    def metrics(self) -> RequestMetrics:
+        return self.request.metrics
+
+    @property
+    def produced(self) -> int:
+        return self._channel.produced
+
+    def done(self) -> bool:
+        return self.request.future.done()
+
+    def cancel(self) -> bool:
+        return self._cancel(self.request)
+
+    def next_chunk(self, timeout: float | None) -> StreamChunk | None:
+        return self._channel.get(timeout)
+
+    async def anext_chunk(self, timeout: float | None) -> StreamChunk | None:
+        return await self._channel.aget(timeout)
+
+    def result(self, timeout: float | None) -> GenerationResult:
+        return self.request.future.result(timeout=timeout)
+
+    async def aresult(self, timeout: float | None) -> GenerationResult:
+        await self._channel.wait_closed(timeout)  # the channel closes only once the future is done
+        return self.request.future.result()
+
+    async def aclose(self) -> None:
+        return None
+
+
 class RequestHandle:
-    """The caller's side of one submitted request.
+    """The caller's side of one submitted request, on either engine.
 
     - ``result(timeout=None)`` blocks for the `GenerationResult`; ``await handle`` / ``await handle.aresult()``
       awaits it without blocking the event loop.
     - Iterating (``for`` or ``async for``) yields `StreamChunk`s as tokens come, then the closing chunk with the
       result; a failed or cancelled request raises its error instead. There is one stream per handle.
     - ``cancel()`` cancels the request (a waiting one leaves the queue; a running one stops at its next forward
-      and releases its pinned chunks); ``close()`` / ``aclose()`` cancel it unless it finished. Dropping the last
-      reference to an unfinished handle cancels its request too.
+      and releases its pinned chunks; over HTTP the connection closes and the server does the same);
+      ``close()`` / ``aclose()`` cancel it unless it finished. Dropping the last reference to an unfinished handle
+      cancels its request too.
     - A deadline (``submit(..., timeout=)``) bounds every wait on the handle: when it passes, the request is
       cancelled and the wait raises `TimeoutError`. Cancelling the task that awaits or iterates cancels the
       request.
     """
 
-    def __init__(self, request: TrackedRequest, channel: TokenChannel, cancel: Callable[[Any], bool],
-                 timeout: float | None = None) -> None:
-        self._request = request
-        self._channel = channel
-        self._cancel = cancel
+    def __init__(self, source: RequestSource, timeout: float | None = None) -> None:
+        self._source = source
         self._timeout = timeout
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._finished_stream = False
 
     # ------------------------------------------------------------------------------------------ state
     @property
-    def request_id(self) -> int:
-        return self._request.request_id
+    def request_id(self) -> int | str:
+        return self._source.request_id
 
     @property
     def state(self) -> RequestState:
-        return self._request.state
+        return self._source.state
 
     @property
     def metrics(self) -> RequestMetrics:
         """The request's metrics so far (final once it is done)."""
-        return self._request.metrics
+        return self._source.metrics
 
     def done(self) -> bool:
         """True once the request finished, failed or was cancelled."""
-        return self._request.future.done()
+        return self._source.done()
 
     def cancel(self) -> bool:
         """Cancel the request; True if it had not finished yet (its result then raises `RequestCancelledError`)."""
-        return self._cancel(self._request)
+        return self._source.cancel()
 
     def close(self) -> None:
         """Stop consuming: cancels the request unless it already finished (no-op then)."""
@@ -172,6 +268,7 @@ class RequestHandle:
 
     async def aclose(self) -> None:
         self.close()
+        await self._source.aclose()
 
     def __del__(self) -> None:
         try:
@@ -186,20 +283,19 @@ class RequestHandle:
         Raises the request's error (e.g. `RequestCancelledError`); on timeout the request is cancelled and
         `TimeoutError` raised."""
         try:
-            return self._request.future.result(timeout=self._wait_s(timeout))
+            return self._source.result(self._wait_s(timeout))
         except TimeoutError:
             raise self._timed_out() from None
 
     async def aresult(self, timeout: float | None = None) -> GenerationResult:
         """`result` for asyncio: awaits without blocking the loop; cancelling the awaiting task cancels the request."""
         try:
-            await self._channel.wait_closed(self._wait_s(timeout))
+            return await self._source.aresult(self._wait_s(timeout))
         except TimeoutError:
             raise self._timed_out() from None
         except asyncio.CancelledError:
             self.cancel()
             raise
-        return self._request.future.result()
 
     def __await__(self) -> Generator[Any, None, GenerationResult]:
         return self.aresult().__await__()
@@ -212,7 +308,7 @@ class RequestHandle:
         if self._finished_stream:
             raise StopIteration
         try:
-            chunk = self._channel.get(self._wait_s(None))
+            chunk = self._source.next_chunk(self._wait_s(None))
         except TimeoutError:
             raise self._timed_out() from None
         return chunk if chunk is not None else self._closing_chunk()
@@ -224,19 +320,27 @@ class RequestHandle:
         if self._finished_stream:
             raise StopAsyncIteration
         try:
-            chunk = await self._channel.aget(self._wait_s(None))
+            chunk = await self._source.anext_chunk(self._wait_s(None))
         except TimeoutError:
+            await self._source.aclose()
             raise self._timed_out() from None
         except asyncio.CancelledError:
             self.cancel()
+            await self._source.aclose()
             raise
-        return chunk if chunk is not None else self._closing_chunk()
+        except BaseException:
+            await self._source.aclose()
+            raise
+        if chunk is None:
+            await self._source.aclose()
+            return self._closing_chunk()
+        return chunk
 
     # ------------------------------------------------------------------------------------------ internals
     def _closing_chunk(self) -> StreamChunk:
         self._finished_stream = True
-        result = self._request.future.result()  # the channel closes only once the future is done; raises errors
-        return StreamChunk(-1, "", self._channel.produced, result)
+        result = self._source.result(None)  # the tokens are over: the result is there (or its error is raised)
+        return StreamChunk(-1, "", self._source.produced, result)
 
     def _wait_s(self, timeout: float | None) -> float | None:
         """Seconds a wait may take: ``timeout``, capped by what is left of the deadline (>= 0)."""

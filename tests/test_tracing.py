@@ -140,12 +140,12 @@ def test_a_failed_request_ends_its_span_with_an_error(engine, provider) -> None:
 def test_tracing_off_records_nothing_and_imports_no_opentelemetry(engine) -> None:
     handle = engine.stream("q", DOCS, max_new_tokens=1)
     handle.result()
-    assert handle._request.trace is None  # no provider: nothing captured
+    assert handle._source.request.trace is None  # no provider: nothing captured
     code = ("import sys; from pcr_rag import PCREngine, tracing, logs; from pcr_rag.testing import tiny_model\n"
             "m, t = tiny_model('llama', num_layers=1)\n"
             "with PCREngine(m, t, enable_cache=False, max_new_tokens=1, device='cpu', warmup=False) as e:\n"
             "    h = e.stream('q', ['a document']); h.result()\n"
-            "    assert h._request.trace is None\n"
+            "    assert h._source.request.trace is None\n"
             "bad = sorted(n for n in sys.modules if n.startswith('opentelemetry'))\n"
             "assert not bad, bad\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

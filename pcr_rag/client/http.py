@@ -23,7 +23,7 @@ send raises `InvalidRequestError` before any call, so nothing is dropped silentl
 the SDK client's raw ``post`` / ``delete``; the model card through ``client.models.list()``. A request with documents carries ``X-PCR-Route`` (`pcr_rag.client.routing`: a hash of its first
 document and the head before it), so a proxy hashing on it sends it to the replica that holds those documents.
 
-`RemoteHandle` behaves as `RequestHandle`: one stream per handle (sync or async) of `StreamChunk`s closed by a
+`submit` returns the engine's own `RequestHandle` (`pcr_rag.handle`) over an `HTTPCall`: one stream per handle (sync or async) of `StreamChunk`s closed by a
 chunk carrying the `GenerationResult` (text, token ids, finish reason, usage, the server's per-request metrics),
 ``result()`` / ``await`` (a non-streamed call when nothing was streamed, so the text is exactly the engine's),
 ``cancel()`` (the connection is closed; the server cancels the request and frees its row), a deadline
@@ -56,7 +56,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -79,6 +79,7 @@ from pcr_rag.client.wire import (
     wire_documents,
 )
 from pcr_rag.errors import InvalidRequestError, PCRError, RequestCancelledError
+from pcr_rag.handle import RequestHandle, RequestState
 from pcr_rag.metrics import RequestMetrics
 from pcr_rag.prompt import Doc, split_documents
 from pcr_rag.request import (
@@ -93,7 +94,7 @@ from pcr_rag.request import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RemoteAuthError", "HTTPEngine", "RemoteEngineError", "RemoteHandle", "RemoteModelInfo",
+__all__ = ["RemoteAuthError", "HTTPEngine", "RemoteEngineError", "HTTPCall", "RemoteModelInfo",
            "RemotePromptTooLongError", "RemoteTicket"]
 
 DEFAULT_TIMEOUT_S = 600.0      # a whole call, when the caller gives no deadline
@@ -267,7 +268,7 @@ class HTTPEngine:
 
     # ------------------------------------------------------------------------------------------ requests
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *,
-               timeout: float | None = None, reuse: str | None = None) -> RemoteHandle:
+               timeout: float | None = None, reuse: str | None = None) -> RequestHandle:
         """A handle for ``prompt``; the HTTP call starts when the handle is first iterated or awaited (so it runs
         on the caller's thread or event loop). ``reuse``: "exact" or "blend" for this request, sent as the body's
         ``reuse`` field (None: not sent, the server's default), as `PCREngine.submit`'s; the result's
@@ -281,7 +282,8 @@ class HTTPEngine:
                                     or not timeout > 0):
             raise InvalidRequestError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
         chat, arguments = self.request_arguments(prompt, params, reuse=reuse)
-        return RemoteHandle(self, chat, arguments, timeout=timeout)
+        return RequestHandle(HTTPCall(self, chat, arguments, timeout=timeout),
+                             timeout if timeout is not None else self.timeout)
 
     def request_arguments(self, prompt: Prompt, params: SamplingParams, *,
                           reuse: str | None = None) -> tuple[bool, dict[str, Any]]:
@@ -490,39 +492,52 @@ def _raw_call(client: OpenAI | AsyncOpenAI, method: str, path: str, body: dict[s
 
 
 # ------------------------------------------------------------------------------------------------ handle
-class RemoteHandle:
-    """A submitted remote request; the `RequestHandle` API (see the module docstring)."""
+class HTTPCall:
+    """One call to `pcr-rag serve` as the `pcr_rag.handle.RequestSource` of a `RequestHandle` (see the module
+    docstring): nothing is sent until the handle is iterated (a streamed call) or its result is asked for (a
+    non-streamed call, so the text is exactly the engine's); one of the two per call. Errors are recorded once (the
+    first wins: a cancel stays a cancel) and raised again by every later wait."""
 
     def __init__(self, engine: HTTPEngine, chat: bool, arguments: dict[str, Any], *,
                  timeout: float | None) -> None:
         self._engine = engine
         self._chat = chat
         self._arguments = arguments
-        self._timeout = timeout
         self._deadline = time.monotonic() + (timeout if timeout is not None else engine.timeout)
         self._decoder = ResponseDecoder(chat)
         self._result: GenerationResult | None = None
         self._error: BaseException | None = None
         self._started = False
         self._cancelled = False
-        self._finished_stream = False
         self._stream: openai.Stream[Any] | None = None
         self._astream: openai.AsyncStream[Any] | None = None
         self._aclient: AsyncOpenAI | None = None
         self._pending: deque[StreamChunk] = deque()
 
+    # ------------------------------------------------------------------------------------------ state
     @property
     def request_id(self) -> str:
         return self._decoder.request_id
 
     @property
+    def state(self) -> RequestState:
+        if self._result is not None:
+            return RequestState.FINISHED
+        if self._error is not None:
+            return RequestState.CANCELLED if self._cancelled else RequestState.FAILED
+        return RequestState.RUNNING if self._started else RequestState.WAITING
+
+    @property
     def metrics(self) -> RequestMetrics:
         return self._result.metrics if self._result is not None else RequestMetrics()
+
+    @property
+    def produced(self) -> int:
+        return self._decoder.index
 
     def done(self) -> bool:
         return self._result is not None or self._error is not None
 
-    # ------------------------------------------------------------------------------------------ cancel
     def cancel(self) -> bool:
         """Cancel the request: the connection is closed and the server cancels it. True if it had not finished."""
         if self.done():
@@ -532,13 +547,8 @@ class RemoteHandle:
         self._close_sync()
         return True
 
-    def close(self) -> None:
-        if not self.done():
-            self.cancel()
-        self._close_sync()
-
     async def aclose(self) -> None:
-        self.close()
+        self._close_sync()
         stream, client, self._astream, self._aclient = self._astream, self._aclient, None, None
         with contextlib.suppress(Exception):
             if stream is not None:
@@ -546,20 +556,14 @@ class RemoteHandle:
             if client is not None:
                 await client.close()
 
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
-
     # ------------------------------------------------------------------------------------------ result
-    def result(self, timeout: float | None = None) -> GenerationResult:
-        """The `GenerationResult` (a non-streamed call unless the stream was begun, which is then drained)."""
+    def result(self, timeout: float | None) -> GenerationResult:
+        """The result: a non-streamed call unless the stream was begun, which is then drained."""
         if self._result is not None:
             return self._result
         self._raise_if_failed()
         if self._started:
-            for _ in self:
+            while self.next_chunk(timeout) is not None:
                 pass
             return self._checked_result()
         self._started = True
@@ -572,13 +576,12 @@ class RemoteHandle:
         self._result = self._decoder.whole(response.to_dict())
         return self._result
 
-    async def aresult(self, timeout: float | None = None) -> GenerationResult:
-        """`result` for asyncio; cancelling the awaiting task cancels the request."""
+    async def aresult(self, timeout: float | None) -> GenerationResult:
         if self._result is not None:
             return self._result
         self._raise_if_failed()
         if self._started:
-            async for _ in self:
+            while await self.anext_chunk(timeout) is not None:
                 pass
             return self._checked_result()
         self._started = True
@@ -595,23 +598,17 @@ class RemoteHandle:
         self._result = self._decoder.whole(response.to_dict())
         return self._result
 
-    def __await__(self) -> Generator[Any, None, GenerationResult]:
-        return self.aresult().__await__()
-
     # ------------------------------------------------------------------------------------------ streaming
-    def __iter__(self) -> RemoteHandle:
-        return self
-
-    def __next__(self) -> StreamChunk:
-        if self._finished_stream:
-            raise StopIteration
+    def next_chunk(self, timeout: float | None) -> StreamChunk | None:
         while not self._pending:
             self._raise_if_failed()
+            if self._result is not None:
+                return None
             if self._stream is None:
                 self._begin_stream()
                 try:
                     with _deadline(self._deadline):
-                        self._stream = self._create(self._engine.client, stream=True, wait=self._wait_s(None))
+                        self._stream = self._create(self._engine.client, stream=True, wait=self._wait_s(timeout))
                 except Exception as exc:  # noqa: BLE001
                     raise self._fail(exc) from None
             if time.monotonic() > self._deadline:
@@ -619,41 +616,35 @@ class RemoteHandle:
             try:
                 chunk = next(self._stream)
             except StopIteration:
-                return self._closing()
+                self._finish()
+                return None
             except Exception as exc:  # noqa: BLE001
                 raise self._fail(exc) from None
             self._feed(chunk.to_dict())
         return self._pending.popleft()
 
-    def __aiter__(self) -> RemoteHandle:
-        return self
-
-    async def __anext__(self) -> StreamChunk:
-        if self._finished_stream:
-            raise StopAsyncIteration
+    async def anext_chunk(self, timeout: float | None) -> StreamChunk | None:
         while not self._pending:
-            if self._error is not None:
-                await self.aclose()
-                raise self._error
+            self._raise_if_failed()
+            if self._result is not None:
+                return None
             if self._astream is None:
                 self._begin_stream()
                 self._aclient = self._engine.async_client()
             try:
                 if self._astream is None:
                     with _deadline(self._deadline):
-                        self._astream = await self._create(self._aclient, stream=True, wait=self._wait_s(None))
-                chunk = await asyncio.wait_for(self._astream.__anext__(), max(0.0, self._deadline - time.monotonic()))
+                        self._astream = await self._create(self._aclient, stream=True, wait=self._wait_s(timeout))
+                chunk = await asyncio.wait_for(self._astream.__anext__(), self._wait_s(timeout))
             except StopAsyncIteration:
                 await self.aclose()
-                return self._closing()
+                self._finish()
+                return None
             except asyncio.CancelledError:
                 self.cancel()
-                await self.aclose()
                 raise
             except Exception as exc:  # noqa: BLE001
-                error = self._fail(exc)
-                await self.aclose()
-                raise error from None
+                raise self._fail(exc) from None
             self._feed(chunk.to_dict())
         return self._pending.popleft()
 
@@ -675,14 +666,13 @@ class RemoteHandle:
         except Exception as exc:  # noqa: BLE001
             raise self._fail(exc) from None
 
-    def _closing(self) -> StreamChunk:
+    def _finish(self) -> None:
+        """The stream ended: the decoder's result, or the error the stream carried."""
         self._close_sync()
         try:
             self._result = self._decoder.finish()
         except RemoteEngineError as exc:
             raise self._fail(exc) from None
-        self._finished_stream = True
-        return StreamChunk(-1, "", self._decoder.index, self._result)
 
     def _close_sync(self) -> None:
         stream, self._stream = self._stream, None
@@ -700,7 +690,8 @@ class RemoteHandle:
             raise self._error
 
     def _fail(self, exc: BaseException) -> BaseException:
-        """Record the request's error (the first one wins: a cancel stays a cancel) and close its stream."""
+        """Record the request's error (the first one wins: a cancel stays a cancel) and close its stream; a timeout
+        comes back as `TimeoutError` (the handle then cancels the request)."""
         if self._error is None:
             error = remote_error(exc, self._engine.base_url)
             if isinstance(error, TimeoutError):
@@ -714,14 +705,11 @@ class RemoteHandle:
         return left if timeout is None else min(timeout, left)
 
     def _timed_out(self) -> TimeoutError:
-        self.cancel()
-        what = f"within its timeout of {self._timeout:g} s" if self._timeout is not None else "in time"
-        exc = TimeoutError(f"remote request did not finish {what}; it was cancelled")
-        self._error = exc
-        return exc
+        self._close_sync()
+        return TimeoutError("the server did not answer before the deadline")
 
     def __repr__(self) -> str:
-        return f"<RemoteHandle {'chat' if self._chat else 'completion'} done={self.done()}>"
+        return f"<HTTPCall {'chat' if self._chat else 'completion'} done={self.done()}>"
 
 
 def __getattr__(name: str) -> object:

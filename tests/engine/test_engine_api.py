@@ -276,7 +276,7 @@ def test_dropping_an_unfinished_handle_cancels_its_request(tiny, tmp_path):
         eng.executor.eos_ids = frozenset()
         handle = eng.submit(RagPrompt("a long answer", DOCS[:1]), SamplingParams(max_new_tokens=2000))
         next(handle)
-        request = handle._request
+        request = handle._source.request
         del handle
         assert request.future.exception(timeout=30).__class__ is RequestCancelledError
         assert eng.stats().cache.pinned_chunks == 0

@@ -95,7 +95,7 @@ def test_a_failing_request_fails_alone(tmp_path):
     with _engine(model, tok, tmp_path / "c") as eng:
         good = [eng.stream(q, [DOCS[i] for i in d]) for q, d in QUESTIONS[:3]]
         bad = eng.stream("this one's consumer explodes", [DOCS[3]])
-        bad._request.on_token = lambda *_: (_ for _ in ()).throw(RuntimeError("consumer exploded"))
+        bad._source.request.on_token = lambda *_: (_ for _ in ()).throw(RuntimeError("consumer exploded"))
         with pytest.raises(RequestFailedError, match="failed during decode: RuntimeError: consumer exploded"):
             bad.result(timeout=120)
         got = [h.result(timeout=120) for h in good]

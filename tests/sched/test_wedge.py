@@ -170,8 +170,8 @@ def test_a_fault_at_any_phase_fails_that_request_alone_and_frees_its_row(phase, 
         good = eng.stream(*GOOD, timeout=WAIT_S)
         bad = eng.stream(*VICTIM, timeout=WAIT_S)
         held_at_failure: list[bool] = []  # read on the executor thread, as the error is delivered
-        bad._request.future.add_done_callback(
-            lambda _f: held_at_failure.append(any(a.request is bad._request for a in eng.executor._active.values())))
+        bad._source.request.future.add_done_callback(
+            lambda _f: held_at_failure.append(any(a.request is bad._source.request for a in eng.executor._active.values())))
         with pytest.raises(RequestFailedError, match=f"injected fault at {phase}") as err:
             for _ in bad:  # the stream ends with the error
                 pass
@@ -213,7 +213,7 @@ def test_the_engine_sleeps_when_idle_and_after_a_wedge(tiny, tmp_path):
         eng.generate(*GOOD, timeout=WAIT_S)
         assert _cpu_share(1.0) < 0.05, "an idle engine must sleep"
         wedged = eng.submit(RagPrompt(*VICTIM), _unchecked_seed(-(2**63) - 1))
-        concurrent.futures.wait([wedged._request.future], timeout=5)  # before the fix: never done
+        concurrent.futures.wait([wedged._source.request.future], timeout=5)  # before the fix: never done
         share = _cpu_share(1.0)
         assert share < 0.05, f"the executor loop spun at {share:.0%} of a core"
         with pytest.raises(RequestFailedError, match="seed"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from contextlib import aclosing, closing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 from uuid import UUID
 
 from langchain_core.language_models import LangSmithParams
@@ -17,11 +17,9 @@ from langchain_pcr._stream_run import take_started_run
 from langchain_pcr._tracing import run_span
 from langchain_pcr.callbacks import resolve_documents
 from pcr_rag.client.http import HTTPEngine
+from pcr_rag.engine_api import Engine
 from pcr_rag.handle import RequestHandle
 from pcr_rag.request import GenerationResult, Prompt, SamplingParams, StreamChunk
-
-if TYPE_CHECKING:
-    from pcr_rag.engine import PCREngine
 
 __all__ = ["ModelCall", "PCRModelParams"]
 
@@ -36,7 +34,7 @@ class ModelCall:
     under the same span, and consuming its handle sends nothing.
     """
 
-    engine: PCREngine
+    engine: Engine
     handle: RequestHandle
     documents: RequestDocuments
     trace_run: UUID | None = None
@@ -123,8 +121,9 @@ class PCRModelParams(BaseModel):
     def model_name(self) -> str:
         return model_display_name(self.model, self._holder.loaded)
 
-    def get_engine(self) -> Any:
-        """The `PCREngine` behind this model (loads the model on first call)."""
+    def get_engine(self) -> Engine:
+        """The engine behind this model: a `PCREngine` (loads the model on first call), or an `HTTPEngine` with
+        ``base_url=``."""
         return self._holder.get()
 
     def get_token_ids(self, text: str) -> list[int]:

@@ -10,15 +10,13 @@ import logging
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 
 from pcr_rag.client.handoff import announcement_reuse
+from pcr_rag.engine_api import Engine
 from pcr_rag.request import GenerationResult
-
-if TYPE_CHECKING:
-    from pcr_rag.engine import PCREngine
 
 logger = logging.getLogger(__name__)
 
@@ -43,24 +41,24 @@ _LIVE_LOCK = threading.Lock()
 
 
 class EngineHolder:
-    """Lazily resolves a model wrapper's engine: the user's `PCREngine`, else the process-wide shared one.
+    """Lazily resolves a model wrapper's `Engine`: the user's engine, else the process-wide shared `PCREngine`.
 
     Construction is free (no model load); the engine (and the model) load on first use. Thread-safe.
     """
 
     def __init__(self, owner: Any) -> None:
         self._owner = weakref.ref(owner)
-        self._engine: PCREngine | None = None
+        self._engine: Engine | None = None
         self._lock = threading.Lock()
         with _LIVE_LOCK:
             _LIVE_MODELS[id(owner)] = owner
 
     @property
-    def loaded(self) -> PCREngine | None:
+    def loaded(self) -> Engine | None:
         """The engine if it was already resolved (never loads a model)."""
         return self._engine
 
-    def get(self) -> PCREngine:
+    def get(self) -> Engine:
         if self._engine is not None:
             return self._engine
         owner = self._owner()
@@ -85,7 +83,7 @@ class EngineHolder:
         return self._engine
 
 
-def announce_targets(target: Any) -> list[PCREngine]:
+def announce_targets(target: Any) -> list[Engine]:
     """The engines a retrieval hook announces to (distinct, in a stable order).
 
     ``target``: a model wrapper (its engine, loaded if needed), an engine (anything with ``announce``), or None
@@ -94,7 +92,7 @@ def announce_targets(target: Any) -> list[PCREngine]:
     return announce_plan(target)[0]
 
 
-def announce_plan(target: Any) -> tuple[list[PCREngine], dict[int, str | None]]:
+def announce_plan(target: Any) -> tuple[list[Engine], dict[int, str | None]]:
     """(`announce_targets`, ``id(engine) ->`` the reuse mode to announce to it: "exact", "blend", or None for the
     engine's or server's default).
 
@@ -114,17 +112,17 @@ def announce_plan(target: Any) -> tuple[list[PCREngine], dict[int, str | None]]:
         raise TypeError(
             f"retrieval hook target must be a ChatPCR, a PCRLLM or a PCREngine, got {type(target).__name__}"
         )
-    engines: dict[int, PCREngine] = {}
+    engines: dict[int, Engine] = {}
     for _, engine in _live_models():
         engines.setdefault(id(engine), engine)
     return list(engines.values()), live_models_reuse()
 
 
-def _live_models() -> list[tuple[Any, PCREngine]]:
+def _live_models() -> list[tuple[Any, Engine]]:
     """(model, its open engine) for every live `ChatPCR` / `PCRLLM` whose engine is loaded (never loads one)."""
     with _LIVE_LOCK:
         models = list(_LIVE_MODELS.values())
-    out: list[tuple[Any, PCREngine]] = []
+    out: list[tuple[Any, Engine]] = []
     for model in models:
         holder = getattr(model, "_holder", None)
         engine = holder.loaded if isinstance(holder, EngineHolder) else None
@@ -150,7 +148,7 @@ class RequestDocuments:
     announced: bool
 
 
-def model_display_name(model: Any, engine: PCREngine | None = None) -> str:
+def model_display_name(model: Any, engine: Engine | None = None) -> str:
     """A string naming the model: the loaded model's name, else the alias/path, else the default alias."""
     if engine is not None:
         loaded = getattr(engine, "loaded", None)

@@ -12,6 +12,7 @@ from typing import Any
 
 from langchain_pcr._common import EngineHolder
 from pcr_rag.client.http import HTTPEngine
+from pcr_rag.engine_api import Engine
 
 __all__ = ["API_KEY_ENV", "RemoteEngineHolder", "engine_holder"]
 
@@ -23,9 +24,9 @@ class RemoteEngineHolder(EngineHolder):
 
     def __init__(self, owner: Any, engine: HTTPEngine) -> None:
         super().__init__(owner)
-        self._engine = engine  # type: ignore[assignment]
+        self._engine: Engine = engine  # mypy checks here that an HTTPEngine is an Engine
 
-    def get(self) -> Any:
+    def get(self) -> Engine:
         return self._engine
 
 

@@ -47,6 +47,7 @@ from llama_index.llms.pcr.structured import (
     tool_specs,
 )
 
+from pcr_rag.engine_api import Engine
 from pcr_rag.errors import InvalidRequestError
 from pcr_rag.handle import RequestHandle
 from pcr_rag.model.provenance import DEFAULT_MODEL
@@ -231,7 +232,7 @@ class PCRLLM(FunctionCallingLLM):
     base_url: str | None = Field(default=None, description="a pcr-rag server (pcr-rag serve) to send calls to")
     api_key: str | None = Field(default=None, exclude=True, repr=False, description="the server's API key")
 
-    _engine: Any = PrivateAttr(default=None)  # None until the first use loads it (or engine= / base_url=)
+    _engine: Engine | None = PrivateAttr(default=None)  # None until the first use loads it (or engine= / base_url=)
     _engine_config: Any = PrivateAttr(default=None)  # the shared engine's EngineConfig (local mode)
     _context_window: int | None = PrivateAttr(default=None)  # read without loading (see `metadata`)
 
@@ -258,8 +259,8 @@ class PCRLLM(FunctionCallingLLM):
         return "PCRLLM"
 
     @property
-    def engine(self) -> Any:
-        """The `PCREngine` serving this LLM; the first access loads the model (the process-wide shared engine for
+    def engine(self) -> Engine:
+        """The engine serving this LLM (a `PCREngine`, or an `HTTPEngine` with ``base_url=``); the first access loads the model (the process-wide shared engine for
         this model/config, `pcr_rag.shared.shared_engine`). Concurrent first accesses load it once."""
         engine = self._engine
         if engine is not None:
@@ -271,7 +272,7 @@ class PCRLLM(FunctionCallingLLM):
             return self._engine
 
     @property
-    def loaded_engine(self) -> Any:
+    def loaded_engine(self) -> Engine | None:
         """The engine if it is already there (``engine=``, ``base_url=`` or a first use), else None; never loads."""
         return self._engine
 
