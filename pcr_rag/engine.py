@@ -56,11 +56,11 @@ from pcr_rag.request import (
     StreamChunk,
 )
 from pcr_rag.sched import gc_pauses
-from pcr_rag.sched.admission import PrefillOutlook
 from pcr_rag.sched.announcements import AnnouncementBoard, Ticket
 from pcr_rag.sched.batch import BatchExecutor
 from pcr_rag.sched.blend import BlendDocument, BlendRequest
 from pcr_rag.sched.blend_gate import BlendGate, ShadowJob, ShadowRunner
+from pcr_rag.sched.lookahead import QueueOutlook
 from pcr_rag.sched.prefetcher import Prefetcher
 from pcr_rag.sched.request_state import Request
 from pcr_rag.sched.runner import PrefillContext
@@ -221,9 +221,10 @@ class PCREngine:
             tokenizer=self.loaded.tokenizer, eos_ids=frozenset(self.loaded.eos_token_ids), recorder=self.recorder)
         if warm is not None:
             self.executor.seed(warm)
+        # the queue's outlook and the prefetch window are the scheduler's values, from the state handed in here
+        # (cache, prefill speed, board), never calls back into this facade
         self.scheduler = Scheduler(self.executor, schedule=config.schedule, max_queue=config.max_queue,
-                                   outlook_of=self._waiting_outlook, speed=prefill_ctx.speed,
-                                   on_change=self._queue_changed)
+                                   outlook_of=QueueOutlook(self.cache), speed=prefill_ctx.speed, board=self.board)
         self.blend_gate = BlendGate(verify=config.blend_verify, window=config.blend_gate_window,
                                     min_identical=config.blend_gate_min_identical, max_kl=config.blend_gate_max_kl)
         self._shadows: ShadowRunner | None = None
@@ -232,9 +233,10 @@ class PCREngine:
                                          lambda: self.scheduler.depth == 0 and self.executor.active == 0)
         if self.cache is not None and (config.prefetch or config.eviction == "lookahead-lru"):
             self.prefetcher = Prefetcher(
-                self.cache, self._window_keys, window=config.prefetch_window, do_loads=config.prefetch,
+                self.cache, self.scheduler, window=config.prefetch_window, do_loads=config.prefetch,
                 protect=config.eviction == "lookahead-lru", on_cycle=self.board.expire,
             )
+            self.scheduler.watch(self.prefetcher.wake)
         gc_pauses.pauses.install()
         self._gc_held = config.freeze_gc
         if self._gc_held:
@@ -684,7 +686,7 @@ class PCREngine:
 
     def window_snapshot(self) -> list[tuple[bytes, ...]]:
         """Chunk keys of the requests currently in the prefetch window (waiting queue first, then announced)."""
-        return [tuple(k) for k in self._window_keys(self.config.prefetch_window)]
+        return list(self.scheduler.prefetch_window(self.config.prefetch_window).chains)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until queued write-backs reached the SSD tier."""
@@ -740,27 +742,11 @@ class PCREngine:
         m = self.cache.match(keys)
         return frozenset(k for k, t in zip(m.keys, m.tiers) if t is Tier.SSD or t is Tier.REMOTE)
 
-    def _window_keys(self, limit: int) -> list[Sequence[bytes]]:
-        """The prefetch window: admitted requests not yet prefilling, the waiting queue in admission order, then
-        announced requests."""
-        window: list[Sequence[bytes]] = list(self.executor.waiting_keys())[:limit]
-        if len(window) < limit:
-            for r in self.scheduler.window(limit - len(window)):
-                window.append(r.keys)
-                window.extend(r.blend.chains if r.blend is not None else ())
-        if len(window) < limit:
-            window.extend(self.board.keys(limit - len(window)))
-        return window
-
     def _queue_changed(self) -> None:
+        """The announcement board changed: the prefetch window's tail did (the scheduler wakes the prefetcher
+        itself when its queue changes: `Scheduler.watch`)."""
         if self.prefetcher is not None:
             self.prefetcher.wake()
-
-    def _waiting_outlook(self, req: Request) -> PrefillOutlook:
-        """``req`` as the waiting queue ranks it: the tokens it would compute if admitted now (its prompt minus the
-        cached prefix) and the plan chunks after that prefix (none without a cache)."""
-        match = None if self.cache is None else self.cache.match(req.keys)
-        return PrefillOutlook.not_begun(req.submitted_at, len(req.token_ids), req.plan, match)
 
     def _cancel(self, req: Request) -> bool:
         """Cancel ``req``: a waiting one leaves the queue and fails now; a running one fails at its next forward.

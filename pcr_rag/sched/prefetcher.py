@@ -6,6 +6,9 @@
 loaded into DRAM while the requests wait, as far as loading beats recomputing (`CacheManager.reuse_limit`: the
 load-or-recompute planner). With a remote tier, each request entering the window is first looked up there
 (`CacheManager.discover`). After each cycle the window slides with the queue.
+
+The window is a value the scheduler hands out (`Scheduler.prefetch_window`, a `lookahead.PrefetchWindow`): the
+prefetcher reads it from its ``source`` each cycle and never calls into the engine's facade.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Protocol
 
 from pcr_rag.cache import CacheManager, Tier
+from pcr_rag.sched.lookahead import PrefetchWindow
 
 log = logging.getLogger(__name__)
 
@@ -46,18 +51,25 @@ def plan_prefetch(window: Sequence[Sequence[bytes]], cache: CacheManager) -> Pre
     return PrefetchPlan(frozenset(protect), tuple(load))
 
 
+class WindowSource(Protocol):
+    """Where the window comes from (`pcr_rag.sched.scheduler.Scheduler`)."""
+
+    def prefetch_window(self, limit: int) -> PrefetchWindow: ...
+
+
 class Prefetcher:
     """Background thread: each cycle takes the window, protects its chunks and starts SSD -> DRAM loads.
 
-    ``window_source()`` returns the chunk keys of the next requests in queue order. ``wake()`` runs a cycle soon
-    (called when the queue changes); otherwise a cycle runs every ``interval_s`` seconds.
+    ``source.prefetch_window(window)`` gives the chunk keys of the next requests in the order they will run
+    (`PrefetchWindow`). ``wake()`` runs a cycle soon (the scheduler calls it when the queue changes: `Scheduler.watch`;
+    the engine when the announcement board does); otherwise a cycle runs every ``interval_s`` seconds.
     """
 
-    def __init__(self, cache: CacheManager, window_source: Callable[[int], list[Sequence[bytes]]],
+    def __init__(self, cache: CacheManager, source: WindowSource,
                  *, window: int, do_loads: bool, protect: bool, interval_s: float = 0.05,
                  on_cycle: Callable[[], None] | None = None) -> None:
         self.cache = cache
-        self.window_source = window_source
+        self.source = source
         self.window = window
         self.do_loads = do_loads
         self.protect = protect
@@ -70,7 +82,7 @@ class Prefetcher:
         self._looked_up: set[bytes] = set()  # last chunk key of each windowed request already looked up remotely
         self.cycles = 0
         self.loads_started = 0
-        self.last_window: list[Sequence[bytes]] = []
+        self.last_window = PrefetchWindow()  # the window of the latest cycle
         self._thread = threading.Thread(target=self._loop, name="pcr-prefetch", daemon=True)
         self._thread.start()
 
@@ -80,8 +92,8 @@ class Prefetcher:
             self._cond.notify()
 
     def run_cycle(self) -> PrefetchPlan:
-        window = self.window_source(self.window) if self.window > 0 else []
-        self.last_window = window
+        self.last_window = self.source.prefetch_window(self.window) if self.window > 0 else PrefetchWindow()
+        window = self.last_window.chains
         if self.cache.remote_enabled and self.do_loads:  # look each request up once while it is in the window
             ends = {keys[-1] for keys in window if keys}
             for keys in window:

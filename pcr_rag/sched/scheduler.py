@@ -5,7 +5,9 @@ the schedule (`pcr_rag.sched.admission`: ``fcfs`` or ``cache-aware``, with reque
 documents ranked as a group, `queue_candidates`) - and runs one engine step
 (`BatchExecutor.step`: a fixed-shape decode over every decoding row, then at most one prefill chunk). Requests
 enter from any thread or event loop; TTFT counts from submission, queueing included. `window` gives the waiting
-requests in the order they will be admitted, which is what the prefetcher looks ahead at.
+requests in the order they will be admitted, and `prefetch_window` the chunk-key chains the prefetcher looks ahead at
+(`pcr_rag.sched.lookahead.PrefetchWindow`: admitted rows not yet prefilling, this queue in that order, then the
+announcement board): values the scheduler hands out, computed from its own inputs, never from the engine's facade.
 
 Shutdown (`close`): no new requests; waiting ones fail with `EngineClosedError`; admitted ones finish within the
 grace period, then fail with `EngineClosedError` too.
@@ -29,6 +31,7 @@ from typing import Protocol
 from pcr_rag.errors import EngineClosedError, QueueFullError, RequestFailedError
 from pcr_rag.handle import RequestState
 from pcr_rag.sched.admission import PrefillOutlook, PrefillSpeed, queue_order
+from pcr_rag.sched.lookahead import PrefetchWindow, build_window
 from pcr_rag.sched.request_state import Request
 
 log = logging.getLogger(__name__)
@@ -49,30 +52,41 @@ class StepExecutor(Protocol):
 
     def in_flight_keys(self) -> set[bytes]: ...
 
+    def waiting_keys(self) -> list[list[bytes]]: ...
+
     def step(self) -> bool: ...
 
     def fail_all(self, exc: BaseException) -> None: ...
+
+
+class AnnouncedKeys(Protocol):
+    """The announcement board as the prefetch window reads it (`pcr_rag.sched.announcements.AnnouncementBoard`)."""
+
+    def keys(self, limit: int) -> list[tuple[bytes, ...]]: ...
 
 
 class Scheduler:
     """Waiting queue + executor thread (see the module docstring).
 
     ``outlook_of(request)`` is a waiting request's outlook if admitted now (the tokens it would compute given the
-    cache now, and the plan chunks after the cache's match); ``speed`` is the engine's measured prefill speed, the
-    cache-aware schedule's aging rate (the executor ranks its prefills with the same object); ``on_change()`` is
-    called when the queue changes (wakes the prefetcher)."""
+    cache now, and the plan chunks after the cache's match): the engine hands in `lookahead.QueueOutlook` over its
+    cache, a value, not a method of its own; ``speed`` is the engine's measured prefill speed, the cache-aware
+    schedule's aging rate (the executor ranks its prefills with the same object); ``board``: announced requests,
+    the tail of `prefetch_window` (None: none). Whoever must hear of queue changes (the prefetcher) registers with
+    `watch`."""
 
     def __init__(self, executor: StepExecutor, *, schedule: str, max_queue: int,
                  outlook_of: Callable[[Request], PrefillOutlook], speed: PrefillSpeed,
-                 on_change: Callable[[], None] | None = None,
+                 board: AnnouncedKeys | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.executor = executor
         self.schedule = schedule
         self.max_queue = max_queue
         self.outlook_of = outlook_of
         self.speed = speed
-        self.on_change = on_change
+        self.board = board
         self.clock = clock
+        self._watchers: tuple[Callable[[], None], ...] = ()
         self._cond = threading.Condition()
         self._waiting: list[Request] = []
         self._closed = False
@@ -120,6 +134,19 @@ class Scheduler:
             waiting = list(self._waiting)
         return self._ordered(waiting)[:limit]
 
+    def prefetch_window(self, limit: int) -> PrefetchWindow:
+        """The prefetch window of ``limit`` entries (`lookahead.build_window`): admitted requests whose prefill
+        has not begun (the executor's), the waiting queue in admission order (`window`), then announced requests
+        (``board``). Any thread; ranks the queue only when the admitted rows leave room."""
+        return build_window(limit, self.executor.waiting_keys(), self.window,
+                            None if self.board is None else self.board.keys)
+
+    def watch(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` whenever the queue changes (a submit, an admission): the prefetcher's wake-up.
+        Called from the submitting thread or the executor thread, so it must be quick and thread-safe."""
+        with self._cond:
+            self._watchers = (*self._watchers, callback)
+
     @property
     def depth(self) -> int:
         with self._cond:
@@ -139,8 +166,8 @@ class Scheduler:
         return [waiting[i] for i in order]
 
     def _changed(self) -> None:
-        if self.on_change is not None:
-            self.on_change()
+        for callback in self._watchers:  # a tuple, replaced whole by `watch`: read without the lock
+            callback()
 
     # ------------------------------------------------------------------------------------------------- loop
     def _main(self) -> None:
