@@ -55,7 +55,7 @@ earlier position, placed ones included. Nothing computed after the first placed 
 exact index (`_Prefill.exact_until`), offloaded, or named in the prefill's outlook. A document whose cached chunks
 the cache's load-or-recompute planner declines to load is computed in place instead, as in the runtime. The
 prefetch window holds a blend request's documents' chains after its own, as the runtime's does
-(`PCREngine._window_keys`). The blend gate is not modelled (it is off unless ``blend_verify`` > 0).
+(`pcr_rag.sched.lookahead.build_window`). The blend gate is not modelled (it is off unless ``blend_verify`` > 0).
 A request's counts are the runtime's: ``blended_tokens`` are the placed tokens whose position-independent KV was
 cached before the request (a document computed in isolation by the request and placed counts as computed), and
 ``computed_tokens`` is prompt - exact reuse - blended. ``placed_tokens`` counts every placed token and
@@ -538,7 +538,7 @@ class Simulator:
         return [waiting[i] for i in order]
 
     def _outlook(self, req: SimRequest) -> PrefillOutlook:
-        """``req`` as the runtime's waiting queue sees it (`PCREngine._waiting_outlook`): the tokens it would
+        """``req`` as the runtime's waiting queue sees it (`pcr_rag.sched.lookahead.QueueOutlook`): the tokens it would
         compute if admitted now and its plan chunks after the cache's match."""
         match = None if self.engine is None else self.engine.match(req.keys)
         return PrefillOutlook.not_begun(self.outcomes[req.rid].arrival_s, req.prompt_tokens, req.plan, match)
@@ -1053,7 +1053,7 @@ class Simulator:
     def _refresh_prefetch(self, now: float) -> None:
         if not self._uses_window:
             return
-        # as the runtime's window (`PCREngine._window_keys`): admitted prefills that have not begun, oldest first
+        # as the runtime's window (`pcr_rag.sched.lookahead.build_window`): admitted prefills that have not begun, oldest first
         # (`BatchExecutor.waiting_keys`: key chains, cut at the window's size), then the waiting queue in admission
         # order (requests, each with all its chains); a blend request's documents' chains follow its own
         limit = self.sys.window
