@@ -2,7 +2,7 @@
 
 Request flow: authenticate (401) -> read the body within ``max_body_bytes`` (413; a client gone meanwhile: 499)
 -> on a request thread (never on the event loop): validate the JSON against the route's pydantic model (400,
-`pcr_rag.server.schemas`), check the model (404), reject a prompt whose text alone is over the character bound
+`pcr_rag.server.schemas`), check the model (404), translate it (400, `pcr_rag.server.translate`), reject a prompt whose text alone is over the character bound
 (400 ``context_length_exceeded``, `pcr_rag.server.prompt_bound`), then `PCREngine.submit` (tokenizes, compiles a
 grammar; 400 ``context_length_exceeded``, 429 queue full, 503 closing). Every rejection happens before the request
 reaches the engine's queue, so none of them pins a chunk. A request with ``n`` choices is ``n`` engine requests
@@ -65,24 +65,26 @@ from pcr_rag.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    GenerationRequest,
     TokenizeRequest,
     chat_chunk,
     chat_response,
     check_token_ids,
     completion_chunk,
     completion_response,
-    ignored_fields,
     parse_body,
-    parse_chat_request,
-    parse_completion_request,
-    request_documents,
-    tokenize_text,
     usage_body,
 )
 from pcr_rag.server.settings import ServerSettings
 from pcr_rag.server.streaming import DONE, LogprobBuffer, SSEResponse, sse
 from pcr_rag.server.tools import ToolCallStream, answer_message
+from pcr_rag.server.translate import (
+    GenerationRequest,
+    ignored_fields,
+    request_documents,
+    tokenize_text,
+    translate_chat,
+    translate_completion,
+)
 
 log = logging.getLogger(__name__)
 
@@ -156,20 +158,17 @@ class ServerState:
     def prepare(self, kind: str, raw: bytes, tenant: Tenant) -> tuple[GenerationRequest, list[RequestHandle]]:
         """Parse, check and submit one generation request, one engine request per choice (on a request thread:
         this tokenizes). A choice the engine refuses cancels the choices already submitted."""
-        def precheck(model: str) -> None:  # before any grammar is validated
-            self.check_accepting()
-            self.check_model(model)
-
-        limits = self.engine.limits
-        req = (parse_chat_request(raw, self.engine.tokenizer, limits, precheck) if kind == "chat"
-               else parse_completion_request(raw, limits, precheck))
-        param = "messages" if kind == "chat" else "prompt"
+        body = parse_body(raw, ChatCompletionRequest if kind == "chat" else CompletionRequest)
+        self.check_accepting()  # before any grammar is validated
+        self.check_model(body.model)
+        req = (translate_chat(body, self.engine.tokenizer, self.engine.limits) if kind == "chat"
+               else translate_completion(body, self.engine.limits))
+        param = req.prompt_param
         self.check_chars(req.prompt_chars, param)
         handles: list[RequestHandle] = []
         try:
-            for index in range(req.n):
-                handles.append(self.engine.submit(req.prompt, req.choice_params(index), namespace=tenant.namespace,
-                                                  reuse=req.reuse))
+            for params in req.choice_params:
+                handles.append(self.engine.submit(req.prompt, params, namespace=tenant.namespace, reuse=req.reuse))
         except Exception as exc:  # noqa: BLE001 - every pre-compute rejection becomes an API error
             for handle in handles:
                 handle.close()

@@ -1,5 +1,5 @@
 """Nothing a client sends is ignored silently: the fields a request carried that this server does not know
-(`pcr_rag.server.schemas.ignored_fields`) are named in the response's ``X-PCR-Ignored-Fields`` header and in one
+(`pcr_rag.server.translate.ignored_fields`) are named in the response's ``X-PCR-Ignored-Fields`` header and in one
 warning log line per request.
 
 The policy is vLLM's (accept unknown fields, so every client that sends extras keeps working: the OpenAI SDK's
