@@ -2,10 +2,13 @@
 and one KV cache.
 
 Modules: `settings` (`ServerSettings`), `errors` (OpenAI-shaped `APIError`), `auth` (API keys -> tenant
-namespaces), `schemas` (request parsing, response bodies), `streaming` (SSE that cancels on disconnect),
-`metrics` (Prometheus, ``pcr:`` prefix), `app` (`create_app`: routes and request flow), `lifecycle` (`serve`,
-`ServerThread`), `cli` (the sub-command). Needs the ``serve`` extra (fastapi, uvicorn, prometheus-client).
-The client side (integrations' ``base_url`` mode) is `pcr_rag.client.http`, which needs httpx only.
+namespaces), `schemas` (request bodies as pydantic models, their parsing, response bodies), `translate` (a
+generation body -> the engine call's inputs), `state` (`ServerState`: what the routes share), `routes` (one
+`APIRouter` per endpoint group), `generation` (the generation routes' answers), `body`, `handlers`, `streaming`
+(SSE that cancels on disconnect), `metrics` (Prometheus, ``pcr:`` prefix), `app` (`create_app`: the assembly),
+`lifecycle` (`serve`, `ServerThread`), `cli` (the sub-command). Needs the ``serve`` extra (fastapi, uvicorn,
+prometheus-client). The client side (integrations' ``base_url`` mode) is `pcr_rag.client.http`, which needs httpx
+only.
 """
 
 from pcr_rag.server.app import create_app

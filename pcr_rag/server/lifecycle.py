@@ -32,8 +32,10 @@ from typing import Any
 import uvicorn
 
 from pcr_rag.engine import PCREngine
-from pcr_rag.server.app import BODY_TIMEOUT_STATE, ServerState, create_app
+from pcr_rag.server.app import create_app
+from pcr_rag.server.body import BODY_TIMEOUT_STATE
 from pcr_rag.server.settings import ServerSettings
+from pcr_rag.server.state import ServerState
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,8 @@
 The routes read their bodies themselves (byte limit, request threads), so FastAPI does not see the request models;
 `body` names a model as a route's request body and `add_request_schemas` puts the models (`pcr_rag.server.schemas`)
 into the schema's components. The response models describe what the routes send; they allow extra fields, so a
-client reading the schema is not surprised by the ``pcr`` extensions.
+client reading the schema is not surprised by the ``pcr`` extensions; `errors` lists a route's error statuses.
+`app_schema` is the app's schema, built once from its routes (`pcr_rag.server.routes`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Literal
 
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict
 
 from pcr_rag.server.schemas import (
@@ -21,7 +24,7 @@ from pcr_rag.server.schemas import (
     TokenizeRequest,
 )
 
-__all__ = ["API_VERSION", "add_request_schemas", "body", "generation_ok"]
+__all__ = ["API_VERSION", "GENERATION_ERRORS", "add_request_schemas", "app_schema", "body", "errors", "generation_ok"]
 
 API_VERSION = "1.0"
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest, AnnounceRequest,
@@ -221,3 +224,22 @@ def add_request_schemas(schema: dict[str, Any], model_names: Iterable[str]) -> N
             field.update(enum=names)
             field.pop("minLength", None)
         components[model.__name__] = js
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """A route's error responses: each of ``statuses`` answers an `ErrorResponse`."""
+    return {status: {"model": ErrorResponse} for status in statuses}
+
+
+GENERATION_ERRORS = errors(400, 401, 404, 408, 413, 429, 500, 503, 504)
+"""The error statuses of the generation routes (``/v1/chat/completions``, ``/v1/completions``)."""
+
+
+def app_schema(app: FastAPI, model_names: Iterable[str]) -> dict[str, Any]:
+    """``app``'s OpenAPI schema with the request models (`add_request_schemas`), built on first use and kept in
+    ``app.openapi_schema`` (the app's ``openapi`` method)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        add_request_schemas(schema, model_names)
+        app.openapi_schema = schema
+    return app.openapi_schema

@@ -129,7 +129,7 @@ def test_write_settings_are_validated() -> None:
 # ------------------------------------------------------------------------------------------------ large answers
 def test_a_large_answer_is_encoded_off_the_event_loop(url, monkeypatch) -> None:
     """The audit's n=8, top_logprobs=20 answer was built and encoded on the loop (/health waited for it)."""
-    from pcr_rag.server import app as app_module
+    from pcr_rag.server import generation as app_module
 
     threads: list[str] = []
     real = app_module.chat_response
