@@ -5,15 +5,17 @@ A tiny random Llama (`pcr_rag.testing.tiny_model`, as tests/server/conftest.py b
 through FastAPI's `TestClient`; one RAG chat request (messages, documents, sampling fields) is sent to
 ``/v1/chat/completions`` under a `sys.setprofile` / `threading.setprofile` tracer. From the first entry into the
 route's endpoint function (read from the app's routes, so the script works whatever module holds it) until the first
-entry into `PCREngine.submit`, each Python ``call`` and ``return`` event on the request's path (the handler's thread
-and the ``pcr-request`` worker threads, `ServerState.off_loop`) records the pcr_rag module that runs next: the
-called function's on a call, the caller's on a return; frames outside pcr_rag (FastAPI, pydantic, the standard
-library) record nothing. Consecutive repeats are collapsed, so the sequence is the walk a reader makes through the
-modules: its length minus one is the number of module switches. The submit itself is not recorded (the engine's
-properties read on the way, such as its tokenizer and limits, are).
+entry into `PCREngine.submit`, on the request's path (the handler's thread and the ``pcr-request`` worker threads,
+`ServerState.off_loop`), each Python function entered records its pcr_rag module; frames outside pcr_rag (FastAPI,
+pydantic, the standard library) record nothing. Consecutive repeats are collapsed, so the sequence is the walk a
+reader makes through the modules: its length minus one is the number of module switches. The submit itself is not
+recorded (the engine's properties read on the way, such as its tokenizer and limits, are).
 
-Run: ``.venv/bin/python scripts/chat_body_path.py`` (CPU, a few seconds). Prints the distinct modules, the switches
-and the sequence.
+The stricter count also records a return into a pcr_rag caller (the caller's module is where the reader goes back
+to): printed as a second figure, and its sequence with ``--returns``.
+
+Run: ``.venv/bin/python scripts/chat_body_path.py [--returns]`` (CPU, a few seconds). Prints the distinct modules,
+the switches and the sequence.
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ QUESTION = "What do pathlib and json do?"
 
 
 class ModuleWalk:
-    """The profiler hook: records the pcr_rag module entered on each call/return event of the request's path,
-    between the first entry into ``start`` and the first entry into ``stop``."""
+    """The profiler hook: between the first entry into ``start`` and the first entry into ``stop``, on the request's
+    path, records the pcr_rag module of each function entered (`entered`), and of each function entered or returned
+    to (`walked`)."""
 
     def __init__(self, start: CodeType, stop: CodeType) -> None:
         self.start = start
@@ -51,17 +54,19 @@ class ModuleWalk:
         self.recording = False
         self.done = False
         self.handler_thread: int | None = None
-        self.modules: list[str] = []
+        self.entered: list[str] = []
+        self.walked: list[str] = []
         self.lock = threading.Lock()
 
     def _on_path(self) -> bool:
         thread = threading.current_thread()
         return thread.ident == self.handler_thread or thread.name.startswith("pcr-request")
 
-    def _enter(self, frame: FrameType | None) -> None:
+    @staticmethod
+    def _add(modules: list[str], frame: FrameType | None) -> None:
         module = frame.f_globals.get("__name__", "") if frame is not None else ""
-        if module.startswith("pcr_rag") and (not self.modules or self.modules[-1] != module):
-            self.modules.append(module)
+        if module.startswith("pcr_rag") and (not modules or modules[-1] != module):
+            modules.append(module)
 
     def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
         if self.done or event not in ("call", "return"):
@@ -73,24 +78,33 @@ class ModuleWalk:
                 if event == "call" and frame.f_code is self.start:
                     self.recording = True
                     self.handler_thread = threading.get_ident()
-                    self._enter(frame)
+                    self._add(self.entered, frame)
+                    self._add(self.walked, frame)
                 return
             if not self._on_path():
                 return
             if event == "call" and frame.f_code is self.stop:
                 self.done = True
-                return
-            self._enter(frame if event == "call" else frame.f_back)
+            elif event == "call":
+                self._add(self.entered, frame)
+                self._add(self.walked, frame)
+            else:
+                self._add(self.walked, frame.f_back)
 
 
 def chat_endpoint(app: Any) -> CodeType:
-    for route in app.routes:
+    """The code of the app's ``POST /v1/chat/completions`` endpoint, declared on the app or on a router it
+    includes (FastAPI keeps an included router's routes behind ``original_router``)."""
+    pending = list(app.routes)
+    while pending:
+        route = pending.pop(0)
         if isinstance(route, APIRoute) and route.path == CHAT_PATH and "POST" in route.methods:
             return route.endpoint.__code__
+        pending.extend(getattr(getattr(route, "original_router", None), "routes", ()))
     raise LookupError(f"no POST {CHAT_PATH} route")
 
 
-def walk() -> list[str]:
+def walk() -> ModuleWalk:
     model, tokenizer = tiny_model("llama", seed=0)
     with tempfile.TemporaryDirectory() as tmp:
         config = EngineConfig(cache_dir=Path(tmp) / "kv", chunk_size=16, max_new_tokens=4, dram_capacity="64MiB",
@@ -116,18 +130,23 @@ def walk() -> list[str]:
                 raise RuntimeError(f"the chat request failed: {response.status_code} {response.text}")
             if not tracer.done:
                 raise RuntimeError("the engine's submit was never reached on the request's path")
-            return tracer.modules
+            return tracer
         finally:
             engine.close()
 
 
 def main() -> None:
+    returns = "--returns" in sys.argv[1:]
     logging.disable(logging.WARNING)
-    modules = walk()
-    print(f"distinct pcr_rag modules: {len(set(modules))}")
-    print(f"module switches: {len(modules) - 1}")
-    print(f"sequence ({len(modules)} entries, handler entry -> PCREngine.submit):")
-    for module in modules:
+    tracer = walk()
+    entered, walked = tracer.entered, tracer.walked
+    print(f"distinct pcr_rag modules: {len(set(entered))}")
+    print(f"module switches: {len(entered) - 1}")
+    print(f"module switches, returns to a caller counted too: {len(walked) - 1}")
+    shown = walked if returns else entered
+    what = "entered or returned to" if returns else "entered"
+    print(f"sequence of modules {what} ({len(shown)} entries, handler entry -> PCREngine.submit):")
+    for module in shown:
         print(f"  {module}")
 
 
