@@ -19,8 +19,10 @@ from llama_index.llms.pcr import (
     PCR_SUMMARY_TEMPLATE,
     PCR_TEXT_QA_TEMPLATE,
     PCRLLM,
+    install_retrieval_hook,
     retrieval_hook,
     system_tail,
+    uninstall_retrieval_hook,
     with_system_tail,
 )
 
@@ -68,6 +70,10 @@ def test_the_slot_takes_an_argument_first_then_the_innermost_block() -> None:
 def test_documents_are_reused_across_tails_and_answers_equal_cache_off(engine_factory, index, tiny) -> None:
     """The same two queries, one tail each: in the template's slot the second reuses the documents; in a
     per-request ``system_prompt`` (before them) it does not. Every answer equals the cache-off engine's."""
+    # from a clean hook: what earlier tests' ended queries left unclaimed waits up to ORPHAN_TTL_S as orphans, and
+    # this test counts only its own
+    uninstall_retrieval_hook()
+    install_retrieval_hook()
     runs: dict[tuple[str, str], list] = {}
     for cache in ("on", "off"):
         for where in ("tail", "system_prompt"):
